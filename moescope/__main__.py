@@ -1,0 +1,3 @@
+from moescope.cli import entry
+
+entry()

@@ -1,0 +1,78 @@
+"""The observer seam between the runtime and everything that watches it.
+
+Shape borrowed from OpenTelemetry's SpanProcessor: the runtime calls these hooks synchronously; a hook
+must not block and must not raise (``FanOut`` enforces the second for everyone it wraps). The runtime
+imports this module and nothing else from moescope's sinks; sinks never call back into the runtime.
+
+Hooks on the hot path (``on_routing``) receive device tensors and must not copy them to the host: they
+accumulate on the device, and copy once per step in ``on_step``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Iterable
+
+if TYPE_CHECKING:  # typing only: capture must not import torch at module import time
+    from moescope.runtime.router import RoutingDecision
+
+log = logging.getLogger("moescope.capture")
+
+
+class Observer:
+    """No-op base: override what you need. Every hook must return quickly and never raise."""
+
+    def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
+        """One MoE layer routed the tokens of one forward (device tensors; no host copy here)."""
+
+    def on_step(self, step: Any) -> None:
+        """The engine finished a step (one prefill or decode forward); ``step`` is a ``StepRecord``."""
+
+    def on_request(self, request: Any) -> None:
+        """A request finished; ``request`` is a ``RequestRecord`` with its timings and output."""
+
+    def shutdown(self) -> None:
+        """Flush and release resources; called once when the engine is closed."""
+
+
+NOOP = Observer()
+
+
+class FanOut(Observer):
+    """Calls each observer in turn; an exception in one is counted and logged, never raised into the engine."""
+
+    def __init__(self, observers: Iterable[Observer]) -> None:
+        self._observers = tuple(observers)
+        self._lock = threading.Lock()
+        self.errors: dict[str, int] = {}
+
+    @property
+    def observers(self) -> tuple[Observer, ...]:
+        return self._observers
+
+    def _each(self, hook: str, *args: Any) -> None:
+        for obs in self._observers:
+            try:
+                getattr(obs, hook)(*args)
+            except Exception:  # isolation is the point: a broken sink must never stop the engine
+                name = type(obs).__name__
+                with self._lock:
+                    first = name not in self.errors
+                    self.errors[name] = self.errors.get(name, 0) + 1
+                if first:
+                    log.exception("observer %s raised in %s (counted; further errors logged at debug)", name, hook)
+                else:
+                    log.debug("observer %s raised in %s", name, hook, exc_info=True)
+
+    def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
+        self._each("on_routing", layer, decision)
+
+    def on_step(self, step: Any) -> None:
+        self._each("on_step", step)
+
+    def on_request(self, request: Any) -> None:
+        self._each("on_request", request)
+
+    def shutdown(self) -> None:
+        self._each("shutdown")

@@ -1,0 +1,110 @@
+"""``moescope demo``: serve synthetic traffic on the reference runtime and summarise what the experts did."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import click
+
+from moescope import stats
+
+
+def _summary(records, load, dropped, wall_s, model, device, n_asked) -> dict:
+    out_tokens = sum(r.n_output for r in records)
+    prompt_tokens = sum(len(r.prompt_tokens) for r in records)
+    ttft = [r.ttft_s for r in records]
+    tpot = [x for r in records for x in r.token_latencies_s[1:]]
+    return {
+        "model": model.cfg.name,
+        "device": str(device),
+        "requests": n_asked,
+        "completed": len(records),
+        "wall_s": round(wall_s, 3),
+        "tokens": {"prompt": prompt_tokens, "output": out_tokens},
+        "tokens_per_s": round(out_tokens / wall_s, 1) if wall_s > 0 else None,
+        "latency_s": {
+            "ttft_p50": round(stats.percentile(ttft, 50), 5), "ttft_p99": round(stats.percentile(ttft, 99), 5),
+            "per_token_p50": round(stats.percentile(tpot, 50), 5) if tpot else None,
+            "per_token_p99": round(stats.percentile(tpot, 99), 5) if tpot else None,
+        },
+        "request_ids": [r.request_id for r in records],
+        "requests_detail": [
+            {"request_id": r.request_id, "domain": r.domain, "tenant": r.tenant,
+             "prompt_tokens": len(r.prompt_tokens), "output_tokens": r.n_output, "total_s": round(r.total_s, 4),
+             "finish_reason": r.finish_reason} for r in records],
+        "expert_load": {str(layer): counts for layer, counts in load.items()},
+        "expert_load_cv": {str(layer): round(stats.load_cv(c), 4) for layer, c in load.items()},
+        "tokens_dropped": {str(layer): n for layer, n in dropped.items()},
+    }
+
+
+def _print_human(s: dict) -> None:
+    lat = s["latency_s"]
+    click.echo(f"served {s['completed']}/{s['requests']} requests on {s['model']} ({s['device']}) in "
+               f"{s['wall_s']:.2f}s: {s['tokens']['output']} output tokens, {s['tokens_per_s']} tokens/s")
+    click.echo(f"ttft p50 {lat['ttft_p50'] * 1e3:.1f} ms, p99 {lat['ttft_p99'] * 1e3:.1f} ms; per-token p50 "
+               f"{(lat['per_token_p50'] or 0) * 1e3:.1f} ms, p99 {(lat['per_token_p99'] or 0) * 1e3:.1f} ms")
+    click.echo("expert load (share of slots) per MoE layer:")
+    for layer, counts in s["expert_load"].items():
+        share = stats.shares(counts)
+        bars = " ".join(f"{e}:{p:5.1%}" for e, p in enumerate(share))
+        click.echo(f"  layer {layer}  cv {s['expert_load_cv'][layer]:.3f}  {bars}")
+    ids = s["request_ids"]
+    click.echo(f"request ids: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}")
+
+
+@click.command()
+@click.option("--model", "model_spec", default="tiny-demo", show_default=True,
+              help="Preset name, .json/.yaml config, or .safetensors weights file.")
+@click.option("--weights", default="auto", show_default=True,
+              help="safetensors file, 'auto' (bundled demo weights for tiny-demo) or 'random'.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
+              show_default=True)
+@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None,
+              help="Requests to serve (default 32, or unlimited with --duration).")
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this many seconds.")
+@click.option("--rate", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="Arrival rate in requests/s (0: all at once).")
+@click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Sampling temperature (0: greedy).")
+@click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Per-expert capacity factor (drops slots beyond it); default: no capacity limit.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling.")
+@click.option("--no-tui", is_flag=True, help="Plain output only (the live view is `moescope top`).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
+def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
+         capacity_factor, seed, no_tui, as_json) -> int:
+    """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
+    from moescope.capture.probes import ExpertLoadProbe
+    from moescope.runtime import loader, traffic
+    from moescope.runtime.engine import Engine
+
+    overrides = {"capacity_factor": capacity_factor} if capacity_factor is not None else {}
+    model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
+                               dtype=dtype, **overrides)
+    if n_requests is None:
+        n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
+    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed), n_requests)
+    probe = ExpertLoadProbe()
+    engine = Engine(model, max_batch=max_batch, seed=seed, observer=[probe])
+    start = time.perf_counter()
+    try:
+        records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature)
+    except KeyboardInterrupt:  # keep what was served: summarise it
+        records = engine.finished
+    finally:
+        engine.close()
+    wall = time.perf_counter() - start
+    summary = _summary(records, probe.snapshot(), probe.dropped(), wall, model, model.device,
+                       n_requests if duration is None else len(records))
+    if as_json:
+        json.dump(summary, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        _print_human(summary)
+    return 0

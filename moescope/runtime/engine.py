@@ -1,0 +1,249 @@
+"""The request-level engine: queue, batched prefill and decode steps, sampling, per-request timings.
+
+Scheduling is deliberately simple and deterministic: each ``step()`` runs one forward, a prefill of every
+newly admitted request if there are any (prefill first, as vLLM's v0 scheduler), else one decode token for
+every running request. The MoE layers see all tokens of the step at once.
+
+The engine makes one host sync per step: reading the sampled tokens (it needs them to stop requests and
+build the next step). Observers get device tensors during the forward and a ``StepRecord`` after it.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from moescope.capture.observer import NOOP, FanOut, Observer
+from moescope.errors import BadInput
+from moescope.runtime import tokenizer
+from moescope.runtime.model import KVCache, MoETransformer, Segment
+from moescope.runtime.traffic import TrafficRequest
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """A finished request: what it asked, what it got, how long each phase took (seconds)."""
+
+    request_id: str
+    prompt: str
+    output: str
+    prompt_tokens: tuple[int, ...]
+    output_tokens: tuple[int, ...]
+    arrival: float  # engine clock
+    queue_s: float
+    prefill_s: float
+    ttft_s: float
+    token_latencies_s: tuple[float, ...]  # per output token: first = ttft, then gaps between tokens
+    total_s: float
+    finish_reason: str  # "length", "eos" or "max_seq_len"
+    domain: str | None = None
+    tenant: str | None = None
+    truncated_prompt: bool = False
+
+    @property
+    def n_output(self) -> int:
+        return len(self.output_tokens)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One forward of the engine. ``segments`` maps the flat batch back to requests:
+    (request_id, first position, n tokens) in order."""
+
+    index: int
+    phase: str  # "prefill" or "decode"
+    started: float
+    seconds: float
+    n_tokens: int
+    segments: tuple[tuple[str, int, int], ...]
+
+
+@dataclass
+class _Live:
+    request_id: str
+    prompt: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float
+    arrival: float
+    generator: torch.Generator | None
+    domain: str | None
+    tenant: str | None
+    truncated: bool
+    cache: KVCache | None = None
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    admitted_at: float = 0.0
+    prefill_s: float = 0.0
+    finish_reason: str = ""
+
+
+class Engine:
+    """Serve requests on a ``MoETransformer``.
+
+    Args:
+        model: the model (its device is used for everything).
+        max_batch: most requests running at once.
+        seed: seeds the per-request samplers (request n gets ``seed * 1_000_003 + n``).
+        observer: receives routing, step and request events (a list is wrapped in ``FanOut``).
+        clock: time source in seconds (tests inject a fake one).
+    """
+
+    def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,
+                 observer: Observer | list[Observer] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        if max_batch <= 0:
+            raise BadInput(f"max_batch must be positive, got {max_batch}")
+        self.model = model.eval()
+        self.max_batch = max_batch
+        self.seed = seed
+        self.clock = clock
+        if isinstance(observer, list):
+            observer = FanOut(observer)
+        self.observer = observer or NOOP
+        model.observer = self.observer
+        self._waiting: collections.deque[_Live] = collections.deque()
+        self._running: list[_Live] = []
+        self._submitted = 0
+        self._steps = 0
+        self.finished: list[RequestRecord] = []
+
+    # -- submission ------------------------------------------------------------------------------------
+    def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
+               request_id: str | None = None, domain: str | None = None, tenant: str | None = None,
+               arrival: float | None = None) -> str:
+        """Queue a request; returns its id (``request_id`` or a new random one)."""
+        if max_new_tokens <= 0:
+            raise BadInput(f"max_new_tokens must be positive, got {max_new_tokens}")
+        if temperature < 0:
+            raise BadInput(f"temperature must be >= 0, got {temperature}")
+        limit = self.model.cfg.max_seq_len - max_new_tokens
+        if limit < 2:
+            raise BadInput(f"max_new_tokens {max_new_tokens} leaves no room for a prompt "
+                           f"(max_seq_len {self.model.cfg.max_seq_len})")
+        ids = tokenizer.encode(prompt)
+        truncated = len(ids) > limit
+        if truncated:  # keep BOS and the most recent part of the prompt
+            ids = [ids[0], *ids[len(ids) - limit + 1:]]
+        gen = None
+        if temperature > 0:
+            gen = torch.Generator(device=self.model.device).manual_seed(self.seed * 1_000_003 + self._submitted)
+        rid = request_id or uuid.uuid4().hex[:16]
+        self._waiting.append(_Live(rid, prompt, ids, max_new_tokens, temperature,
+                                   self.clock() if arrival is None else arrival, gen, domain, tenant, truncated))
+        self._submitted += 1
+        return rid
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running)
+
+    # -- one step --------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self) -> list[RequestRecord]:
+        """Run one forward (prefill of newly admitted requests, else a decode); returns requests finished."""
+        now = self.clock()
+        new = []
+        while self._waiting and len(self._running) + len(new) < self.max_batch:
+            live = self._waiting.popleft()
+            live.admitted_at = now
+            live.cache = self.model.new_cache()
+            new.append(live)
+        if new:
+            batch, phase = new, "prefill"
+            flat = [t for r in new for t in r.prompt_ids]
+            segments = [Segment(len(r.prompt_ids), r.cache) for r in new]
+        elif self._running:
+            batch, phase = self._running, "decode"
+            flat = [r.output_ids[-1] for r in batch]
+            segments = [Segment(1, r.cache) for r in batch]
+        else:
+            return []
+        seg_info = tuple((r.request_id, s.start_pos, s.n) for r, s in zip(batch, segments))
+        started = self.clock()
+        tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)
+        logits = self.model(tokens, segments, last_only=True).logits  # [n_seq, V]
+        next_ids = self._sample(logits, batch).tolist()  # the engine's one host sync per step
+        done_at = self.clock()
+        if phase == "prefill":
+            self._running.extend(new)
+        finished = []
+        for live, tok in zip(batch, next_ids):
+            if phase == "prefill":
+                live.prefill_s = done_at - started
+            live.output_ids.append(tok)
+            live.token_times.append(done_at)
+            reason = ("eos" if tok == tokenizer.EOS else
+                      "length" if len(live.output_ids) >= live.max_new_tokens else
+                      "max_seq_len" if live.cache.length >= live.cache.capacity else "")
+            if reason:
+                live.finish_reason = reason
+                finished.append(live)
+        self.observer.on_step(StepRecord(self._steps, phase, started, done_at - started, len(flat), seg_info))
+        self._steps += 1
+        records = []
+        for live in finished:
+            self._running.remove(live)
+            live.cache = None  # free the KV cache now, not when the record is collected
+            record = self._record(live)
+            records.append(record)
+            self.finished.append(record)
+            self.observer.on_request(record)
+        return records
+
+    def _sample(self, logits: torch.Tensor, batch: list[_Live]) -> torch.Tensor:
+        logits = logits.float()
+        logits[:, tokenizer.PAD] = float("-inf")  # never sample padding or a second BOS
+        logits[:, tokenizer.BOS] = float("-inf")
+        out = logits.argmax(-1)
+        for i, live in enumerate(batch):
+            if live.temperature > 0:
+                probs = torch.softmax(logits[i] / live.temperature, -1)
+                out[i] = torch.multinomial(probs, 1, generator=live.generator)[0]
+        return out
+
+    @staticmethod
+    def _record(live: _Live) -> RequestRecord:
+        times = [live.arrival, *live.token_times]
+        lat = tuple(b - a for a, b in zip(times, times[1:]))
+        out_ids = [t for t in live.output_ids if t != tokenizer.EOS]
+        return RequestRecord(
+            request_id=live.request_id, prompt=live.prompt, output=tokenizer.decode(out_ids),
+            prompt_tokens=tuple(live.prompt_ids), output_tokens=tuple(live.output_ids), arrival=live.arrival,
+            queue_s=live.admitted_at - live.arrival, prefill_s=live.prefill_s, ttft_s=lat[0],
+            token_latencies_s=lat, total_s=live.token_times[-1] - live.arrival, finish_reason=live.finish_reason,
+            domain=live.domain, tenant=live.tenant, truncated_prompt=live.truncated)
+
+    # -- driving a workload ----------------------------------------------------------------------------
+    def run(self, requests: Iterable[TrafficRequest], *, realtime: bool = True,
+            deadline_s: float | None = None, temperature: float = 0.0) -> list[RequestRecord]:
+        """Serve a workload to completion (or until ``deadline_s``) and return the finished records.
+
+        With ``realtime`` requests are submitted when their ``arrival_s`` comes (the engine idles between);
+        without it, all are queued at once in order, which makes the run independent of wall-clock timing.
+        """
+        pending = collections.deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
+        start = self.clock()
+        n_before = len(self.finished)
+        while pending or self.has_work:
+            now = self.clock()
+            if deadline_s is not None and now - start >= deadline_s:
+                break
+            while pending and (not realtime or start + pending[0].arrival_s <= now):
+                r = pending.popleft()
+                self.submit(r.prompt, max_new_tokens=r.max_new_tokens, temperature=temperature,
+                            domain=r.domain, tenant=r.tenant,
+                            arrival=start + r.arrival_s if realtime else now)
+            if self.has_work:
+                self.step()
+            elif pending:
+                time.sleep(max(0.0, min(0.05, start + pending[0].arrival_s - self.clock())))
+        return self.finished[n_before:]
+
+    def close(self) -> None:
+        self.observer.shutdown()

@@ -1,0 +1,92 @@
+"""SwiGLU feed-forward networks: the routed experts (computed grouped) and the dense FFN.
+
+Shape legend: T = tokens, H = hidden, F = ffn size, E = experts, k = experts per token, S = active slots.
+Weight layout matches HuggingFace transformers 5.x fused experts (``gate_up_proj`` [E, 2F, H] with the
+gate half first, ``down_proj`` [E, H, F]) so weights copy across without transposes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# (gate_up [2F, H], down [H, F]) of one expert, wherever it currently lives.
+ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+
+
+def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(x)) * up(x)) for x [n, H]; one matmul for gate and up together."""
+    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)  # [n, F] each
+    return F.linear(F.silu(gate) * up, down)  # [n, H]
+
+
+class DenseFFN(nn.Module):
+    """The FFN of a dense block (and the reference a 1-expert MoE must equal)."""
+
+    def __init__(self, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * ffn_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, ffn_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu(x, self.gate_up_proj, self.down_proj)
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as stacked tensors, computed grouped: slots sorted by expert, one pair of
+    matmuls per expert over its contiguous slice, results scattered back with one ``index_add_``.
+
+    ``weight_source`` lets an expert cache decide where each expert's weights come from (resident slot,
+    CPU tier, disk); by default the module's own parameters are used.
+    """
+
+    def __init__(self, n_experts: int, hidden_size: int, ffn_size: int) -> None:
+        super().__init__()
+        self.n_experts = n_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, ffn_size))
+        self.weight_source: Callable[[int], ExpertWeights] | None = None
+
+    def weights_of(self, expert: int) -> ExpertWeights:
+        if self.weight_source is not None:
+            return self.weight_source(expert)
+        return self.gate_up_proj[expert], self.down_proj[expert]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                counts: list[int] | None = None) -> torch.Tensor:
+        """Mix the chosen experts' outputs.
+
+        Args:
+            x: [T, H] tokens.
+            ids: [T, k] expert per slot; the sentinel value E marks a dropped slot (computed by nobody).
+            weights: [T, k] gate weight per slot.
+            counts: slots per expert (length E) if the caller already has them on the host.
+        Returns:
+            [T, H] sum over slots of weight * expert(x).
+        """
+        n_tokens, top_k = ids.shape
+        flat_ids = ids.reshape(-1)  # [T*k]
+        order = torch.argsort(flat_ids, stable=True)  # slots grouped by expert; sentinel E sorts last
+        if counts is None:
+            # The one host sync of an MoE layer: per-expert slice bounds for the matmuls (HF's eager block
+            # and megablocks without a grouped-GEMM kernel pay the same). Once per layer, never per token.
+            counts = torch.bincount(flat_ids, minlength=self.n_experts + 1)[: self.n_experts].tolist()
+        n_active = sum(counts)
+        order = order[:n_active]  # [S]
+        token_of_slot = order // top_k  # [S]
+        x_sorted = x[token_of_slot]  # [S, H]
+        outs = []
+        start = 0
+        for expert, n in enumerate(counts):
+            if n:
+                gate_up, down = self.weights_of(expert)
+                outs.append(swiglu(x_sorted[start:start + n], gate_up, down))
+                start += n
+        out = torch.zeros_like(x)
+        if outs:
+            y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)  # [S, H]
+            out.index_add_(0, token_of_slot, y)
+        return out

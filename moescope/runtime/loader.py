@@ -1,0 +1,60 @@
+"""Build a ready-to-serve model from a preset, a config file or a weights file, on the chosen device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from moescope.errors import BadInput
+from moescope.runtime import weights as weights_io
+from moescope.runtime.config import MoEConfig, resolve
+from moescope.runtime.model import MoETransformer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; asking for CUDA without one is bad input."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise BadInput(f"unknown device {name!r} (use auto, cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BadInput(f"device {name!r} requested but CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise BadInput(f"device {name!r} is not supported (use cpu or cuda)")
+    return device
+
+
+def build_model(model: str = "tiny-demo", *, weights: str | None = "auto", device: str = "auto",
+                dtype: str = "float32", **overrides: Any) -> MoETransformer:
+    """A model in eval mode.
+
+    Args:
+        model: preset name, ``.json``/``.yaml`` config, or a ``.safetensors`` file (config from its metadata).
+        weights: ``"auto"`` (the bundled demo weights for ``tiny-demo``, else the model file itself, else a
+            seeded random init), ``None`` for a random init, or a path to a safetensors file.
+        overrides: config fields to change (e.g. ``capacity_factor``); shape changes cannot load weights.
+    """
+    if dtype not in DTYPES:
+        raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if model.endswith(".safetensors"):
+        cfg: MoEConfig = weights_io.read_config(model)
+        weights = model if weights == "auto" else weights
+    else:
+        cfg = resolve(model)
+        if weights == "auto":
+            weights = str(weights_io.DEMO_WEIGHTS) if cfg.name == "tiny-demo" else None
+    if overrides:
+        cfg = cfg.replace(**overrides)
+    net = MoETransformer(cfg)
+    if weights is not None:
+        if not Path(weights).exists():
+            hint = " (train it with `moescope train-demo`)" if Path(weights) == weights_io.DEMO_WEIGHTS else ""
+            raise BadInput(f"weights file {weights} does not exist{hint}")
+        weights_io.load_into(net, weights)
+    return net.to(resolve_device(device), DTYPES[dtype]).eval()

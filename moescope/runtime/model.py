@@ -1,0 +1,224 @@
+"""The reference MoE transformer LM, top to bottom: norm, rotary embedding, attention with a KV cache,
+the MoE FFN layer, the block, the model.
+
+Shape legend: T = tokens in the forward (all sequences concatenated, vLLM's flat "varlen" layout),
+H = hidden, V = vocab, E = experts, k = experts per token, nh = heads, hd = head size, P = positions.
+
+Attention runs per sequence (each has its own KV cache); the MoE layers see every token of the step at
+once, so the experts are batched across requests, which is what makes MoE serving efficient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moescope.capture.observer import NOOP, Observer
+from moescope.runtime.config import MoEConfig
+from moescope.runtime.experts import DenseFFN, Experts
+from moescope.runtime.router import Router, RoutingDecision
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_tables(cfg: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [P, hd/2] for rotary position embedding."""
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, dtype=torch.float64), inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [n, nh, hd] by the angles of its positions (cos/sin [n, hd/2]); half-split convention."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class KVCache:
+    """Keys and values of one sequence for every layer, preallocated to ``max_seq_len``."""
+
+    def __init__(self, cfg: MoEConfig, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (cfg.n_layers, cfg.max_seq_len, cfg.n_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # positions filled; advanced by the model after each forward
+        self.capacity = cfg.max_seq_len
+
+
+@dataclass
+class Segment:
+    """``n`` consecutive tokens of one sequence inside the flat batch; ``cache`` None means no history."""
+
+    n: int
+    cache: KVCache | None = None
+
+    @property
+    def start_pos(self) -> int:
+        return self.cache.length if self.cache is not None else 0
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = cfg.n_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias=False)
+        self.out = nn.Linear(cfg.hidden_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, segments: list[Segment], layer: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        n_tok = x.shape[0]
+        q, k, v = self.qkv(x).view(n_tok, 3, self.n_heads, self.head_dim).unbind(1)  # [T, nh, hd] each
+        if all(s.cache is None for s in segments) and len({s.n for s in segments}) == 1:
+            # Training / no-history fast path: equal-length sequences as one batched causal attention.
+            b, n = len(segments), segments[0].n
+            q, k = apply_rope(q, cos[:n].repeat(b, 1), sin[:n].repeat(b, 1)), \
+                apply_rope(k, cos[:n].repeat(b, 1), sin[:n].repeat(b, 1))
+            qb, kb, vb = (t.view(b, n, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+            y = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)  # [b, nh, n, hd]
+            return self.out(y.transpose(1, 2).reshape(n_tok, -1))
+        outs = []
+        start = 0
+        for seg in segments:
+            p0, n = seg.start_pos, seg.n
+            if p0 + n > cos.shape[0]:
+                raise ValueError(f"sequence of {p0 + n} tokens exceeds max_seq_len {cos.shape[0]}")
+            qs = apply_rope(q[start:start + n], cos[p0:p0 + n], sin[p0:p0 + n])  # [n, nh, hd]
+            ks = apply_rope(k[start:start + n], cos[p0:p0 + n], sin[p0:p0 + n])
+            vs = v[start:start + n]
+            if seg.cache is not None:
+                seg.cache.k[layer, p0:p0 + n] = ks
+                seg.cache.v[layer, p0:p0 + n] = vs
+                ks, vs = seg.cache.k[layer, :p0 + n], seg.cache.v[layer, :p0 + n]  # [p0+n, nh, hd]
+            if n == 1:
+                mask, causal = None, False  # one new token sees the whole history
+            elif p0 == 0:
+                mask, causal = None, True
+            else:  # new token i (absolute p0+i) sees keys 0..p0+i
+                mask = torch.ones(n, p0 + n, dtype=torch.bool, device=x.device).tril(diagonal=p0)
+                causal = False
+            y = F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                               attn_mask=mask, is_causal=causal)  # [nh, n, hd]
+            outs.append(y.transpose(0, 1).reshape(n, -1))
+            start += n
+        return self.out(torch.cat(outs))
+
+
+class MoELayer(nn.Module):
+    """Router + experts. Returns the mixed output and the routing decision (for observers and the loss)."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.router = Router(cfg.hidden_size, cfg.n_experts, cfg.top_k, temperature=cfg.router_temperature,
+                             capacity_factor=cfg.capacity_factor)
+        self.experts = Experts(cfg.n_experts, cfg.hidden_size, cfg.ffn_size)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision, torch.Tensor]:
+        decision, logits = self.router(x)
+        return self.experts(x, decision.active_ids, decision.weights), decision, logits
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: MoEConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.is_moe = index not in cfg.dense_layers
+        self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg.hidden_size, cfg.dense_ffn)
+
+    def forward(self, x, segments, cos, sin):
+        x = x + self.attn(self.attn_norm(x), segments, self.index, cos, sin)
+        if not self.is_moe:
+            return x + self.ffn(self.ffn_norm(x)), None, None
+        y, decision, logits = self.ffn(self.ffn_norm(x))
+        return x + y, decision, logits
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [T, V] (or [n_segments, V] with last_only)
+    decisions: dict[int, RoutingDecision] = field(default_factory=dict)  # block index -> decision
+    router_logits: dict[int, torch.Tensor] = field(default_factory=dict)  # block index -> [T, E]
+
+
+class MoETransformer(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.observer: Observer = NOOP
+        self.reset_parameters(cfg.seed)
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Deterministic init from ``seed`` (GPT-2 style: std 0.02, residual outputs scaled by depth)."""
+        gen = torch.Generator().manual_seed(seed)
+        resid_std = 0.02 / (2 * self.cfg.n_layers) ** 0.5
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+                continue
+            std = resid_std if name.endswith(("out.weight", "down_proj")) else 0.02
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def moe_layers(self) -> list[MoELayer]:
+        return [b.ffn for b in self.blocks if b.is_moe]
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.cfg, self.device, self.embed.weight.dtype)
+
+    def forward(self, tokens: torch.Tensor, segments: list[Segment], *, last_only: bool = False) -> ForwardOutput:
+        """Run the flat batch ``tokens`` [T] laid out as ``segments``; advances each segment's KV cache.
+
+        Args:
+            tokens: [T] token ids, the segments' new tokens concatenated in order.
+            segments: how many tokens belong to which sequence (and its cache, if any).
+            last_only: return only the logits of each segment's last token ([n_segments, V]).
+        """
+        if sum(s.n for s in segments) != tokens.shape[0]:
+            raise ValueError("segments do not cover the flat batch")
+        x = self.embed(tokens)  # [T, H]
+        out = ForwardOutput(logits=x)
+        for block in self.blocks:
+            x, decision, router_logits = block(x, segments, self.rope_cos, self.rope_sin)
+            if decision is not None:
+                out.decisions[block.index] = decision
+                out.router_logits[block.index] = router_logits
+                self.observer.on_routing(block.index, decision)
+        for seg in segments:
+            if seg.cache is not None:
+                seg.cache.length += seg.n
+        if last_only:
+            ends = torch.tensor([s.n for s in segments], device=x.device).cumsum(0) - 1
+            x = x[ends]
+        out.logits = self.lm_head(self.norm(x))  # [T or n_segments, V]
+        return out
+
+    def forward_batch(self, tokens: torch.Tensor) -> ForwardOutput:
+        """Training/evaluation: [B, S] equal-length sequences from position 0; logits [B*S, V]."""
+        b, s = tokens.shape
+        return self.forward(tokens.reshape(-1), [Segment(s) for _ in range(b)])

@@ -1,0 +1,124 @@
+"""Top-k router: logits -> temperature softmax -> top-k -> renormalise, with an optional capacity limit.
+
+Shape legend: T = tokens in the forward, H = hidden size, E = experts, k = experts per token.
+
+Everything here stays on the device: counts such as non-finite logits and dropped slots are 0-dim tensors,
+so routing never forces a host sync; the capture layer copies them once per step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """What the router decided for one forward of one MoE layer (all tensors on the model's device).
+
+    Attributes:
+        ids: [T, k] int64 chosen experts, best first.
+        weights: [T, k] float32 gate weights, renormalised over the k choices; 0 where the slot was dropped.
+        kept: [T, k] bool, False where the capacity limit dropped the slot.
+        entropy: [T] router entropy normalised by log(E) (0 = certain, 1 = uniform).
+        margin: [T] top-1 minus top-2 probability.
+        nonfinite: [] int64 count of NaN/Inf router logits.
+        dropped: [] int64 count of dropped slots.
+        n_experts: E.
+    """
+
+    ids: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    entropy: torch.Tensor
+    margin: torch.Tensor
+    nonfinite: torch.Tensor
+    dropped: torch.Tensor
+    n_experts: int
+
+    @property
+    def active_ids(self) -> torch.Tensor:
+        """[T, k] expert ids with dropped slots replaced by the sentinel E (computed by no expert)."""
+        return torch.where(self.kept, self.ids, torch.full_like(self.ids, self.n_experts))
+
+    @property
+    def n_tokens(self) -> int:
+        return self.ids.shape[0]
+
+
+def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
+    """Slots one expert may take in a forward: ceil(cf * T * k / E), at least 1."""
+    return max(1, math.ceil(capacity_factor * n_tokens * top_k / n_experts))
+
+
+def capacity_keep_mask(ids: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """[T, k] bool: which slots fit under ``capacity`` per expert.
+
+    Priority is by choice rank, then by token order (GShard): every token's first choice is placed before
+    any second choice, so a drop never removes a token's best expert while a worse slot survives.
+    Sort-based (no [T*k, E] one-hot), no host sync.
+    """
+    n_tokens, top_k = ids.shape
+    flat = ids.t().reshape(-1)  # [k*T] in priority order: all rank-0 slots, then rank-1, ...
+    sorted_ids, order = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=n_experts)
+    starts = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
+    pos_sorted = torch.arange(flat.numel(), device=ids.device) - starts[sorted_ids]
+    pos = torch.empty_like(pos_sorted)
+    pos[order] = pos_sorted  # position of each slot within its expert's queue
+    return (pos < capacity).view(top_k, n_tokens).t()
+
+
+def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
+          capacity_factor: float | None = None) -> RoutingDecision:
+    """Turn router logits [T, E] into a decision. Pure function: the reference every router path must match."""
+    n_tokens, n_experts = logits.shape
+    logits = logits.float()
+    nonfinite = (~torch.isfinite(logits)).sum()
+    probs = torch.softmax(logits / temperature, dim=-1)  # [T, E]
+    top_p, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    weights = top_p / top_p.sum(dim=-1, keepdim=True)
+    # Normalised entropy; xlogy gives 0*log(0) = 0 for experts with zero probability.
+    entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(n_experts) if n_experts > 1 \
+        else torch.zeros(n_tokens, device=logits.device)
+    if n_experts == 1:
+        margin = top_p[:, 0]
+    elif top_k >= 2:
+        margin = top_p[:, 0] - top_p[:, 1]
+    else:
+        top2 = torch.topk(probs, 2, dim=-1).values
+        margin = top2[:, 0] - top2[:, 1]
+    if capacity_factor is None:
+        kept = torch.ones_like(ids, dtype=torch.bool)
+        dropped = torch.zeros((), dtype=torch.int64, device=logits.device)
+    else:
+        kept = capacity_keep_mask(ids, n_experts, expert_capacity(n_tokens, top_k, n_experts, capacity_factor))
+        weights = weights * kept
+        dropped = (~kept).sum()
+    return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
+                           nonfinite=nonfinite, dropped=dropped, n_experts=n_experts)
+
+
+class Router(nn.Module):
+    """Linear gate [E, H] computed in float32 whatever the model dtype (routing is precision-sensitive)."""
+
+    def __init__(self, hidden_size: int, n_experts: int, top_k: int, *, temperature: float = 1.0,
+                 capacity_factor: float | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        self.top_k = top_k
+        self.temperature = temperature
+        self.capacity_factor = capacity_factor
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())  # [T, E]
+
+    def forward(self, x: torch.Tensor) -> tuple[RoutingDecision, torch.Tensor]:
+        """Returns the decision and the raw logits [T, E] (the training loss needs them)."""
+        logits = self.logits(x)
+        return route(logits, self.top_k, temperature=self.temperature,
+                     capacity_factor=self.capacity_factor), logits

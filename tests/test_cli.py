@@ -1,0 +1,60 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from moescope.cli import main
+from moescope.runtime import weights
+
+
+def test_demo_json_summary(capsys):
+    rc = main(["demo", "--no-tui", "--requests", "6", "--rate", "0", "--json"])
+    assert rc == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["completed"] == s["requests"] == 6
+    assert len(set(s["request_ids"])) == 6
+    assert s["tokens"]["output"] == sum(r["output_tokens"] for r in s["requests_detail"])
+    # Expert load per MoE layer: every computed slot is counted, k slots per token.
+    cfg = weights.read_config(weights.DEMO_WEIGHTS)
+    n_tokens_run = s["tokens"]["prompt"] + s["tokens"]["output"] - s["completed"]
+    assert set(s["expert_load"]) == {str(i) for i in cfg.moe_layers}
+    for counts in s["expert_load"].values():
+        assert len(counts) == cfg.n_experts
+        assert sum(counts) == cfg.top_k * n_tokens_run
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["demo", "--requests", "0"], "--requests"),
+    (["demo", "--bogus"], "No such option"),
+    (["demo", "--model", "nope"], "neither a preset"),
+    (["demo", "--weights", "/nonexistent.safetensors"], "does not exist"),
+    (["demo", "--device", "cuda:0"], None),
+    (["demo", "--rate", "-1"], "--rate"),
+])
+def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
+    import torch
+
+    if argv[-1].startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("moescope: error:")
+    assert "Traceback" not in err
+    if needle:
+        assert needle in err
+
+
+def test_console_entry_points_bad_config(tmp_path):
+    bad = tmp_path / "k.yaml"
+    bad.write_text("preset: tiny-demo\ntop_k: 9\n")
+    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--model", str(bad)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "moescope: error: top_k (9) must be <= n_experts (8)"
+
+
+def test_corrupt_weights_file(tmp_path):
+    bad = tmp_path / "w.safetensors"
+    bad.write_bytes(b"\x00garbage")
+    assert main(["demo", "--weights", str(bad), "--requests", "1"]) == 2
