@@ -77,16 +77,16 @@ class Experts(nn.Module):
         n_active = sum(counts)
         order = order[:n_active]  # [S]
         token_of_slot = order // top_k  # [S]
-        x_sorted = x[token_of_slot]  # [S, H]
-        outs = []
+        w_sorted = weights.reshape(-1)[order, None].to(x.dtype)  # [S, 1]
+        out = torch.zeros_like(x)
         start = 0
         for expert, n in enumerate(counts):
             if n:
                 gate_up, down = self.weights_of(expert)
-                outs.append(swiglu(x_sorted[start:start + n], gate_up, down))
+                sl = slice(start, start + n)
+                tokens = token_of_slot[sl]  # [n]
+                # Gather, compute and scatter one expert at a time: its slice stays in cache, and no
+                # [S, H] copy of the input or concatenation of the outputs is made.
+                out.index_add_(0, tokens, swiglu(x[tokens], gate_up, down) * w_sorted[sl])
                 start += n
-        out = torch.zeros_like(x)
-        if outs:
-            y = torch.cat(outs) * weights.reshape(-1)[order, None].to(x.dtype)  # [S, H]
-            out.index_add_(0, token_of_slot, y)
         return out
