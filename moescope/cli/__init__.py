@@ -17,8 +17,9 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from moescope.cli import demo, train_demo
+    from moescope.cli import cache_sim, demo, train_demo
 
+    cli.add_command(cache_sim.cache_sim)
     cli.add_command(demo.demo)
     cli.add_command(train_demo.train_demo)
 

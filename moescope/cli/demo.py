@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 
 import click
 
 from moescope import stats
+from moescope.capture.observer import NOOP
 
 
 def _summary(records, load, dropped, wall_s, model, device, n_asked) -> dict:
@@ -51,6 +55,14 @@ def _print_human(s: dict) -> None:
         share = stats.shares(counts)
         bars = " ".join(f"{e}:{p:5.1%}" for e, p in enumerate(share))
         click.echo(f"  layer {layer}  cv {s['expert_load_cv'][layer]:.3f}  {bars}")
+    if "expert_cache" in s:
+        c = s["expert_cache"]
+        click.echo(f"expert cache: {c['policy']}, {c['size']} resident per layer, {c['tier']} tier")
+        for layer, st in c["layers"].items():
+            load = f", load p50 {st['load_p50_s'] * 1e3:.2f} ms p99 {st['load_p99_s'] * 1e3:.2f} ms" \
+                if st["load_p50_s"] is not None else ""
+            click.echo(f"  layer {layer}  hit rate {st['hit_rate']:.3f} ({st['hits']}/{st['lookups']}), "
+                       f"{st['evictions']} evictions, {st['prefetch_hits']} prefetch hits{load}")
     ids = s["request_ids"]
     click.echo(f"request ids: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}")
 
@@ -74,13 +86,27 @@ def _print_human(s: dict) -> None:
               help="Sampling temperature (0: greedy).")
 @click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None,
               help="Per-expert capacity factor (drops slots beyond it); default: no capacity limit.")
+@click.option("--cache-size", type=int, default=None,
+              help="Resident experts per MoE layer (1..E); the rest load on demand. Default: all resident.")
+@click.option("--cache-policy", type=click.Choice(["lru", "lfu", "static", "none"]), default=None,
+              help="Replacement policy [lru] (static pins the most used experts of a calibration pass).")
+@click.option("--cache-tier", type=click.Choice(["memory", "disk"]), default=None,
+              help="Where non-resident experts live [memory]: host memory, or a safetensors file read via mmap.")
+@click.option("--cache-prefetch", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Experts per layer a loader thread stages ahead (0: off).")
+@click.option("--cache-file", type=click.Path(dir_okay=False), default=None,
+              help="Disk tier file (default: a temporary file, removed at exit).")
+@click.option("--record-routing", type=click.Path(dir_okay=False), default=None,
+              help="Write the experts each forward used per layer (input of `moescope cache-sim`).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling.")
 @click.option("--no-tui", is_flag=True, help="Plain output only (the live view is `moescope top`).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
-         capacity_factor, seed, no_tui, as_json) -> int:
+         capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing, seed,
+         no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.probes import ExpertLoadProbe
+    from moescope.capture.routing_log import RoutingLog
     from moescope.runtime import loader, traffic
     from moescope.runtime.engine import Engine
 
@@ -91,20 +117,73 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
         n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
     reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed), n_requests)
     probe = ExpertLoadProbe()
-    engine = Engine(model, max_batch=max_batch, seed=seed, observer=[probe])
-    start = time.perf_counter()
-    try:
-        records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature)
-    except KeyboardInterrupt:  # keep what was served: summarise it
-        records = engine.finished
-    finally:
-        engine.close()
-    wall = time.perf_counter() - start
-    summary = _summary(records, probe.snapshot(), probe.dropped(), wall, model, model.device,
-                       n_requests if duration is None else len(records))
+    observers = [probe]
+    routing_log = None
+    if record_routing:
+        routing_log = RoutingLog()
+        observers.append(routing_log)
+    with ExitStack() as stack:
+        cache = None
+        if cache_size is not None or cache_policy or cache_tier or cache_prefetch:
+            cache = stack.enter_context(_expert_cache(model, cache_size, cache_policy or "lru",
+                                                      cache_tier or "memory", cache_prefetch, cache_file, seed))
+        engine = Engine(model, max_batch=max_batch, seed=seed, observer=observers)
+        start = time.perf_counter()
+        try:
+            records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature)
+        except KeyboardInterrupt:  # keep what was served: summarise it
+            records = engine.finished
+        finally:
+            engine.close()
+        wall = time.perf_counter() - start
+        summary = _summary(records, probe.snapshot(), probe.dropped(), wall, model, model.device,
+                           n_requests if duration is None else len(records))
+        if cache is not None:
+            summary["expert_cache"] = _cache_summary(cache)
+    if routing_log is not None:
+        routing_log.save(record_routing)
+        summary["routing_log"] = str(record_routing)
     if as_json:
         json.dump(summary, sys.stdout, indent=1)
         sys.stdout.write("\n")
     else:
         _print_human(summary)
     return 0
+
+
+@contextmanager
+def _expert_cache(model, size, policy, tier, prefetch, cache_file, seed):
+    """Attach an expert cache for the run; static pins the most used experts of a calibration pass over
+    held-out traffic (a different seed from the served traffic)."""
+    from moescope.capture.probes import ExpertLoadProbe
+    from moescope.runtime import traffic
+    from moescope.runtime.cache import attach_cache
+    from moescope.runtime.engine import Engine
+
+    pinned = None
+    if policy == "static":
+        calib = ExpertLoadProbe()
+        Engine(model, max_batch=8, observer=[calib]).run(
+            traffic.generate(traffic.TrafficConfig(seed=seed + 7919, output_tokens_median=8), 8), realtime=False)
+        model.observer = NOOP
+        pinned = {layer: sorted(range(len(c)), key=lambda e: (-c[e], e)) for layer, c in calib.snapshot().items()}
+    with tempfile.TemporaryDirectory(prefix="moescope-experts-") as tmp:
+        path = cache_file or os.path.join(tmp, "experts.safetensors")
+        cache = attach_cache(model, size=size if size is not None else model.cfg.n_experts, policy=policy,
+                             tier=tier, path=path if tier == "disk" else None, prefetch=prefetch, pinned=pinned)
+        try:
+            yield cache
+        finally:
+            cache.close()
+
+
+def _cache_summary(cache) -> dict:
+    layers = {}
+    for layer, s in cache.stats().items():
+        layers[str(layer)] = {
+            "lookups": s.lookups, "hits": s.hits, "misses": s.misses, "evictions": s.evictions,
+            "hit_rate": round(s.hit_rate, 4), "prefetch_issued": s.prefetch_issued,
+            "prefetch_hits": s.prefetch_hits, "prefetch_wasted": s.prefetch_wasted, "bytes_loaded": s.bytes_loaded,
+            "load_p50_s": round(stats.percentile(s.load_seconds, 50), 6) if s.load_seconds else None,
+            "load_p99_s": round(stats.percentile(s.load_seconds, 99), 6) if s.load_seconds else None}
+    return {"policy": cache.policy, "size": cache.size, "tier": cache.tier, "layers": layers}

@@ -7,7 +7,7 @@ gate half first, ``down_proj`` [E, H, F]) so weights copy across without transpo
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,16 @@ from torch import nn
 
 # (gate_up [2F, H], down [H, F]) of one expert, wherever it currently lives.
 ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+
+
+class WeightSource(Protocol):
+    """Where experts' weights come from when they are not all resident (the expert cache)."""
+
+    def begin(self, counts: Sequence[int]) -> None:
+        """A forward is about to compute the experts with nonzero ``counts`` (slots per expert)."""
+
+    def get(self, expert: int) -> ExpertWeights:
+        """The expert's weights on the compute device, loaded first if need be."""
 
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -39,8 +49,8 @@ class Experts(nn.Module):
     """E SwiGLU experts stored as stacked tensors, computed grouped: slots sorted by expert, one pair of
     matmuls per expert over its contiguous slice, results scattered back with one ``index_add_``.
 
-    ``weight_source`` lets an expert cache decide where each expert's weights come from (resident slot,
-    CPU tier, disk); by default the module's own parameters are used.
+    ``weight_source`` lets an expert cache decide where each expert's weights come from (resident, CPU
+    tier, disk); by default the module's own parameters are used.
     """
 
     def __init__(self, n_experts: int, hidden_size: int, ffn_size: int) -> None:
@@ -48,12 +58,7 @@ class Experts(nn.Module):
         self.n_experts = n_experts
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, ffn_size))
-        self.weight_source: Callable[[int], ExpertWeights] | None = None
-
-    def weights_of(self, expert: int) -> ExpertWeights:
-        if self.weight_source is not None:
-            return self.weight_source(expert)
-        return self.gate_up_proj[expert], self.down_proj[expert]
+        self.weight_source: WeightSource | None = None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 counts: list[int] | None = None) -> torch.Tensor:
@@ -79,10 +84,16 @@ class Experts(nn.Module):
         token_of_slot = order // top_k  # [S]
         w_sorted = weights.reshape(-1)[order, None].to(x.dtype)  # [S, 1]
         out = torch.zeros_like(x)
+        source = self.weight_source
+        if source is not None:
+            source.begin(counts)
         start = 0
         for expert, n in enumerate(counts):
             if n:
-                gate_up, down = self.weights_of(expert)
+                if source is None:
+                    gate_up, down = self.gate_up_proj[expert], self.down_proj[expert]
+                else:  # fetched right before use: a miss stalls this step, as on a real server
+                    gate_up, down = source.get(expert)
                 sl = slice(start, start + n)
                 tokens = token_of_slot[sl]  # [n]
                 # Gather, compute and scatter one expert at a time: its slice stays in cache, and no

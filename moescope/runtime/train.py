@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from moescope.runtime import corpus, tokenizer, weights
 from moescope.runtime.config import MoEConfig, preset
 from moescope.runtime.model import MoETransformer
+from moescope.runtime.traffic import TrafficConfig
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ class TrainConfig:
     seq_len: int = 128
     lr: float = 3e-3
     warmup: int = 50
-    aux_coef: float = 0.01
+    aux_coef: float = 0.05
     z_coef: float = 1e-3
     seed: int = 0
 
@@ -42,10 +43,12 @@ def _batches(cfg: TrainConfig, part: str, rng: random.Random):
     data = {d: torch.tensor(list(corpus.split(corpus.domain_text(d), part).encode("utf-8")), dtype=torch.long)
             for d in corpus.DOMAINS}
     n = cfg.seq_len  # BOS + (n - 1) bytes in, n bytes out
+    mix = TrafficConfig().domains
+    names = sorted(mix)
     while True:
         rows = []
-        for i in range(cfg.batch):
-            d = corpus.DOMAINS[i % len(corpus.DOMAINS)]  # balanced domains in every batch
+        # The serving traffic's domain mix: the balancing loss then balances the load operators will see.
+        for d in rng.choices(names, weights=[mix[n] for n in names], k=cfg.batch):
             start = rng.randrange(len(data[d]) - n)
             rows.append(torch.cat([torch.tensor([tokenizer.BOS]), data[d][start:start + n]]))
         yield torch.stack(rows)  # [B, n + 1]

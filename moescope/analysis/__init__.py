@@ -1,0 +1,1 @@
+"""Offline analysis over recorded routing: cache what-if, reports, placement planning."""

@@ -1,0 +1,23 @@
+"""``moescope cache-sim``: what cache size to buy, from a recorded routing log."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("cache-sim")
+@click.argument("routing_log", type=click.Path(dir_okay=False))
+@click.option("--target", type=click.FloatRange(0, 1), default=0.9, show_default=True,
+              help="Hit rate the recommended size must reach.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def cache_sim(routing_log: str, target: float, as_json: bool) -> int:
+    """Replay ROUTING_LOG (from `moescope demo --record-routing`) through LRU, LFU, static and Belady's
+    optimal at cache sizes 1..E."""
+    from moescope.analysis import cache_sim as sim
+
+    n_experts, seqs = sim.load_lookups(routing_log)
+    report = sim.simulate_all(n_experts, seqs, target=target)
+    click.echo(json.dumps(report, indent=1) if as_json else sim.format_table(report))
+    return 0

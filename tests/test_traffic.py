@@ -1,0 +1,43 @@
+import collections
+
+import pytest
+
+from moescope.errors import ConfigError
+from moescope.runtime import corpus, traffic
+
+
+def test_traffic_is_deterministic_and_within_bounds():
+    cfg = traffic.TrafficConfig(rate=10.0, seed=4)
+    a, b = traffic.generate(cfg, 200), traffic.generate(cfg, 200)
+    assert a == b
+    assert a != traffic.generate(traffic.TrafficConfig(rate=10.0, seed=5), 200)
+    arrivals = [r.arrival_s for r in a]
+    assert arrivals == sorted(arrivals) and arrivals[0] == 0.0
+    # Poisson at 10/s: the mean gap is 0.1 s (loose bound for 199 gaps).
+    assert 0.07 < arrivals[-1] / 199 < 0.13
+    for r in a:
+        assert 1 <= len(r.prompt.encode()) <= 256
+        assert 4 <= r.max_new_tokens <= 96
+    counts = collections.Counter(r.domain for r in a)
+    assert set(counts) == set(corpus.DOMAINS)
+    assert counts["code"] > counts["unicode"]  # 0.35 vs 0.1
+
+
+def test_prompts_come_from_held_out_text():
+    held = {d: corpus.split(corpus.domain_text(d), "heldout") for d in corpus.DOMAINS}
+    for r in traffic.generate(traffic.TrafficConfig(seed=1), 40):
+        assert r.prompt in held[r.domain]
+
+
+def test_domain_shift():
+    cfg = traffic.TrafficConfig(shift_after=100, shifted_domains={"numbers": 1.0}, seed=2)
+    reqs = traffic.generate(cfg, 200)
+    assert all(r.domain == "numbers" for r in reqs[100:])
+    assert len({r.domain for r in reqs[:100]}) > 1
+
+
+@pytest.mark.parametrize("kwargs", [{"domains": {"klingon": 1.0}}, {"rate": -1}, {"domains": {}},
+                                    {"prompt_bytes_range": (10, 5)}])
+def test_bad_traffic_config(kwargs):
+    with pytest.raises(ConfigError):
+        traffic.TrafficConfig(**kwargs)
