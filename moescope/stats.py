@@ -34,3 +34,45 @@ def max_over_mean(load: Sequence[float]) -> float:
 def shares(load: Sequence[float]) -> list[float]:
     total = sum(load)
     return [x / total if total else 0.0 for x in load]
+
+
+def imbalance(load: Sequence[float]) -> float:
+    """(max - mean) / mean, TensorRT-LLM's imbalance; 0 for no load."""
+    m = max_over_mean(load)
+    return m - 1.0 if m else 0.0
+
+
+def top_share(load: Sequence[float]) -> float:
+    """The busiest expert's share of all slots (1/E when balanced, 1.0 when collapsed); 0 for no load."""
+    total = sum(load)
+    return max(load) / total if total else 0.0
+
+
+def dead_experts(load: Sequence[float]) -> int:
+    """Experts with no slot at all."""
+    return sum(1 for x in load if x == 0)
+
+
+def activation_ratio(dense_params: int, expert_params: int, total_params: int, k_eff_sum: float) -> float:
+    """Parameters touched per token / total parameters.
+
+    ``k_eff_sum`` is the sum over MoE layers of the slots actually computed per routed token (k without
+    drops; lower with drops).
+    """
+    return (dense_params + k_eff_sum * expert_params) / total_params
+
+
+def hit_rate(hits: float, lookups: float) -> float:
+    """Cache hits / lookups; 1.0 with no lookups (nothing was missed)."""
+    return hits / lookups if lookups else 1.0
+
+
+def jensen_shannon(p: Sequence[float], q: Sequence[float]) -> float:
+    """Jensen-Shannon divergence in bits between two load vectors (normalised here; 0 = same, 1 = disjoint)."""
+    ps, qs = shares(p), shares(q)
+    m = [(a + b) / 2 for a, b in zip(ps, qs)]
+
+    def kl(a, b):
+        return sum(x * math.log2(x / y) for x, y in zip(a, b) if x > 0)
+
+    return 0.5 * kl(ps, m) + 0.5 * kl(qs, m)

@@ -7,13 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from moescope.capture.observer import Observer
 from moescope.errors import BadInput
 from moescope.runtime import cache_policy
 from moescope.runtime.cache import ExpertLoadError, attach_cache, write_disk_tier
 from moescope.runtime.model import MoETransformer, Segment
 
 
-class LookupRecorder:
+class LookupRecorder(Observer):
     """Independent record of the lookups: the distinct experts each forward computes, ascending."""
 
     def __init__(self):

@@ -49,6 +49,6 @@ def test_one_expert_moe_equals_dense_ffn():
         dense.gate_up_proj.copy_(moe.experts.gate_up_proj[0])
         dense.down_proj.copy_(moe.experts.down_proj[0])
         x = torch.randn(50, 32)
-        y, decision, _ = moe(x)
+        y, decision, *_ = moe(x)
         assert torch.all(decision.weights == 1.0)
         torch.testing.assert_close(y, dense(x), atol=1e-6, rtol=0)

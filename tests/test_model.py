@@ -1,5 +1,6 @@
 import torch
 
+from moescope.capture.observer import Observer
 from moescope.runtime.model import MoETransformer, Segment
 
 
@@ -41,7 +42,7 @@ def test_routing_decisions_reported_for_moe_layers_only(tiny_cfg):
     model = MoETransformer(tiny_cfg).eval()
     seen = []
 
-    class Spy:
+    class Spy(Observer):
         def on_routing(self, layer, decision):
             seen.append((layer, decision.ids.shape))
 

@@ -26,6 +26,13 @@ class Observer:
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         """One MoE layer routed the tokens of one forward (device tensors; no host copy here)."""
 
+    def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:
+        """Host wall time of one MoE layer's router and expert computation in one forward (perf counter; on
+        CUDA the expert loop's per-layer sync makes it close to device time)."""
+
+    def on_cache(self, layer: int, delta: Any) -> None:
+        """The expert cache's counter changes during one forward of one layer (a ``CacheDelta``)."""
+
     def on_step(self, step: Any) -> None:
         """The engine finished a step (one prefill or decode forward); ``step`` is a ``StepRecord``."""
 
@@ -67,6 +74,12 @@ class FanOut(Observer):
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         self._each("on_routing", layer, decision)
+
+    def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:
+        self._each("on_layer_time", layer, router_s, experts_s)
+
+    def on_cache(self, layer: int, delta: Any) -> None:
+        self._each("on_cache", layer, delta)
 
     def on_step(self, step: Any) -> None:
         self._each("on_step", step)

@@ -57,6 +57,23 @@ class CacheStats:
         return self.hits / self.lookups if self.lookups else 1.0
 
 
+@dataclass(frozen=True)
+class CacheDelta:
+    """What one layer's cache did during one forward (sent to observers as ``on_cache``)."""
+
+    lookups: int
+    hits: int
+    misses: int
+    evictions: int
+    prefetch_hits: int
+    prefetch_wasted: int
+    bytes_loaded: int
+    load_seconds: tuple[float, ...]
+
+
+_DELTA_FIELDS = ("lookups", "hits", "misses", "evictions", "prefetch_hits", "prefetch_wasted", "bytes_loaded")
+
+
 # -- backing tiers -------------------------------------------------------------------------------------
 class MemoryTier:
     """Experts kept in host memory; a load is a copy to the compute device."""
@@ -221,6 +238,8 @@ class LayerCache:
         self.prefetch_width = 0
         self.last_used: list[int] = []
         self._generation = 0
+        self.observer = None  # callable returning the model's current observer (set by attach_cache)
+        self._mark = (0,) * len(_DELTA_FIELDS) + (0,)
 
     def load(self, expert: int) -> ExpertWeights:
         gate_up, down = self.tier.load(expert)
@@ -237,6 +256,17 @@ class LayerCache:
                 todo = [e for e in nxt.last_used if e not in nxt.policy.resident][: self.prefetch_width]
                 for e in todo:
                     nxt.stats.prefetch_issued += self.prefetcher.request(nxt, e, nxt._generation + 1)
+
+    def end(self) -> None:
+        """Report this forward's counter changes to the model's observer (one call per layer per forward)."""
+        st = self.stats
+        now = tuple(getattr(st, f) for f in _DELTA_FIELDS) + (len(st.load_seconds),)
+        if now == self._mark or self.observer is None:
+            return
+        diff = [a - b for a, b in zip(now, self._mark)]
+        delta = CacheDelta(*diff[:-1], load_seconds=tuple(st.load_seconds[self._mark[-1]:]))
+        self._mark = now
+        self.observer().on_cache(self.layer, delta)
 
     def get(self, expert: int) -> ExpertWeights:
         st = self.stats
@@ -331,6 +361,7 @@ def attach_cache(model: torch.nn.Module, *, size: int, policy: str = "lru", tier
         expert_bytes = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
         lc = LayerCache(block.index, backing, pol, model.device, dtype, expert_bytes)
         lc.prefetcher, lc.prefetch_width = prefetcher, prefetch
+        lc.observer = lambda: model.observer
         if policy == "none":
             lc.preload(cfg.n_experts)
         if prev is not None:

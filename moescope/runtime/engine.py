@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from moescope.capture.observer import NOOP, FanOut, Observer
+from moescope.capture.observer import FanOut, Observer
 from moescope.errors import BadInput
 from moescope.runtime import tokenizer
 from moescope.runtime.model import KVCache, MoETransformer, Segment
@@ -105,7 +105,8 @@ class Engine:
         self.clock = clock
         if isinstance(observer, list):
             observer = FanOut(observer)
-        self.observer = observer or NOOP
+        # Default: whatever the model is already instrumented with (moescope.instrument sets it).
+        self.observer = observer if observer is not None else model.observer
         model.observer = self.observer
         self._waiting: collections.deque[_Live] = collections.deque()
         self._running: list[_Live] = []

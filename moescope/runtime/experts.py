@@ -26,6 +26,9 @@ class WeightSource(Protocol):
     def get(self, expert: int) -> ExpertWeights:
         """The expert's weights on the compute device, loaded first if need be."""
 
+    def end(self) -> None:
+        """The forward's experts are all computed."""
+
 
 def swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) for x [n, H]; one matmul for gate and up together."""
@@ -100,4 +103,6 @@ class Experts(nn.Module):
                 # [S, H] copy of the input or concatenation of the outputs is made.
                 out.index_add_(0, tokens, swiglu(x[tokens], gate_up, down) * w_sorted[sl])
                 start += n
+        if source is not None:
+            source.end()
         return out

@@ -10,6 +10,7 @@ once, so the experts are batched across requests, which is what makes MoE servin
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -125,9 +126,13 @@ class MoELayer(nn.Module):
                              capacity_factor=cfg.capacity_factor)
         self.experts = Experts(cfg.n_experts, cfg.hidden_size, cfg.ffn_size)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision, torch.Tensor, float, float]:
+        """Returns output, decision, router logits, and the host time of the router and of the experts."""
+        t0 = time.perf_counter()
         decision, logits = self.router(x)
-        return self.experts(x, decision.active_ids, decision.weights), decision, logits
+        t1 = time.perf_counter()
+        y = self.experts(x, decision.active_ids, decision.weights)
+        return y, decision, logits, t1 - t0, time.perf_counter() - t1
 
 
 class Block(nn.Module):
@@ -143,9 +148,9 @@ class Block(nn.Module):
     def forward(self, x, segments, cos, sin):
         x = x + self.attn(self.attn_norm(x), segments, self.index, cos, sin)
         if not self.is_moe:
-            return x + self.ffn(self.ffn_norm(x)), None, None
-        y, decision, logits = self.ffn(self.ffn_norm(x))
-        return x + y, decision, logits
+            return x + self.ffn(self.ffn_norm(x)), None
+        y, *moe = self.ffn(self.ffn_norm(x))
+        return x + y, moe
 
 
 @dataclass
@@ -203,12 +208,15 @@ class MoETransformer(nn.Module):
             raise ValueError("segments do not cover the flat batch")
         x = self.embed(tokens)  # [T, H]
         out = ForwardOutput(logits=x)
+        observer = self.observer
         for block in self.blocks:
-            x, decision, router_logits = block(x, segments, self.rope_cos, self.rope_sin)
-            if decision is not None:
+            x, moe = block(x, segments, self.rope_cos, self.rope_sin)
+            if moe is not None:
+                decision, router_logits, router_s, experts_s = moe
                 out.decisions[block.index] = decision
                 out.router_logits[block.index] = router_logits
-                self.observer.on_routing(block.index, decision)
+                observer.on_routing(block.index, decision)
+                observer.on_layer_time(block.index, router_s, experts_s)
         for seg in segments:
             if seg.cache is not None:
                 seg.cache.length += seg.n

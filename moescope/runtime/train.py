@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from moescope import stats
 from moescope.runtime import corpus, tokenizer, weights
 from moescope.runtime.config import MoEConfig, preset
 from moescope.runtime.model import MoETransformer
@@ -34,7 +35,7 @@ class TrainConfig:
     seq_len: int = 128
     lr: float = 3e-3
     warmup: int = 50
-    aux_coef: float = 0.05
+    aux_coef: float = 0.015
     z_coef: float = 1e-3
     seed: int = 0
 
@@ -106,21 +107,13 @@ def expert_load_by_domain(model: MoETransformer, *, tokens_per_domain: int = 819
     return result
 
 
-def js_divergence(p: list[float], q: list[float]) -> float:
-    """Jensen-Shannon divergence in bits (0 = same distribution, 1 = disjoint)."""
-    def kl(a, b):
-        return sum(x * math.log2(x / y) for x, y in zip(a, b) if x > 0)
-    m = [(x + y) / 2 for x, y in zip(p, q)]
-    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
-
-
 def specialisation_report(load: dict[str, dict[int, list[float]]]) -> dict:
     """Mean pairwise JS divergence between domains per layer, and each domain's top-2 experts per layer."""
     domains = list(load)
     layers = list(next(iter(load.values())))
     report = {"mean_pairwise_jsd_bits": {}, "top_experts": {d: {} for d in domains}}
     for layer in layers:
-        pairs = [js_divergence(load[a][layer], load[b][layer])
+        pairs = [stats.jensen_shannon(load[a][layer], load[b][layer])
                  for i, a in enumerate(domains) for b in domains[i + 1:]]
         report["mean_pairwise_jsd_bits"][layer] = round(sum(pairs) / len(pairs), 4)
         for d in domains:

@@ -1,0 +1,69 @@
+"""The public entry point: instrument a model, optionally serve its metrics, stop cleanly."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from moescope.capture.observer import FanOut, Observer
+from moescope.metrics.state import MetricsObserver, ModelInfo
+
+
+class Instrumentation:
+    """Attach moescope to a model; a context manager.
+
+    Args:
+        model: a ``moescope.runtime`` ``MoETransformer`` or a HuggingFace transformers MoE model.
+        model_name: the ``model`` label (default: the config's name / HF model type).
+        rank: the ``rank`` label (expert-parallel rank).
+        port: serve Prometheus metrics on this port (0: any free port; None: no server).
+        addr: bind address (loopback unless you say otherwise).
+        window_s: window of the ratio gauges (load CV, dead experts, entropy, activation ratio).
+        expert_series_budget: per-(layer, expert) series only while layers x experts fits.
+        observers: more observers to fan out to (trace writer, your own).
+    Raises:
+        BadInput: the port cannot be bound, or the model is not a supported MoE model.
+    """
+
+    def __init__(self, model, *, model_name: str | None = None, rank: int = 0, port: int | None = None,
+                 addr: str = "127.0.0.1", window_s: float = 60.0, expert_series_budget: int = 4096,
+                 observers: Iterable[Observer] = ()) -> None:
+        from moescope.runtime.model import MoETransformer
+
+        self.model = model
+        self._hf = None
+        if isinstance(model, MoETransformer):
+            info = ModelInfo.from_runtime(model, model_name)
+        else:
+            from moescope.hf import adapter
+
+            self._hf = adapter.HFAdapter(model)
+            info = self._hf.model_info(model_name)
+        self.metrics = MetricsObserver(info, rank=rank, window_s=window_s,
+                                       expert_series_budget=expert_series_budget)
+        self.observer = FanOut([self.metrics, *observers])
+        self.metrics.errors_source = lambda: dict(self.observer.errors)
+        if self._hf is not None:
+            self._hf.attach(self.observer)
+        else:
+            self._previous = model.observer
+            model.observer = self.observer
+        self.exporter = None
+        if port is not None:
+            from moescope.metrics.exporter import Exporter
+
+            self.exporter = Exporter(self.metrics, port=port, addr=addr).start()
+
+    def close(self) -> None:
+        if self._hf is not None:
+            self._hf.detach()
+        elif self.model.observer is self.observer:
+            self.model.observer = self._previous
+        if self.exporter is not None:
+            self.exporter.stop()
+        self.observer.shutdown()
+
+    def __enter__(self) -> "Instrumentation":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

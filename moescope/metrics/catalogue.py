@@ -1,0 +1,121 @@
+"""The metric catalogue: the single list of every series moescope exports.
+
+The exporter emits only names listed here (a test checks the exposition against it), and alert rules,
+dashboards and playbooks are checked against it too. Every series also carries the labels ``model`` and
+``rank``. Names follow Prometheus conventions: ``moescope_`` prefix, base units, counters end in ``_total``,
+classic histograms. Formulas: docs/metrics.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+COMMON_LABELS = ("model", "rank")
+
+# Histogram buckets (seconds). Fine at the low end: a CPU decode step is milliseconds, a GPU one is less.
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+FAST_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                0.1, 0.25)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    name: str  # full exposed name (counters with _total)
+    kind: str  # counter | gauge | histogram | info
+    help: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] = ()
+
+    @property
+    def family(self) -> str:
+        """Name without the counter suffix, as prometheus-client's metric families take it."""
+        return self.name[: -len("_total")] if self.kind == "counter" else self.name
+
+    @property
+    def all_labels(self) -> tuple[str, ...]:
+        return COMMON_LABELS + self.labels
+
+
+def _c(name, help_, *labels):
+    return MetricSpec(name, "counter", help_, tuple(labels))
+
+
+def _g(name, help_, *labels):
+    return MetricSpec(name, "gauge", help_, tuple(labels))
+
+
+def _h(name, help_, buckets, *labels):
+    return MetricSpec(name, "histogram", help_, tuple(labels), buckets)
+
+
+CATALOGUE: tuple[MetricSpec, ...] = (
+    # routing (counters; rates and shares are derived in PromQL)
+    _c("moescope_expert_tokens_total", "Slots (token, expert pairs) computed by each expert.", "layer", "expert"),
+    _c("moescope_router_tokens_total", "Tokens routed by the layer's router.", "layer"),
+    _c("moescope_tokens_dropped_total", "Slots dropped by the capacity limit.", "layer"),
+    _c("moescope_router_nonfinite_logits_total", "NaN or Inf router logits.", "layer"),
+    # routing health over the recent window (gauges)
+    _g("moescope_activation_ratio", "Parameters touched per token / total parameters, over the window."),
+    _g("moescope_expert_load_cv_ratio", "Coefficient of variation of expert load over the window.", "layer"),
+    _g("moescope_expert_load_max_over_mean_ratio", "Busiest expert's load / mean load over the window.", "layer"),
+    _g("moescope_expert_load_top_share_ratio", "Busiest expert's share of the layer's slots over the window.",
+       "layer"),
+    _g("moescope_dead_experts", "Experts with no slot over the window.", "layer"),
+    _g("moescope_router_entropy_ratio", "Mean normalised router entropy over the window (1 = uniform).", "layer"),
+    _g("moescope_router_margin_ratio", "Mean top-1 minus top-2 router probability over the window.", "layer"),
+    _g("moescope_window_seconds", "Length of the window the ratio gauges are computed over."),
+    _g("moescope_expert_series_per_expert", "1 when per-(layer, expert) series are exported, 0 when the "
+       "cardinality budget forced per-layer aggregates."),
+    # expert cache
+    _c("moescope_expert_cache_lookups_total", "Expert lookups (one per expert per forward).", "layer"),
+    _c("moescope_expert_cache_hits_total", "Lookups that found the expert resident.", "layer"),
+    _c("moescope_expert_cache_misses_total", "Lookups that had to make the expert resident.", "layer"),
+    _c("moescope_expert_cache_evictions_total", "Experts evicted to make room.", "layer"),
+    _c("moescope_expert_cache_prefetch_hits_total", "Misses served by a prefetched copy.", "layer"),
+    _c("moescope_expert_cache_prefetch_wasted_total", "Prefetched copies never used.", "layer"),
+    _c("moescope_expert_cache_loaded_bytes_total", "Bytes of expert weights loaded on misses.", "layer"),
+    _h("moescope_expert_fetch_seconds", "Time to make an expert resident on a miss (the switch latency).",
+       FAST_BUCKETS, "layer"),
+    # timings
+    _h("moescope_router_seconds", "Router time per layer per forward.", FAST_BUCKETS),
+    _h("moescope_expert_compute_seconds", "Expert computation time per layer per forward (incl. fetches).",
+       FAST_BUCKETS),
+    _h("moescope_all_to_all_seconds", "Time of one all-to-all exchange per layer per forward.", FAST_BUCKETS,
+       "op"),
+    _h("moescope_step_seconds", "Engine step (one forward) time, with a request id exemplar.", LATENCY_BUCKETS,
+       "phase"),
+    _h("moescope_token_latency_seconds", "Per output token latency (first token: time to first token), with "
+       "request id exemplars.", LATENCY_BUCKETS),
+    _h("moescope_request_queue_seconds", "Time a request waited before its prefill.", LATENCY_BUCKETS),
+    # throughput
+    _c("moescope_tokens_total", "Tokens processed, by phase (prefill: prompt tokens; decode: generated).",
+       "phase"),
+    _c("moescope_requests_total", "Finished requests.", "finish_reason"),
+    _c("moescope_steps_total", "Engine steps.", "phase"),
+    # memory
+    _g("moescope_process_resident_memory_bytes", "Resident set size of the serving process."),
+    _g("moescope_gpu_memory_used_bytes", "GPU memory used (NVML), labelled like DCGM's exporter.", "gpu", "UUID"),
+    _g("moescope_gpu_memory_total_bytes", "GPU memory capacity (NVML).", "gpu", "UUID"),
+    # moescope's own health
+    _c("moescope_observer_errors_total", "Exceptions raised by an observer/sink (isolated, never raised into "
+       "the engine).", "observer"),
+    _c("moescope_capture_dropped_total", "Capture records dropped because a bounded queue was full.", "queue"),
+    _g("moescope_build_info", "Always 1; labels carry the version and the device.", "version", "device"),
+)
+
+BY_NAME = {m.name: m for m in CATALOGUE}
+
+
+def names() -> set[str]:
+    return set(BY_NAME)
+
+
+def exposed_sample_names() -> set[str]:
+    """Every sample name that may appear in an exposition (histogram _bucket/_sum/_count included)."""
+    out = set()
+    for m in CATALOGUE:
+        if m.kind == "histogram":
+            out |= {m.name + "_bucket", m.name + "_sum", m.name + "_count"}
+        else:
+            out.add(m.name)
+    return out
