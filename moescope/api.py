@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from moescope.capture.observer import FanOut, Observer
+from moescope.capture.queued import QueuedObserver
 from moescope.metrics.state import MetricsObserver, ModelInfo
 
 
@@ -40,18 +41,22 @@ class Instrumentation:
             info = self._hf.model_info(model_name)
         self.metrics = MetricsObserver(info, rank=rank, window_s=window_s,
                                        expert_series_budget=expert_series_budget)
+        observers = list(observers)
         self.observer = FanOut([self.metrics, *observers])
-        self.metrics.errors_source = lambda: dict(self.observer.errors)
+        queued = [o for o in observers if isinstance(o, QueuedObserver)]
+        self.metrics.errors_source = lambda: {**self.observer.errors,
+                                              **{q.name: q.errors for q in queued if q.errors}}
+        self.metrics.dropped_source = lambda: {q.name: q.dropped for q in queued}
+        self.exporter = None
+        if port is not None:  # before attaching: a port that cannot be bound leaves the model untouched
+            from moescope.metrics.exporter import Exporter
+
+            self.exporter = Exporter(self.metrics, port=port, addr=addr).start()
         if self._hf is not None:
             self._hf.attach(self.observer)
         else:
             self._previous = model.observer
             model.observer = self.observer
-        self.exporter = None
-        if port is not None:
-            from moescope.metrics.exporter import Exporter
-
-            self.exporter = Exporter(self.metrics, port=port, addr=addr).start()
 
     def close(self) -> None:
         if self._hf is not None:

@@ -10,7 +10,7 @@ from moescope.cli import main
 
 def test_demo_cache_counts_equal_cache_sim_replay(tmp_path, capsys):
     log = tmp_path / "routing.json"
-    assert main(["demo", "--requests", "8", "--rate", "0", "--cache-size", "3", "--cache-policy", "lfu",
+    assert main(["demo", "--requests", "8", "--rate", "0", "--metrics-port", "-1", "--cache-size", "3", "--cache-policy", "lfu",
                  "--record-routing", str(log), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert main(["cache-sim", str(log), "--json"]) == 0

@@ -9,7 +9,7 @@ from moescope.runtime import weights
 
 
 def test_demo_json_summary(capsys):
-    rc = main(["demo", "--no-tui", "--requests", "6", "--rate", "0", "--json"])
+    rc = main(["demo", "--no-tui", "--requests", "6", "--rate", "0", "--metrics-port", "0", "--json"])
     assert rc == 0
     s = json.loads(capsys.readouterr().out)
     assert s["completed"] == s["requests"] == 6

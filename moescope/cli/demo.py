@@ -12,7 +12,6 @@ from contextlib import ExitStack, contextmanager
 import click
 
 from moescope import stats
-from moescope.capture.observer import NOOP
 
 
 def _summary(records, load, dropped, wall_s, model, device, n_asked) -> dict:
@@ -98,12 +97,17 @@ def _print_human(s: dict) -> None:
               help="Disk tier file (default: a temporary file, removed at exit).")
 @click.option("--record-routing", type=click.Path(dir_okay=False), default=None,
               help="Write the experts each forward used per layer (input of `moescope cache-sim`).")
+@click.option("--metrics-port", type=click.IntRange(min=-1, max=65535), default=9400, show_default=True,
+              help="Serve Prometheus metrics on this port (0: any free port; -1: no exporter).")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Exporter bind address.")
+@click.option("--linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Keep serving metrics this many seconds after the workload (for scrapers).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling.")
 @click.option("--no-tui", is_flag=True, help="Plain output only (the live view is `moescope top`).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
-         capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing, seed,
-         no_tui, as_json) -> int:
+         capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
+         metrics_port, metrics_addr, linger, seed, no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.probes import ExpertLoadProbe
     from moescope.capture.routing_log import RoutingLog
@@ -123,23 +127,33 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
         routing_log = RoutingLog()
         observers.append(routing_log)
     with ExitStack() as stack:
+        import moescope
+
+        inst = stack.enter_context(moescope.instrument(
+            model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))
+        if inst.exporter is not None:
+            click.echo(f"metrics: {inst.exporter.url}", err=True)
         cache = None
         if cache_size is not None or cache_policy or cache_tier or cache_prefetch:
             cache = stack.enter_context(_expert_cache(model, cache_size, cache_policy or "lru",
                                                       cache_tier or "memory", cache_prefetch, cache_file, seed))
-        engine = Engine(model, max_batch=max_batch, seed=seed, observer=observers)
+        engine = Engine(model, max_batch=max_batch, seed=seed)  # observed through the instrumentation
         start = time.perf_counter()
         try:
             records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature)
         except KeyboardInterrupt:  # keep what was served: summarise it
             records = engine.finished
-        finally:
-            engine.close()
         wall = time.perf_counter() - start
         summary = _summary(records, probe.snapshot(), probe.dropped(), wall, model, model.device,
                            n_requests if duration is None else len(records))
         if cache is not None:
             summary["expert_cache"] = _cache_summary(cache)
+        if inst.exporter is not None:
+            summary["metrics_url"] = inst.exporter.url
+        if inst.observer.errors:
+            summary["observer_errors"] = dict(inst.observer.errors)
+        if linger:
+            time.sleep(linger)
     if routing_log is not None:
         routing_log.save(record_routing)
         summary["routing_log"] = str(record_routing)
@@ -162,10 +176,10 @@ def _expert_cache(model, size, policy, tier, prefetch, cache_file, seed):
 
     pinned = None
     if policy == "static":
-        calib = ExpertLoadProbe()
+        calib, previous = ExpertLoadProbe(), model.observer
         Engine(model, max_batch=8, observer=[calib]).run(
             traffic.generate(traffic.TrafficConfig(seed=seed + 7919, output_tokens_median=8), 8), realtime=False)
-        model.observer = NOOP
+        model.observer = previous  # the calibration pass is not part of the served run's metrics
         pinned = {layer: sorted(range(len(c)), key=lambda e: (-c[e], e)) for layer, c in calib.snapshot().items()}
     with tempfile.TemporaryDirectory(prefix="moescope-experts-") as tmp:
         path = cache_file or os.path.join(tmp, "experts.safetensors")

@@ -91,6 +91,12 @@ class MoescopeCollector:
                     f.add_metric([*base, *labels], buckets, h.sum)
                 yield f
             errors = st.errors_source() if st.errors_source else {}
+            dropped = st.dropped_source() if st.dropped_source else {}
+        if dropped:
+            f = family("moescope_capture_dropped_total")
+            for q, n in sorted(dropped.items()):
+                f.add_metric([*base, q], float(n))
+            yield f
         if errors:
             f = family("moescope_observer_errors_total")
             for obs, n in sorted(errors.items()):

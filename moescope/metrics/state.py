@@ -109,7 +109,8 @@ class MetricsObserver(Observer):
         self._bounds = {m.name: m.buckets for m in c.values() if m.kind == "histogram"}
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
         self._bins: collections.deque[_Bin] = collections.deque()
-        self.errors_source: Callable[[], dict[str, int]] | None = None  # the FanOut's error counts
+        self.errors_source: Callable[[], dict[str, int]] | None = None  # observer -> errors raised
+        self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
 
     # -- helpers ---------------------------------------------------------------------------------------
     def hist(self, name: str, *label_values: str) -> Histogram:

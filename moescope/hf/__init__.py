@@ -1,0 +1,1 @@
+"""HuggingFace transformers adapter (needs the ``hf`` extra)."""

@@ -1,0 +1,241 @@
+"""Instrument HuggingFace transformers MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3,
+GPT-OSS; transformers 4.5x and 5.x) through forward hooks, reporting through the same observer seam as
+the reference runtime.
+
+What is hooked, per MoE block (a module with an ``experts`` child and a ``gate`` or ``router`` child):
+- the router's forward: its logits (for entropy, margin, non-finite counts) and, when it returns them,
+  the chosen expert ids (DeepSeek-V3 4.x, GPT-OSS, every 5.x family);
+- on 5.x, a pre-hook on the fused ``experts`` module: the ids the experts actually compute. These are the
+  true ids in every family, including DeepSeek-V3's group-limited routing, which cannot be recomputed from
+  the logits;
+- the block's forward end: emits one ``RoutingDecision`` per block per forward.
+A forward hook on the top module ends the step. Hooks do not fire under CUDA-graph replay,
+``torch.compile(fullgraph=True)`` or kernel-replaced forwards; see docs/capture.md.
+
+Nothing here syncs with the device: ids and logits stay device tensors until the probe's per-step copy.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from moescope.errors import BadInput
+from moescope.metrics.state import ModelInfo
+from moescope.runtime.router import RoutingDecision
+
+ROUTER_NAMES = ("gate", "router")
+
+
+@dataclass(frozen=True)
+class HFStep:
+    """The adapter's step record (one top-level forward)."""
+
+    index: int
+    phase: str  # "prefill" (more than one position) or "decode"
+    started: float
+    seconds: float
+    n_tokens: int
+    segments: tuple = ()
+
+
+@dataclass
+class _Layer:
+    index: int
+    name: str
+    block: torch.nn.Module
+    router: torch.nn.Module
+    experts: torch.nn.Module
+    n_experts: int
+    top_k: int
+    logits: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+    true_ids: bool = False  # ids came from the experts' own inputs
+    handles: list = field(default_factory=list)
+
+
+def _n_experts(block, router, experts, config) -> int:
+    for obj, attr in ((router, "num_experts"), (router, "n_routed_experts"), (experts, "num_experts"),
+                      (block, "num_experts")):
+        v = getattr(obj, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    if isinstance(experts, torch.nn.ModuleList):
+        return len(experts)
+    w = getattr(router, "weight", None)
+    if isinstance(w, torch.Tensor) and w.dim() == 2:
+        return w.shape[0]
+    for attr in ("num_local_experts", "num_experts", "n_routed_experts"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise BadInput(f"cannot tell the number of experts of {type(block).__name__}")
+
+
+def _top_k(block, router, config) -> int:
+    for obj, attr in ((router, "top_k"), (block, "top_k"), (block, "num_experts_per_tok"),
+                      (config, "num_experts_per_tok"), (config, "moe_topk"), (config, "top_k")):
+        v = getattr(obj, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise BadInput(f"cannot tell top-k of {type(block).__name__}")
+
+
+def find_moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, torch.nn.Module, torch.nn.Module]]:
+    """(name, block, router, experts) for every module with an ``experts`` child and a gate/router child."""
+    found = []
+    for name, mod in model.named_modules():
+        kids = dict(mod.named_children())
+        router = next((kids[n] for n in ROUTER_NAMES if n in kids), None)
+        if router is not None and "experts" in kids:
+            found.append((name, mod, router, kids["experts"]))
+    return found
+
+
+class HFAdapter:
+    """Hooks a HF MoE model; ``attach(observer)`` starts reporting, ``detach()`` removes every hook."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        config = getattr(model, "config", None)
+        blocks = find_moe_blocks(model)
+        if not blocks:
+            kind = getattr(config, "model_type", type(model).__name__)
+            raise BadInput(f"no MoE layers found in {kind}: looked for modules with an 'experts' child and a "
+                           f"'gate' or 'router' child (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GPT-OSS)")
+        self.layers: list[_Layer] = []
+        for i, (name, block, router, experts) in enumerate(blocks):
+            m = re.search(r"layers\.(\d+)\.", name + ".")
+            self.layers.append(_Layer(int(m.group(1)) if m else i, name, block, router, experts,
+                                      _n_experts(block, router, experts, config), _top_k(block, router, config)))
+        self.observer = None
+        self._top_handles: list = []
+        self._step = 0
+        self._t0 = 0.0
+
+    def model_info(self, name: str | None = None) -> ModelInfo:
+        config = getattr(self.model, "config", None)
+        total = sum(p.numel() for p in self.model.parameters())
+        expert_total = sum(p.numel() for layer in self.layers for p in layer.experts.parameters())
+        first = self.layers[0]
+        per_expert = sum(p.numel() for p in first.experts.parameters()) // first.n_experts
+        device = next(self.model.parameters()).device
+        return ModelInfo(name=name or getattr(config, "model_type", type(self.model).__name__),
+                         n_experts=first.n_experts, top_k=first.top_k,
+                         moe_layers=tuple(layer.index for layer in self.layers),
+                         dense_params=total - expert_total, expert_params=per_expert, device=str(device))
+
+    # -- hooks -----------------------------------------------------------------------------------------
+    def attach(self, observer) -> None:
+        self.observer = observer
+        for layer in self.layers:
+            layer.handles.append(layer.router.register_forward_hook(self._router_hook(layer)))
+            layer.handles.append(layer.experts.register_forward_pre_hook(self._experts_hook(layer),
+                                                                         with_kwargs=True))
+            layer.handles.append(layer.block.register_forward_hook(self._block_hook(layer)))
+        self._top_handles.append(self.model.register_forward_pre_hook(self._start, with_kwargs=True))
+        self._top_handles.append(self.model.register_forward_hook(self._end, with_kwargs=True))
+
+    def detach(self) -> None:
+        for layer in self.layers:
+            for h in layer.handles:
+                h.remove()
+            layer.handles.clear()
+        for h in self._top_handles:
+            h.remove()
+        self._top_handles.clear()
+
+    @staticmethod
+    def _router_hook(layer: _Layer):
+        def hook(module, args, out):
+            outs = out if isinstance(out, (tuple, list)) else (out,)
+            tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+            logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] == layer.n_experts), None)
+            if logits is None and args and isinstance(getattr(module, "weight", None), torch.Tensor):
+                # A gate that returns only (ids, weights) (DeepSeek-V3 on 4.x): recompute its logits from
+                # its input, for entropy and non-finite counts; the ids stay the gate's own.
+                x = args[0]
+                logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), module.weight.float())
+            layer.logits = None if logits is None else logits.reshape(-1, layer.n_experts)
+            ids = next((t for t in tensors if not t.is_floating_point() and t.dim() >= 1), None)
+            if ids is not None and not layer.true_ids:
+                layer.ids = ids.reshape(-1, ids.shape[-1])
+                w = next((t for t in tensors if t.is_floating_point() and t.shape == ids.shape), None)
+                layer.weights = None if w is None else w.reshape(layer.ids.shape)
+        return hook
+
+    @staticmethod
+    def _experts_hook(layer: _Layer):
+        def hook(module, args, kwargs):
+            vals = [*args, *kwargs.values()]
+            ids = next((t for t in vals if isinstance(t, torch.Tensor) and not t.is_floating_point()
+                        and t.dim() == 2), None)
+            if ids is not None:
+                layer.ids, layer.true_ids = ids, True
+                layer.weights = next((t for t in vals if isinstance(t, torch.Tensor) and t.is_floating_point()
+                                      and t.shape == ids.shape), None)
+        return hook
+
+    def _block_hook(self, layer: _Layer):
+        def hook(module, args, out):
+            try:
+                decision = self._decision(layer)
+            finally:
+                layer.logits = layer.ids = layer.weights = None
+                layer.true_ids = False
+            if decision is not None and self.observer is not None:
+                self.observer.on_routing(layer.index, decision)
+        return hook
+
+    @staticmethod
+    def _decision(layer: _Layer) -> RoutingDecision | None:
+        logits, ids, weights = layer.logits, layer.ids, layer.weights
+        if ids is None and logits is None:
+            return None
+        probs = torch.softmax(logits.float(), dim=-1) if logits is not None else None
+        if ids is None:  # 4.x linear gates: top-k of the softmax = top-k of the logits
+            top_p, ids = torch.topk(probs, layer.top_k, dim=-1)
+            weights = top_p / top_p.sum(-1, keepdim=True)
+        ids = ids.long()
+        if weights is None:
+            weights = torch.full(ids.shape, 1.0 / ids.shape[1], device=ids.device)
+        n = ids.shape[0]
+        if probs is not None and probs.shape[0] == n:
+            entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(layer.n_experts)
+            top2 = torch.topk(probs, min(2, layer.n_experts), dim=-1).values
+            margin = top2[:, 0] - top2[:, -1]
+            nonfinite = (~torch.isfinite(logits)).sum()
+        else:  # no logits to judge certainty by: report NaN (unknown), never a made-up number
+            entropy = margin = torch.full((n,), float("nan"), device=ids.device)
+            nonfinite = torch.zeros((), dtype=torch.int64, device=ids.device)
+        return RoutingDecision(ids=ids, weights=weights.float(), kept=torch.ones_like(ids, dtype=torch.bool),
+                               entropy=entropy, margin=margin, nonfinite=nonfinite,
+                               dropped=torch.zeros((), dtype=torch.int64, device=ids.device),
+                               n_experts=layer.n_experts)
+
+    def _start(self, module, args, kwargs) -> None:
+        self._t0 = time.perf_counter()
+
+    def _end(self, module, args, kwargs, out) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        n_pos = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 1
+        n_tok = int(ids.shape[0] * n_pos) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
+        step = HFStep(self._step, "prefill" if n_pos > 1 else "decode", self._t0,
+                      time.perf_counter() - self._t0, n_tok)
+        self._step += 1
+        if self.observer is not None:
+            self.observer.on_step(step)
+
+
+def describe(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """What the adapter would hook (for error messages and docs)."""
+    return [{"layer": layer.index, "module": layer.name, "experts": layer.n_experts, "top_k": layer.top_k}
+            for layer in HFAdapter(model).layers]
