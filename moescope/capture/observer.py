@@ -46,37 +46,57 @@ class Observer:
 NOOP = Observer()
 
 
+_HOOKS = ("on_routing", "on_layer_time", "on_cache", "on_step", "on_request", "shutdown")
+
+
 class FanOut(Observer):
-    """Calls each observer in turn; an exception in one is counted and logged, never raised into the engine."""
+    """Calls each observer in turn; an exception in one is counted and logged, never raised into the engine.
+
+    Bound methods are resolved once at construction (hooks run per layer per forward: no getattr there), and
+    observers that do not override a hook are skipped for it.
+    """
 
     def __init__(self, observers: Iterable[Observer]) -> None:
         self._observers = tuple(observers)
         self._lock = threading.Lock()
         self.errors: dict[str, int] = {}
+        self._bound = {hook: tuple((type(o).__name__, getattr(o, hook)) for o in self._observers
+                                   if getattr(type(o), hook, None) is not getattr(Observer, hook))
+                       for hook in _HOOKS}
 
     @property
     def observers(self) -> tuple[Observer, ...]:
         return self._observers
 
+    def _failed(self, name: str, hook: str) -> None:
+        with self._lock:
+            first = name not in self.errors
+            self.errors[name] = self.errors.get(name, 0) + 1
+        if first:
+            log.exception("observer %s raised in %s (counted; further errors logged at debug)", name, hook)
+        else:
+            log.debug("observer %s raised in %s", name, hook, exc_info=True)
+
     def _each(self, hook: str, *args: Any) -> None:
-        for obs in self._observers:
+        for name, fn in self._bound[hook]:
             try:
-                getattr(obs, hook)(*args)
+                fn(*args)
             except Exception:  # isolation is the point: a broken sink must never stop the engine
-                name = type(obs).__name__
-                with self._lock:
-                    first = name not in self.errors
-                    self.errors[name] = self.errors.get(name, 0) + 1
-                if first:
-                    log.exception("observer %s raised in %s (counted; further errors logged at debug)", name, hook)
-                else:
-                    log.debug("observer %s raised in %s", name, hook, exc_info=True)
+                self._failed(name, hook)
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
-        self._each("on_routing", layer, decision)
+        for name, fn in self._bound["on_routing"]:
+            try:
+                fn(layer, decision)
+            except Exception:
+                self._failed(name, "on_routing")
 
     def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:
-        self._each("on_layer_time", layer, router_s, experts_s)
+        for name, fn in self._bound["on_layer_time"]:
+            try:
+                fn(layer, router_s, experts_s)
+            except Exception:
+                self._failed(name, "on_layer_time")
 
     def on_cache(self, layer: int, delta: Any) -> None:
         self._each("on_cache", layer, delta)

@@ -1,17 +1,24 @@
-"""The routing probe: per-step statistics of every MoE layer, from device tensors, with one host copy.
+"""The routing probe: statistics of every MoE layer, from the routing decisions, summarised per interval.
 
-``on_routing`` only keeps a reference to the decision (no device work on the hot path). ``on_step`` does the
-whole step's accounting in a fixed number of batched ops, independent of the number of layers: one
-``scatter_add_`` for the slot counts of all layers, one stacked sum each for entropy and margin, then a single
-concatenated device->host copy. It hands a ``StepStats`` to its listener (the metrics state, the trace
-writer, tests).
+``on_routing`` only keeps a reference to the decision and ``on_step`` only checks the clock: no work on the
+hot path. Every ``interval_s`` (and at ``flush()``) the pending decisions of all steps since the last flush
+are summarised at once, per layer:
+- on CUDA, in batched device ops (one ``scatter_add_`` for all slots), then one device->host copy;
+- on CPU the tensors already live in host memory, so numpy reads them in place (no torch dispatch
+  overhead).
+The listener (the metrics state, tests) gets one ``StepStats`` per flush covering those steps.
+Decisions are immutable after their forward, so holding references until the flush is safe; at most
+``max_pending`` steps are held.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import torch
 
 from moescope.capture.observer import Observer
@@ -26,7 +33,7 @@ class LayerStats:
 
     layer: int
     tokens: int  # tokens routed
-    slots: tuple[int, ...]  # computed slots per expert (dropped slots excluded)
+    slots: np.ndarray  # [E] int64 computed slots per expert (dropped slots excluded)
     dropped: int
     nonfinite: int
     entropy_sum: float
@@ -37,66 +44,96 @@ class LayerStats:
 
 @dataclass(frozen=True)
 class StepStats:
-    step: Any  # the engine's StepRecord (or the HF adapter's)
+    """The routing of the steps since the previous flush, per layer (timings: the latest step's)."""
+
+    steps: int
     layers: tuple[LayerStats, ...]
     n_experts: int
     top_k: int
 
 
 class RoutingProbe(Observer):
-    """Turns a step's routing decisions into ``StepStats`` (one device->host copy per step)."""
+    """Turns routing decisions into ``StepStats``, once per ``interval_s`` (0: every step)."""
 
-    def __init__(self, listener: Callable[[StepStats], None]) -> None:
+    def __init__(self, listener: Callable[[StepStats], None], *, interval_s: float = 0.25,
+                 max_pending: int = 512, clock: Callable[[], float] = time.monotonic) -> None:
         self._listener = listener
+        self.interval_s, self.max_pending, self._clock = interval_s, max_pending, clock
         self._pending: list[tuple[int, "RoutingDecision"]] = []
         self._times: dict[int, tuple[float, float]] = {}
-        self._offsets: dict[tuple[int, int, str], torch.Tensor] = {}
+        self._steps = 0
+        self._last_flush = clock()
+        # flush() may run on a scrape thread: the lock guards only the list swap (microseconds), never the
+        # summarising, so the engine thread waits on nothing but that swap.
+        self._lock = threading.Lock()
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
-        self._pending.append((layer, decision))
+        with self._lock:
+            self._pending.append((layer, decision))
 
     def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:
-        self._times[layer] = (router_s, experts_s)
+        with self._lock:
+            self._times[layer] = (router_s, experts_s)
 
     def on_step(self, step: Any) -> None:
-        if not self._pending:
-            return
-        pending, self._pending = self._pending, []
-        times, self._times = self._times, {}
-        self._listener(self.summarise(pending, times, step))
+        self._steps += 1
+        if self._steps >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
+            self.flush()
 
-    def summarise(self, pending, times, step) -> StepStats:
-        n_exp = pending[0][1].n_experts
-        k = pending[0][1].ids.shape[1]
-        if len({d.ids.shape for _, d in pending}) == 1 and all(d.n_experts == n_exp for _, d in pending):
-            rows = self._batched(pending, n_exp)
-        else:  # forwards of different sizes in one step (e.g. an HF adapter user's own loop): per decision
-            rows = torch.cat([self._batched([p], n_exp) for p in pending])
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            times, self._times = self._times, {}
+            steps, self._steps = self._steps, 0
+            self._last_flush = self._clock()
+        if pending:
+            self._listener(self.summarise(pending, times, steps))
+
+    def summarise(self, pending, times, steps: int = 1) -> StepStats:
+        first = pending[0][1]
+        n_exp, k = first.n_experts, first.ids.shape[1]
+        by_layer: dict[int, list["RoutingDecision"]] = {}
+        for layer, d in pending:
+            by_layer.setdefault(layer, []).append(d)
+        rows = self._host(by_layer, n_exp) if first.ids.device.type == "cpu" else self._device(by_layer, n_exp)
         layers = []
-        for (layer, d), row in zip(pending, rows.tolist()):
+        for (layer, decs), row in zip(by_layer.items(), rows):
             r_s, e_s = times.get(layer, (None, None))
-            ent, mar, nonf, drop = row[n_exp + 1:]
-            layers.append(LayerStats(layer=layer, tokens=d.ids.shape[0], slots=tuple(int(x) for x in row[:n_exp]),
-                                     dropped=int(drop), nonfinite=int(nonf), entropy_sum=ent, margin_sum=mar,
-                                     router_s=r_s, experts_s=e_s))
-        return StepStats(step=step, layers=tuple(layers), n_experts=n_exp, top_k=k)
+            layers.append(LayerStats(layer=layer, tokens=sum(d.ids.shape[0] for d in decs),
+                                     slots=row[:n_exp].astype(np.int64), dropped=int(row[n_exp + 4]),
+                                     nonfinite=int(row[n_exp + 3]), entropy_sum=float(row[n_exp + 1]),
+                                     margin_sum=float(row[n_exp + 2]), router_s=r_s, experts_s=e_s))
+        return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k)
 
-    def _batched(self, pending, n_exp: int) -> torch.Tensor:
-        """Host float64 [L, E + 5]: slot counts per expert (+ the dropped bucket), entropy sum, margin sum,
-        non-finite count, dropped count."""
-        decs = [d for _, d in pending]
-        n_layers, width = len(decs), n_exp + 1
-        ids = torch.stack([d.active_ids for d in decs])  # [L, T, k]
-        key = (n_layers, width, str(ids.device))
-        offsets = self._offsets.get(key)
-        if offsets is None:
-            offsets = self._offsets[key] = (torch.arange(n_layers, device=ids.device) * width).view(-1, 1, 1)
-        flat = (ids + offsets).reshape(-1)
-        counts = torch.zeros(n_layers * width, dtype=torch.float64, device=ids.device)
+    @staticmethod
+    def _host(by_layer, n_exp: int) -> np.ndarray:
+        """[L, E + 5] float64: slots per expert + dropped bucket, entropy sum, margin sum, non-finite, dropped.
+        CPU tensors only: ``.numpy()`` views the same memory (no copy, no sync). One concatenation per layer
+        and quantity (cheaper than a numpy view per decision when an interval holds many steps)."""
+        rows = np.empty((len(by_layer), n_exp + 5))
+        for i, decs in enumerate(by_layer.values()):
+            rows[i, : n_exp + 1] = np.bincount(torch.cat([d.active_ids.view(-1) for d in decs]).numpy(),
+                                               minlength=n_exp + 1)
+            rows[i, n_exp + 1] = torch.cat([d.entropy for d in decs]).numpy().sum(dtype=np.float64)
+            rows[i, n_exp + 2] = torch.cat([d.margin for d in decs]).numpy().sum(dtype=np.float64)
+            rows[i, n_exp + 3] = torch.stack([d.nonfinite for d in decs]).numpy().sum()
+            rows[i, n_exp + 4] = torch.stack([d.dropped for d in decs]).numpy().sum()
+        return rows
+
+    @staticmethod
+    def _device(by_layer, n_exp: int) -> np.ndarray:
+        """Same layout as ``_host``, computed with batched device ops and one device->host copy."""
+        width = n_exp + 1
+        ids, seg, scalars = [], [], []
+        for i, decs in enumerate(by_layer.values()):
+            for d in decs:
+                ids.append(d.active_ids.reshape(-1) + i * width)
+            scalars.append(torch.stack([torch.cat([d.entropy for d in decs]).sum(dtype=torch.float64),
+                                        torch.cat([d.margin for d in decs]).sum(dtype=torch.float64),
+                                        torch.stack([d.nonfinite for d in decs]).sum().double(),
+                                        torch.stack([d.dropped for d in decs]).sum().double()]))
+        flat = torch.cat(ids)
+        counts = torch.zeros(len(by_layer) * width, dtype=torch.float64, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
-        scalars = torch.stack([torch.stack([d.entropy.sum() for d in decs]).double(),
-                               torch.stack([d.margin.sum() for d in decs]).double(),
-                               torch.stack([d.nonfinite for d in decs]).double(),
-                               torch.stack([d.dropped for d in decs]).double()], dim=1)  # [L, 4]
-        # The one device->host copy of the step (a no-op on CPU).
-        return torch.cat([counts.view(n_layers, width), scalars], dim=1).cpu()
+        # The interval's one device->host copy.
+        return torch.cat([counts.view(len(by_layer), width), torch.stack(scalars)], dim=1).cpu().numpy()

@@ -217,7 +217,7 @@ class HFAdapter:
         return RoutingDecision(ids=ids, weights=weights.float(), kept=torch.ones_like(ids, dtype=torch.bool),
                                entropy=entropy, margin=margin, nonfinite=nonfinite,
                                dropped=torch.zeros((), dtype=torch.int64, device=ids.device),
-                               n_experts=layer.n_experts)
+                               n_experts=layer.n_experts, active_ids=ids)
 
     def _start(self, module, args, kwargs) -> None:
         self._t0 = time.perf_counter()

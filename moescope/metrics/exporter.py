@@ -46,7 +46,7 @@ class MoescopeCollector:
                    "histogram": HistogramMetricFamily}[m.kind]
             return cls(m.family, m.help, labels=list(m.all_labels))
 
-        gauges = st.window_gauges()  # takes the lock itself
+        gauges = st.window_gauges()  # flushes pending routing, then takes the lock itself
         with st.lock:
             f = family("moescope_build_info")
             f.add_metric([*base, __version__, st.info.device], 1.0)
@@ -60,7 +60,7 @@ class MoescopeCollector:
             if st.per_expert and st.expert_tokens:
                 f = family("moescope_expert_tokens_total")
                 for layer, counts in sorted(st.expert_tokens.items()):
-                    for e, n in enumerate(counts):
+                    for e, n in enumerate(counts.tolist()):
                         f.add_metric([*base, str(layer), str(e)], float(n))
                 yield f
             for name, per_layer in sorted(st.layer_counters.items()):

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from moescope import stats
 from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import RoutingProbe, StepStats
@@ -78,7 +80,7 @@ class ModelInfo:
 @dataclass
 class _Bin:
     second: int
-    slots: dict[int, list[int]] = field(default_factory=dict)
+    slots: dict[int, np.ndarray] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
     entropy: dict[int, float] = field(default_factory=dict)
     margin: dict[int, float] = field(default_factory=dict)
@@ -92,17 +94,23 @@ class MetricsObserver(Observer):
         rank: the ``rank`` label.
         window_s: length of the sliding window the ratio gauges use.
         expert_series_budget: export per-(layer, expert) series only while layers x experts <= this.
+        flush_interval_s: how often the routing probe summarises pending decisions (reads call ``flush()``
+            first, so a scrape always sees everything routed so far).
         clock: monotonic seconds (tests inject a fake one).
     """
 
     def __init__(self, info: ModelInfo, *, rank: int = 0, window_s: float = 60.0,
-                 expert_series_budget: int = 4096, clock: Callable[[], float] = time.monotonic) -> None:
+                 expert_series_budget: int = 4096, flush_interval_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.info, self.rank, self.window_s, self.clock = info, rank, window_s, clock
         self.per_expert = len(info.moe_layers) * info.n_experts <= expert_series_budget
         self.lock = threading.Lock()
-        self.probe = RoutingProbe(self._on_stats)
+        self.probe = RoutingProbe(self._on_stats, interval_s=flush_interval_s)
+        # The per-layer hot-path hooks go straight to the probe (one Python call less per layer).
+        self.on_routing = self.probe.on_routing
+        self.on_layer_time = self.probe.on_layer_time
         c = catalogue.BY_NAME
-        self.expert_tokens: dict[int, list[int]] = {}
+        self.expert_tokens: dict[int, np.ndarray] = {}  # layer -> cumulative slots per expert
         self.layer_counters: dict[str, dict[int, float]] = collections.defaultdict(
             lambda: collections.defaultdict(float))
         self.hists: dict[tuple[str, tuple[str, ...]], Histogram] = {}
@@ -127,14 +135,24 @@ class MetricsObserver(Observer):
     def on_layer_time(self, layer, router_s, experts_s) -> None:
         self.probe.on_layer_time(layer, router_s, experts_s)
 
+    def flush(self) -> None:
+        """Summarise routing still pending in the probe (called before reads, and at shutdown)."""
+        self.probe.flush()
+
+    def shutdown(self) -> None:
+        self.flush()
+
     def on_step(self, step) -> None:
-        self.probe.on_step(step)  # -> _on_stats with the step's routing, one host copy
-        exemplar = {"request_id": step.segments[0][0]} if getattr(step, "segments", None) else None
+        self.probe.on_step(step)  # -> _on_stats once per interval
+        segments = step.segments
+        phase = (step.phase,)
         with self.lock:
-            self.hist("moescope_step_seconds", step.phase).observe(step.seconds, exemplar)
-            self.counters[("moescope_steps_total", (step.phase,))] += 1
+            self.hist("moescope_step_seconds", step.phase).observe(
+                step.seconds, {"request_id": segments[0][0]} if segments else None)
+            counters = self.counters
+            counters[("moescope_steps_total", phase)] += 1
             # Prefill tokens are the prompts; a decode step's tokens are generated ones.
-            self.counters[("moescope_tokens_total", (step.phase,))] += step.n_tokens
+            counters[("moescope_tokens_total", phase)] += step.n_tokens
 
     def on_cache(self, layer, delta) -> None:
         with self.lock:
@@ -172,18 +190,24 @@ class MetricsObserver(Observer):
             b = self._bins[-1]
             lc = self.layer_counters
             for ls in st.layers:
-                tot = self.expert_tokens.setdefault(ls.layer, [0] * st.n_experts)
-                for e, n in enumerate(ls.slots):
-                    tot[e] += n
-                lc["moescope_router_tokens_total"][ls.layer] += ls.tokens
-                lc["moescope_tokens_dropped_total"][ls.layer] += ls.dropped
-                lc["moescope_router_nonfinite_logits_total"][ls.layer] += ls.nonfinite
-                win = b.slots.setdefault(ls.layer, [0] * st.n_experts)
-                for e, n in enumerate(ls.slots):
-                    win[e] += n
-                b.tokens[ls.layer] = b.tokens.get(ls.layer, 0) + ls.tokens
-                b.entropy[ls.layer] = b.entropy.get(ls.layer, 0.0) + ls.entropy_sum
-                b.margin[ls.layer] = b.margin.get(ls.layer, 0.0) + ls.margin_sum
+                layer = ls.layer
+                tot = self.expert_tokens.get(layer)
+                if tot is None:
+                    self.expert_tokens[layer] = ls.slots.copy()
+                else:
+                    tot += ls.slots
+                lc["moescope_router_tokens_total"][layer] += ls.tokens
+                lc["moescope_tokens_dropped_total"][layer] += ls.dropped
+                lc["moescope_router_nonfinite_logits_total"][layer] += ls.nonfinite
+                win = b.slots.get(layer)
+                if win is None:
+                    b.slots[layer] = ls.slots.copy()
+                    b.tokens[layer], b.entropy[layer], b.margin[layer] = ls.tokens, ls.entropy_sum, ls.margin_sum
+                else:
+                    win += ls.slots
+                    b.tokens[layer] += ls.tokens
+                    b.entropy[layer] += ls.entropy_sum
+                    b.margin[layer] += ls.margin_sum
                 if ls.router_s is not None:
                     self.hist("moescope_router_seconds").observe(ls.router_s)
                     self.hist("moescope_expert_compute_seconds").observe(ls.experts_s)
@@ -195,14 +219,15 @@ class MetricsObserver(Observer):
     # -- reads (scrape thread) -------------------------------------------------------------------------
     def window(self) -> dict[int, dict[str, Any]]:
         """Per layer over the window: summed slots per expert, tokens, entropy and margin sums."""
+        self.flush()
         with self.lock:
             self._prune(int(self.clock()))
             out: dict[int, dict[str, Any]] = {}
             for b in self._bins:
                 for layer, slots in b.slots.items():
-                    w = out.setdefault(layer, {"slots": [0] * len(slots), "tokens": 0, "entropy": 0.0,
+                    w = out.setdefault(layer, {"slots": np.zeros_like(slots), "tokens": 0, "entropy": 0.0,
                                                "margin": 0.0})
-                    w["slots"] = [a + x for a, x in zip(w["slots"], slots)]
+                    w["slots"] = w["slots"] + slots
                     w["tokens"] += b.tokens[layer]
                     w["entropy"] += b.entropy[layer]
                     w["margin"] += b.margin[layer]
@@ -217,7 +242,7 @@ class MetricsObserver(Observer):
             if not w["tokens"]:
                 continue
             any_tokens = True
-            load = w["slots"]
+            load = w["slots"].tolist()
             k_eff_sum += sum(load) / w["tokens"]
             per_layer[layer] = {
                 "moescope_expert_load_cv_ratio": stats.load_cv(load),

@@ -29,6 +29,8 @@ class RoutingDecision:
         nonfinite: [] int64 count of NaN/Inf router logits.
         dropped: [] int64 count of dropped slots.
         n_experts: E.
+        active_ids: [T, k] ``ids`` with dropped slots replaced by the sentinel E (computed by no expert);
+            the same tensor as ``ids`` when nothing can be dropped.
     """
 
     ids: torch.Tensor
@@ -39,11 +41,12 @@ class RoutingDecision:
     nonfinite: torch.Tensor
     dropped: torch.Tensor
     n_experts: int
+    active_ids: torch.Tensor | None = None
 
-    @property
-    def active_ids(self) -> torch.Tensor:
-        """[T, k] expert ids with dropped slots replaced by the sentinel E (computed by no expert)."""
-        return torch.where(self.kept, self.ids, torch.full_like(self.ids, self.n_experts))
+    def __post_init__(self) -> None:
+        if self.active_ids is None:  # computed once here, read by the experts and every probe
+            object.__setattr__(self, "active_ids", torch.where(self.kept, self.ids,
+                                                               torch.full_like(self.ids, self.n_experts)))
 
     @property
     def n_tokens(self) -> int:
@@ -95,12 +98,14 @@ def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
     if capacity_factor is None:
         kept = torch.ones_like(ids, dtype=torch.bool)
         dropped = torch.zeros((), dtype=torch.int64, device=logits.device)
+        active = ids
     else:
         kept = capacity_keep_mask(ids, n_experts, expert_capacity(n_tokens, top_k, n_experts, capacity_factor))
         weights = weights * kept
         dropped = (~kept).sum()
+        active = None
     return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
-                           nonfinite=nonfinite, dropped=dropped, n_experts=n_experts)
+                           nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active)
 
 
 class Router(nn.Module):

@@ -1,0 +1,95 @@
+"""Real servers for integration tests: Prometheus (Debian package), started on loopback in a temp dir.
+
+In CI (CI=true) a missing binary fails the test; elsewhere it skips with the install command.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from conftest import in_ci
+
+
+def require(binary: str, package: str) -> str:
+    path = shutil.which(binary)
+    if path is None:
+        msg = f"{binary} not installed (apt-get install {package}; `make system-deps`)"
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=2).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+class Prometheus:
+    """A Prometheus scraping ``targets`` every second (and evaluating ``rule_files`` every second)."""
+
+    def __init__(self, tmp: Path, targets: list[str], *, rule_files: list[str] = (),
+                 alertmanager: str | None = None, extra_args: list[str] = ()) -> None:
+        self.binary = require("prometheus", "prometheus")
+        self.tmp, self.port = tmp, free_port()
+        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+               "scrape_configs": [{"job_name": "moescope", "static_configs": [{"targets": targets}]}],
+               "rule_files": [str(Path(r).resolve()) for r in rule_files]}
+        if alertmanager:
+            cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}
+        (tmp / "prometheus.yml").write_text(json.dumps(cfg))  # JSON is YAML
+        self.log = open(tmp / "prometheus.log", "wb")
+        self.proc = subprocess.Popen(
+            [self.binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", f"--web.external-url=http://127.0.0.1:{self.port}/",
+             "--enable-feature=exemplar-storage", *extra_args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        try:
+            wait_http(self.url + "/-/ready")
+        except OSError:
+            self.stop()
+            raise RuntimeError("prometheus did not become ready: " + (tmp / "prometheus.log").read_text()[-2000:])
+
+    def query(self, promql: str, at: float | None = None) -> list[dict]:
+        params = {"query": promql}
+        if at is not None:
+            params["time"] = f"{at:.3f}"
+        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"
+        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
+        assert body["status"] == "success", body
+        return body["data"]["result"]
+
+    def scalar(self, promql: str, at: float | None = None) -> float | None:
+        result = self.query(promql, at)
+        return float(result[0]["value"][1]) if result else None
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -1,0 +1,40 @@
+"""A real Prometheus scrapes `moescope demo` and reads back what the runtime counted."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from servers import Prometheus, free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_prometheus_reads_back_the_runtime_total(tmp_path):
+    port = free_port()
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "12", "--rate", "0",
+             "--metrics-port", str(port), "--linger", "4", "--json"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        summary = json.loads(proc.stdout)
+        runtime_total = sum(sum(c) for c in summary["expert_load"].values())
+        assert runtime_total > 0
+        # The demo has exited: read the last scraped values (max over the last minute per series).
+        deadline = time.monotonic() + 20
+        while True:
+            got = prom.scalar('sum(max_over_time(moescope_expert_tokens_total{model="tiny-demo"}[1m]))')
+            if got == runtime_total or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert got == runtime_total
+        tokens = prom.scalar('sum(max_over_time(moescope_router_tokens_total[1m]))')
+        assert tokens * 2 == runtime_total  # top-2, no capacity limit: every routed token has 2 slots
+        # Histograms and the ratio gauges arrived too.
+        assert prom.scalar('sum(max_over_time(moescope_step_seconds_count[1m]))') > 0
+        assert prom.query('max_over_time(moescope_expert_load_cv_ratio[1m])')
+    finally:
+        prom.stop()
