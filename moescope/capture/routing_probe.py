@@ -112,7 +112,7 @@ class RoutingProbe(Observer):
         and quantity (cheaper than a numpy view per decision when an interval holds many steps)."""
         rows = np.empty((len(by_layer), n_exp + 5))
         for i, decs in enumerate(by_layer.values()):
-            rows[i, : n_exp + 1] = np.bincount(torch.cat([d.active_ids.view(-1) for d in decs]).numpy(),
+            rows[i, : n_exp + 1] = np.bincount(torch.cat([d.active_ids.reshape(-1) for d in decs]).numpy(),
                                                minlength=n_exp + 1)
             rows[i, n_exp + 1] = torch.cat([d.entropy for d in decs]).numpy().sum(dtype=np.float64)
             rows[i, n_exp + 2] = torch.cat([d.margin for d in decs]).numpy().sum(dtype=np.float64)
