@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: the CPU build on this machine's disk (an unpinned torch pulls a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test install system-deps bench clean
+.PHONY: demo test test-main test-hf457 install system-deps bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,11 +24,25 @@ demo: install
 system-deps:
 	bash .ci/system-deps
 
-test: install system-deps
+# The whole suite, then the HF adapter tests again on transformers 4.57 (module names and router outputs
+# differ between 4.x and 5.x) in a second venv.
+test: test-main test-hf457
+
+test-main: install system-deps
 	bash .ci/pytest
+
+HF457 := .venv-hf457
+$(HF457)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(HF457)
+	$(HF457)/bin/pip install -q --disable-pip-version-check "$(TORCH)"
+	$(HF457)/bin/pip install -q --disable-pip-version-check -e '.[test]' 'transformers==4.57.*'
+	touch $@
+
+test-hf457: $(HF457)/.installed
+	PYTHON_BIN=$(HF457)/bin/python bash .ci/pytest tests/test_hf_adapter.py tests/test_hf_parity.py
 
 bench: install
 	$(BIN)/python benchmarks/runtime.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(HF457) .pytest_cache
