@@ -33,6 +33,9 @@ class Observer:
     def on_cache(self, layer: int, delta: Any) -> None:
         """The expert cache's counter changes during one forward of one layer (a ``CacheDelta``)."""
 
+    def on_all_to_all(self, record: Any) -> None:
+        """One expert-parallel exchange (dispatch or combine) of one layer on this rank (``AllToAllRecord``)."""
+
     def on_step(self, step: Any) -> None:
         """The engine finished a step (one prefill or decode forward); ``step`` is a ``StepRecord``."""
 
@@ -46,7 +49,7 @@ class Observer:
 NOOP = Observer()
 
 
-_HOOKS = ("on_routing", "on_layer_time", "on_cache", "on_step", "on_request", "shutdown")
+_HOOKS = ("on_routing", "on_layer_time", "on_cache", "on_all_to_all", "on_step", "on_request", "shutdown")
 
 
 class FanOut(Observer):
@@ -100,6 +103,9 @@ class FanOut(Observer):
 
     def on_cache(self, layer: int, delta: Any) -> None:
         self._each("on_cache", layer, delta)
+
+    def on_all_to_all(self, record: Any) -> None:
+        self._each("on_all_to_all", record)
 
     def on_step(self, step: Any) -> None:
         self._each("on_step", step)

@@ -102,21 +102,42 @@ def _print_human(s: dict) -> None:
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Exporter bind address.")
 @click.option("--linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Keep serving metrics this many seconds after the workload (for scrapers).")
+@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
+@click.option("--placement", "placement_spec", default="round-robin", show_default=True,
+              help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts).")
+@click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation.")
+@click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
+              help="The slow rank's delay before each dispatch exchange.")
+@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+              help="Seconds a rank waits for its peers before stopping with an error naming them.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling.")
 @click.option("--no-tui", is_flag=True, help="Plain output only (the live view is `moescope top`).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
-         metrics_port, metrics_addr, linger, seed, no_tui, as_json) -> int:
+         metrics_port, metrics_addr, linger, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
+         no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.probes import ExpertLoadProbe
     from moescope.capture.routing_log import RoutingLog
+    from moescope.cli import demo_parallel
+    from moescope.parallel.launch import env_rank
     from moescope.runtime import loader, traffic
     from moescope.runtime.engine import Engine
 
     overrides = {"capacity_factor": capacity_factor} if capacity_factor is not None else {}
     model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
                                dtype=dtype, **overrides)
+    rank_env = env_rank()
+    if world_size > 1 and rank_env is None:
+        return demo_parallel.launch(click.get_current_context(), world_size, placement_spec, slow_rank, timeout,
+                                    model, as_json)
+    rank, world = rank_env or (0, 1)
+    if world > 1:
+        rate = 0.0  # lock-step ranks schedule by step, never by wall clock (identical batches everywhere)
+        if metrics_port > 0:
+            metrics_port += rank
     if n_requests is None:
         n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
     reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed), n_requests)
@@ -129,6 +150,11 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     with ExitStack() as stack:
         import moescope
 
+        a2a = None
+        if world > 1:  # join the group first: the rank's observers go into the instrumentation
+            a2a, monitor = demo_parallel.setup_rank(stack, model, rank, world, placement_spec, slow_rank, delay_ms,
+                                                    timeout)
+            observers += [a2a, monitor]
         inst = stack.enter_context(moescope.instrument(
             model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))
         if inst.exporter is not None:
@@ -140,7 +166,8 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
         engine = Engine(model, max_batch=max_batch, seed=seed)  # observed through the instrumentation
         start = time.perf_counter()
         try:
-            records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature)
+            records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature,
+                                 id_prefix=os.environ.get("MOESCOPE_RUN_ID", f"ep{seed}-") if world > 1 else None)
         except KeyboardInterrupt:  # keep what was served: summarise it
             records = engine.finished
         wall = time.perf_counter() - start
@@ -152,8 +179,12 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             summary["metrics_url"] = inst.exporter.url
         if inst.observer.errors:
             summary["observer_errors"] = dict(inst.observer.errors)
+        if a2a is not None:
+            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, wall)
         if linger:
             time.sleep(linger)
+    if world > 1 and demo_parallel.write_summary(summary):
+        return 0
     if routing_log is not None:
         routing_log.save(record_routing)
         summary["routing_log"] = str(record_routing)

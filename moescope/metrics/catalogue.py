@@ -82,6 +82,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        FAST_BUCKETS),
     _h("moescope_all_to_all_seconds", "Time of one all-to-all exchange per layer per forward.", FAST_BUCKETS,
        "op"),
+    _c("moescope_all_to_all_bytes_total", "Bytes exchanged with each peer rank in expert-parallel all-to-alls.",
+       "peer", "direction"),
+    _c("moescope_all_to_all_peer_wait_seconds_total", "Time this rank waited for each peer to join the dispatch "
+       "exchange (the N x N wait matrix is this series by rank and peer).", "peer"),
     _h("moescope_step_seconds", "Engine step (one forward) time, with a request id exemplar.", LATENCY_BUCKETS,
        "phase"),
     _h("moescope_token_latency_seconds", "Per output token latency (first token: time to first token), with "

@@ -168,9 +168,16 @@ class MetricsObserver(Observer):
             for s in delta.load_seconds:
                 h.observe(s)
 
-    def on_all_to_all(self, layer: int, op: str, seconds: float) -> None:
+    def on_all_to_all(self, record) -> None:
         with self.lock:
-            self.hist("moescope_all_to_all_seconds", op).observe(seconds)
+            self.hist("moescope_all_to_all_seconds", record.op).observe(record.seconds)
+            counters = self.counters
+            for peer, (sent, recv, wait) in enumerate(zip(record.sent_bytes, record.recv_bytes,
+                                                          record.peer_wait_s)):
+                counters[("moescope_all_to_all_bytes_total", (str(peer), "sent"))] += sent
+                counters[("moescope_all_to_all_bytes_total", (str(peer), "received"))] += recv
+                if record.op == "dispatch":
+                    counters[("moescope_all_to_all_peer_wait_seconds_total", (str(peer),))] += wait
 
     def on_request(self, record) -> None:
         ex = {"request_id": record.request_id}

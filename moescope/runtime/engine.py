@@ -222,11 +222,13 @@ class Engine:
 
     # -- driving a workload ----------------------------------------------------------------------------
     def run(self, requests: Iterable[TrafficRequest], *, realtime: bool = True,
-            deadline_s: float | None = None, temperature: float = 0.0) -> list[RequestRecord]:
+            deadline_s: float | None = None, temperature: float = 0.0,
+            id_prefix: str | None = None) -> list[RequestRecord]:
         """Serve a workload to completion (or until ``deadline_s``) and return the finished records.
 
         With ``realtime`` requests are submitted when their ``arrival_s`` comes (the engine idles between);
         without it, all are queued at once in order, which makes the run independent of wall-clock timing.
+        ``id_prefix`` gives request n the id ``<prefix><n:05d>`` (expert-parallel ranks agree on ids).
         """
         pending = collections.deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
         start = self.clock()
@@ -239,6 +241,7 @@ class Engine:
                 r = pending.popleft()
                 self.submit(r.prompt, max_new_tokens=r.max_new_tokens, temperature=temperature,
                             domain=r.domain, tenant=r.tenant,
+                            request_id=f"{id_prefix}{r.index:05d}" if id_prefix is not None else None,
                             arrival=start + r.arrival_s if realtime else now)
             if self.has_work:
                 self.step()

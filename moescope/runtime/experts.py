@@ -50,7 +50,7 @@ class DenseFFN(nn.Module):
 
 class Experts(nn.Module):
     """E SwiGLU experts stored as stacked tensors, computed grouped: slots sorted by expert, one pair of
-    matmuls per expert over its contiguous slice, results scattered back with one ``index_add_``.
+    matmuls per expert over its contiguous slice, each token's slots then combined in slot order.
 
     ``weight_source`` lets an expert cache decide where each expert's weights come from (resident, CPU
     tier, disk); by default the module's own parameters are used.
@@ -73,7 +73,7 @@ class Experts(nn.Module):
             weights: [T, k] gate weight per slot.
             counts: slots per expert (length E) if the caller already has them on the host.
         Returns:
-            [T, H] sum over slots of weight * expert(x).
+            [T, H] sum over each token's slots, in slot order, of weight * expert(x).
         """
         n_tokens, top_k = ids.shape
         flat_ids = ids.reshape(-1)  # [T*k]
@@ -82,11 +82,15 @@ class Experts(nn.Module):
             # The one host sync of an MoE layer: per-expert slice bounds for the matmuls (HF's eager block
             # and megablocks without a grouped-GEMM kernel pay the same). Once per layer, never per token.
             counts = torch.bincount(flat_ids, minlength=self.n_experts + 1)[: self.n_experts].tolist()
-        n_active = sum(counts)
-        order = order[:n_active]  # [S]
-        token_of_slot = order // top_k  # [S]
-        w_sorted = weights.reshape(-1)[order, None].to(x.dtype)  # [S, 1]
-        out = torch.zeros_like(x)
+        order = order[: sum(counts)]  # [S] active slots, grouped by expert
+        slot_out = torch.zeros(n_tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)  # [T*k, H]
+        slot_out[order] = self.compute_grouped(x[order // top_k], counts)
+        return combine(slot_out, weights)
+
+    def compute_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run each expert over its contiguous slice of ``rows`` [S, H] (grouped by expert, ``counts[e]``
+        rows for expert e). Returns [S, H]. Also the expert-parallel path's local computation."""
+        out = torch.empty_like(rows)
         source = self.weight_source
         if source is not None:
             source.begin(counts)
@@ -97,12 +101,19 @@ class Experts(nn.Module):
                     gate_up, down = self.gate_up_proj[expert], self.down_proj[expert]
                 else:  # fetched right before use: a miss stalls this step, as on a real server
                     gate_up, down = source.get(expert)
-                sl = slice(start, start + n)
-                tokens = token_of_slot[sl]  # [n]
-                # Gather, compute and scatter one expert at a time: its slice stays in cache, and no
-                # [S, H] copy of the input or concatenation of the outputs is made.
-                out.index_add_(0, tokens, swiglu(x[tokens], gate_up, down) * w_sorted[sl])
+                out[start:start + n] = swiglu(rows[start:start + n], gate_up, down)
                 start += n
         if source is not None:
             source.end()
         return out
+
+
+def combine(slot_out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[T*k, H] per-slot expert outputs -> [T, H]: each token's slots weighted and summed in slot order.
+
+    A fixed summation order per token (not scatter-add order) makes the result independent of how the slots
+    were computed: grouped on one process, or spread over ranks by the expert-parallel path, bit for bit.
+    """
+    n_tokens, top_k = weights.shape
+    y = slot_out.view(n_tokens, top_k, slot_out.shape[-1]) * weights.to(slot_out.dtype).unsqueeze(-1)  # [T, k, H]
+    return y.sum(1)

@@ -125,13 +125,19 @@ class MoELayer(nn.Module):
         self.router = Router(cfg.hidden_size, cfg.n_experts, cfg.top_k, temperature=cfg.router_temperature,
                              capacity_factor=cfg.capacity_factor)
         self.experts = Experts(cfg.n_experts, cfg.hidden_size, cfg.ffn_size)
+        self.layer_index = -1  # set by the Block
+        # Expert parallelism (moescope.parallel): when set, the experts are computed across ranks.
+        self.parallel = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision, torch.Tensor, float, float]:
         """Returns output, decision, router logits, and the host time of the router and of the experts."""
         t0 = time.perf_counter()
         decision, logits = self.router(x)
         t1 = time.perf_counter()
-        y = self.experts(x, decision.active_ids, decision.weights)
+        if self.parallel is None:
+            y = self.experts(x, decision.active_ids, decision.weights)
+        else:
+            y = self.parallel(self.layer_index, self.experts, x, decision.active_ids, decision.weights)
         return y, decision, logits, t1 - t0, time.perf_counter() - t1
 
 
@@ -144,6 +150,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.is_moe = index not in cfg.dense_layers
         self.ffn = MoELayer(cfg) if self.is_moe else DenseFFN(cfg.hidden_size, cfg.dense_ffn)
+        if self.is_moe:
+            self.ffn.layer_index = index
 
     def forward(self, x, segments, cos, sin):
         x = x + self.attn(self.attn_norm(x), segments, self.index, cos, sin)

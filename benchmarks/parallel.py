@@ -1,0 +1,55 @@
+"""Expert parallelism: per-rank tokens/s and the all-to-all share of the run at world sizes 1 and 2.
+
+Runs `moescope demo --world-size W` (gloo, loopback, the tiny demo model, the same greedy requests) for each
+world size in one go and prints, per rank, tokens/s, all-to-all seconds and their share of the run time.
+On one 2-core machine the ranks share the cores, so this measures the exchange's cost and the slow-rank
+view, not a speed-up.
+
+    python benchmarks/parallel.py [--requests 24] [--worlds 1 2] [--out benchmarks/results/parallel.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def run(world: int, requests: int) -> dict:
+    cmd = [sys.executable, "-m", "moescope", "demo", "--json", "--rate", "0", "--metrics-port", "-1",
+           "--requests", str(requests), "--world-size", str(world)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr)
+    return json.loads(proc.stdout)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=24)
+    ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "parallel.json")
+    args = ap.parse_args(argv)
+    rows = []
+    print(f"expert parallel demo (tiny-demo, gloo on loopback, {args.requests} requests, greedy)")
+    print(f"{'world':>5} {'rank':>4} {'tokens/s':>9} {'all-to-all s':>13} {'share of run':>13} {'wall s':>7}")
+    for w in args.worlds:
+        s = run(w, args.requests)
+        ranks = s.get("ranks") or [{"rank": 0, "tokens_per_s": s["tokens_per_s"], "all_to_all_s": 0.0,
+                                    "all_to_all_share": 0.0}]
+        for r in ranks:
+            rows.append({"world_size": w, **r, "wall_s": s["wall_s"]})
+            print(f"{w:>5} {r['rank']:>4} {r['tokens_per_s']:>9.1f} {r['all_to_all_s']:>13.3f} "
+                  f"{r['all_to_all_share']:>12.1%} {s['wall_s']:>7.2f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

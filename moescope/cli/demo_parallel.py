@@ -1,0 +1,120 @@
+"""The expert-parallel side of `moescope demo`: the launcher (`--world-size W`) and one rank's set-up."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+from moescope.capture.observer import Observer
+from moescope.errors import BadInput
+
+
+class AllToAllStats(Observer):
+    """Per-rank totals for the summary: all-to-all seconds per op, and the wait on each peer."""
+
+    def __init__(self, world_size: int) -> None:
+        self.seconds = {"dispatch": 0.0, "combine": 0.0}
+        self.peer_wait_s = [0.0] * world_size
+        self.exchanges = 0
+
+    def on_all_to_all(self, record) -> None:
+        self.seconds[record.op] += record.seconds
+        self.exchanges += 1
+        for p, w in enumerate(record.peer_wait_s):
+            self.peer_wait_s[p] += w
+
+
+def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
+    """Rebuild the command line of ``ctx`` (options differing from their defaults), minus ``drop``."""
+    argv = [ctx.info_name]
+    for param in ctx.command.params:
+        if not isinstance(param, click.Option) or param.name in drop:
+            continue
+        value = ctx.params.get(param.name)
+        if value is None or value == param.default or (param.is_flag and not value):
+            continue
+        argv.append(param.opts[0])
+        if not param.is_flag:
+            argv.append(str(value))
+    return argv
+
+
+def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: int | None, timeout: float,
+           model, as_json: bool) -> int:
+    from moescope.parallel import placement as placement_mod
+    from moescope.parallel.spawn import run_ranks
+
+    if slow_rank is not None and not 0 <= slow_rank < world_size:
+        raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
+    placement = placement_mod.build(placement_spec, n_experts=model.cfg.n_experts, world_size=world_size,
+                                    moe_layers=model.cfg.moe_layers)  # validate once, before spawning
+    code, summaries, errors = run_ranks(argv_from_context(ctx, {"world_size"}), world_size, timeout)
+    failed = [e for e in errors if e]
+    if code != 0 or any(s is None for s in summaries):
+        for e in failed or [f"a rank exited with code {code}"]:
+            click.echo(e if e.startswith("moescope: error:") else f"moescope: error: {e}", err=True)
+        return code or 1
+    merged = dict(summaries[0])
+    merged["world_size"] = world_size
+    merged["placement"] = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
+    merged["ranks"] = [s["rank"] for s in summaries]
+    merged["peer_wait_matrix_s"] = [s["rank"]["peer_wait_s"] for s in summaries]
+    if as_json:
+        json.dump(merged, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        from moescope.cli.demo import _print_human
+
+        _print_human(merged)
+        click.echo(f"expert parallel over {world_size} ranks ({placement_spec}); per rank:")
+        for r in merged["ranks"]:
+            click.echo(f"  rank {r['rank']}: {r['tokens_per_s']} tokens/s, all-to-all {r['all_to_all_s']:.3f}s "
+                       f"({r['all_to_all_share']:.1%} of the run), waited on peers "
+                       + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
+    return 0
+
+
+def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, slow_rank: int | None,
+               delay_ms: float, timeout: float):
+    """Join the group and shard the experts; returns (AllToAllStats, RankMonitor)."""
+    import torch.distributed as dist
+
+    from moescope.parallel import placement as placement_mod
+    from moescope.parallel.expert_parallel import ExpertParallel
+    from moescope.parallel.launch import RankMonitor, init
+
+    placement = placement_mod.build(placement_spec, n_experts=model.cfg.n_experts, world_size=world_size,
+                                    moe_layers=model.cfg.moe_layers)
+    store = init(rank, world_size, timeout)
+    stack.callback(dist.destroy_process_group)
+    monitor = RankMonitor(store, rank, world_size, timeout)
+    stack.callback(monitor.shutdown)
+    ep = ExpertParallel(placement, rank, world_size, observer=lambda: model.observer, monitor=monitor,
+                        slow_delay_s=delay_ms / 1000 if slow_rank == rank else 0.0)
+    for layer in model.moe_layers():
+        layer.parallel = ep
+    return AllToAllStats(world_size), monitor
+
+
+def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) -> dict:
+    a2a = stats.seconds["dispatch"] + stats.seconds["combine"]
+    return {"rank": rank, "tokens_per_s": summary["tokens_per_s"], "all_to_all_s": round(a2a, 4),
+            "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
+            "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
+            "exchanges": stats.exchanges, "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
+            "metrics_url": summary.get("metrics_url")}
+
+
+def write_summary(summary: dict) -> bool:
+    """Under the launcher, hand the summary back through a file; returns True when it did."""
+    from moescope.parallel.spawn import ENV_SUMMARY
+
+    path = os.environ.get(ENV_SUMMARY)
+    if not path:
+        return False
+    with open(path, "w") as f:
+        json.dump(summary, f)
+    return True

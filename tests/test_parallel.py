@@ -1,0 +1,128 @@
+"""Expert parallelism with real gloo processes: exact equality, placement, slow-rank attribution, rank death."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from moescope.errors import BadInput
+from moescope.parallel import placement
+from moescope.runtime import traffic
+from moescope.runtime.engine import Engine
+from moescope.runtime.model import MoETransformer, Segment
+from servers import free_port
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize("world,layout", [(2, "round-robin"), (2, "contiguous"), (4, "round-robin")])
+def test_outputs_equal_the_single_process_model_exactly(tiny_cfg, tmp_path, world, layout):
+    import parallel_worker
+
+    cfg = tiny_cfg.replace(n_experts=8)
+    mp.spawn(parallel_worker.run, args=(world, free_port(), cfg.to_dict(), layout, str(tmp_path)), nprocs=world)
+    model = MoETransformer(cfg).eval()
+    tokens = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(11))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the ranks: BLAS results depend on the thread count
+    try:
+        with torch.no_grad():
+            want = model(tokens, [Segment(20), Segment(17)]).logits
+        outputs = [r.output_tokens for r in Engine(model, max_batch=3).run(
+            traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=6), 5), realtime=False)]
+    finally:
+        torch.set_num_threads(threads)
+    for r in range(world):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=True)
+        assert torch.equal(got["logits"], want), (r, (got["logits"] - want).abs().max())
+        assert [tuple(o) for o in got["outputs"]] == outputs
+
+
+def test_placement_layouts_and_validation(tmp_path):
+    rr = placement.build("round-robin", n_experts=8, world_size=2, moe_layers=(1, 2))
+    assert rr.layers[1] == ((0, 2, 4, 6), (1, 3, 5, 7))
+    co = placement.build("contiguous", n_experts=8, world_size=3, moe_layers=(1,))
+    assert co.layers[1] == ((0, 1, 2), (3, 4, 5), (6, 7))
+    f = tmp_path / "p.yaml"
+    f.write_text("rank_to_experts: {0: [0,1,2,3], 1: [4,5,6,7]}\nlayers:\n  2: {0: [0,2,4,6], 1: [1,3,5,7]}\n")
+    p = placement.load(f, n_experts=8, world_size=2, moe_layers=(1, 2))
+    assert p.layers[1] == ((0, 1, 2, 3), (4, 5, 6, 7)) and p.layers[2] == rr.layers[2]
+    for text, needle in [("rank_to_experts: {0: [0,1,2], 1: [4,5,6,7]}", "experts [3] are placed on no rank"),
+                         ("rank_to_experts: {0: [0,1,2,3,4], 1: [4,5,6,7]}", "experts [4] are placed more than once"),
+                         ("rank_to_experts: {0: [0,1,2,3], 2: [4,5,6,7]}", "ranks [2], which do not exist"),
+                         ("rank_to_experts: {0: [0,1,2,3], 1: [4,5,6,9]}", "expert 9 outside 0..7"),
+                         ("[1, 2", "cannot parse placement")]:
+        f.write_text(text)
+        with pytest.raises(BadInput, match=needle.replace("[", r"\[").replace("]", r"\]")):
+            placement.load(f, n_experts=8, world_size=2, moe_layers=(1,))
+    f.write_text("replicated: true\nrank_to_experts: {0: [0,1,2,3,4], 1: [4,5,6,7]}")
+    rep = placement.load(f, n_experts=8, world_size=2, moe_layers=(1,))
+    assert rep.owner_table(1, 1)[4] == 1 and rep.owner_table(1, 0)[4] == 0  # local replica preferred
+
+
+def _demo(*args, timeout=240):
+    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--rate", "0", "--metrics-port",
+                           "-1", "--json", *args], capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_slow_rank_is_attributed_and_delays_the_exchange():
+    delay = 0.05  # well above the scheduling noise of 3 ranks sharing 2 cores
+    base = _demo("--world-size", "3", "--requests", "3", "--max-batch", "3")
+    slow = _demo("--world-size", "3", "--requests", "3", "--max-batch", "3", "--slow-rank", "2",
+                 "--delay-ms", str(delay * 1000))
+    matrix = slow["peer_wait_matrix_s"]  # [rank][peer]: what rank waited on peer
+    waited_on = [sum(row[p] for row in matrix) for p in range(3)]
+    assert max(range(3), key=waited_on.__getitem__) == 2, matrix
+    for r in (0, 1):
+        rs, rb = slow["ranks"][r], base["ranks"][r]
+        extra = rs["dispatch_s"] / rs["exchanges"] * 2 - rb["dispatch_s"] / rb["exchanges"] * 2  # per dispatch
+        assert 0.5 * delay < extra < 2.0 * delay, (r, extra)
+        assert matrix[r][2] == pytest.approx(rs["exchanges"] / 2 * delay, rel=0.5)
+    # Ranks agree on request ids: <run>-<index>, one run prefix for all requests.
+    assert len({i.rsplit("-", 1)[0] for i in slow["request_ids"]}) == 1
+    assert sorted(int(i.rsplit("-", 1)[1]) for i in slow["request_ids"]) == list(range(3))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_a_dead_or_hung_rank_stops_the_others_with_an_error_naming_it(tmp_path, sig):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, wait_for_workers=False)
+    procs = []
+    for r in range(2):
+        env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MOESCOPE_STORE": f"127.0.0.1:{store.port}"}
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "moescope", "demo", "--requests", "400", "--rate", "0", "--metrics-port", "-1",
+             "--timeout", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # wait until both ranks are serving
+            try:
+                steps = [int(store.get(f"moescope/hb/{r}").decode().split()[0]) for r in range(2)]
+                if min(steps) >= 3:
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "ranks did not start"
+            time.sleep(0.2)
+        procs[1].send_signal(sig)
+        t_kill = time.monotonic()
+        err = procs[0].communicate(timeout=60)[1]
+        elapsed = time.monotonic() - t_kill
+        assert procs[0].returncode == 1
+        assert elapsed < 5 + 5, elapsed  # within the 5 s timeout (plus the 1.5 s heartbeat check)
+        line = [ln for ln in err.splitlines() if ln.startswith("moescope: error:")]
+        assert line and "rank 1" in line[0] and "stopped responding" in line[0], err[-2000:]
+        assert "Traceback" not in err
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
