@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Iterable
 
 from moescope.capture.observer import FanOut, Observer
-from moescope.capture.queued import QueuedObserver
 from moescope.metrics.state import MetricsObserver, ModelInfo
+
+
+def _name(observer) -> str:
+    return getattr(observer, "name", type(observer).__name__)
 
 
 class Instrumentation:
@@ -43,10 +46,11 @@ class Instrumentation:
                                        expert_series_budget=expert_series_budget)
         observers = list(observers)
         self.observer = FanOut([self.metrics, *observers])
-        queued = [o for o in observers if isinstance(o, QueuedObserver)]
+        # Observers with their own queue (QueuedObserver, TraceRecorder) report drops and errors.
+        queued = [o for o in observers if hasattr(o, "dropped")]
         self.metrics.errors_source = lambda: {**self.observer.errors,
-                                              **{q.name: q.errors for q in queued if q.errors}}
-        self.metrics.dropped_source = lambda: {q.name: q.dropped for q in queued}
+                                              **{_name(q): q.errors for q in queued if getattr(q, "errors", 0)}}
+        self.metrics.dropped_source = lambda: {_name(q): q.dropped for q in queued}
         self.exporter = None
         if port is not None:  # before attaching: a port that cannot be bound leaves the model untouched
             from moescope.metrics.exporter import Exporter

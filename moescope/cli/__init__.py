@@ -17,9 +17,11 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from moescope.cli import cache_sim, demo, train_demo
+    from moescope.cli import cache_sim, demo, requests_cmd, trace_cmd, train_demo
 
     cli.add_command(cache_sim.cache_sim)
+    cli.add_command(requests_cmd.requests_cmd)
+    cli.add_command(trace_cmd.trace_cmd)
     cli.add_command(demo.demo)
     cli.add_command(train_demo.train_demo)
 

@@ -102,6 +102,11 @@ def _print_human(s: dict) -> None:
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Exporter bind address.")
 @click.option("--linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Keep serving metrics this many seconds after the workload (for scrapers).")
+@click.option("--traces", "traces_path", default=None,
+              help="Trace store (SQLite) for per-token traces [~/.local/share/moescope/traces.sqlite, or "
+                   "$MOESCOPE_TRACES]; 'none' to disable.")
+@click.option("--trace-sample", type=click.FloatRange(0, 1), default=1.0, show_default=True,
+              help="Share of ordinary requests traced (anomalous ones are always kept).")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
@@ -116,7 +121,7 @@ def _print_human(s: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
-         metrics_port, metrics_addr, linger, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
+         metrics_port, metrics_addr, linger, traces_path, trace_sample, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
          no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.probes import ExpertLoadProbe
@@ -155,6 +160,13 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             a2a, monitor = demo_parallel.setup_rank(stack, model, rank, world, placement_spec, slow_rank, delay_ms,
                                                     timeout)
             observers += [a2a, monitor]
+        recorder = None
+        traces_path = traces_path or os.environ.get("MOESCOPE_TRACES") or str(_default_traces())
+        if traces_path != "none" and (world == 1 or rank == 0):  # lock-step ranks trace identical routing
+            from moescope.traces.recorder import TraceRecorder
+
+            recorder = TraceRecorder(traces_path, sample=trace_sample, model=model.cfg.name, rank=rank, seed=seed)
+            observers.append(recorder)
         inst = stack.enter_context(moescope.instrument(
             model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))
         if inst.exporter is not None:
@@ -179,6 +191,8 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             summary["metrics_url"] = inst.exporter.url
         if inst.observer.errors:
             summary["observer_errors"] = dict(inst.observer.errors)
+        if recorder is not None:
+            summary["traces"] = str(recorder.path)
         if a2a is not None:
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, wall)
         if linger:
@@ -194,6 +208,12 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     else:
         _print_human(summary)
     return 0
+
+
+def _default_traces():
+    from moescope.traces.store import DEFAULT_PATH
+
+    return DEFAULT_PATH
 
 
 @contextmanager

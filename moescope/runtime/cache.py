@@ -69,6 +69,7 @@ class CacheDelta:
     prefetch_wasted: int
     bytes_loaded: int
     load_seconds: tuple[float, ...]
+    missed: tuple[int, ...] = ()  # experts that were not resident when this forward needed them
 
 
 _DELTA_FIELDS = ("lookups", "hits", "misses", "evictions", "prefetch_hits", "prefetch_wasted", "bytes_loaded")
@@ -240,6 +241,7 @@ class LayerCache:
         self._generation = 0
         self.observer = None  # callable returning the model's current observer (set by attach_cache)
         self._mark = (0,) * len(_DELTA_FIELDS) + (0,)
+        self._missed: list[int] = []
 
     def load(self, expert: int) -> ExpertWeights:
         gate_up, down = self.tier.load(expert)
@@ -264,7 +266,9 @@ class LayerCache:
         if now == self._mark or self.observer is None:
             return
         diff = [a - b for a, b in zip(now, self._mark)]
-        delta = CacheDelta(*diff[:-1], load_seconds=tuple(st.load_seconds[self._mark[-1]:]))
+        delta = CacheDelta(*diff[:-1], load_seconds=tuple(st.load_seconds[self._mark[-1]:]),
+                           missed=tuple(self._missed))
+        self._missed.clear()
         self._mark = now
         self.observer().on_cache(self.layer, delta)
 
@@ -276,6 +280,7 @@ class LayerCache:
             st.hits += 1
             return self._resident[expert]
         st.misses += 1
+        self._missed.append(expert)
         weights = self.prefetcher.take(self.layer, expert) if self.prefetcher is not None else None
         if weights is not None:
             st.prefetch_hits += 1

@@ -1,0 +1,103 @@
+"""Trace store: writer throughput, query latency on a 1M-token store, bytes per token-layer.
+
+Synthetic but real data path: routing decisions (3 MoE layers, 8 experts, top-2) for steps of 100-token
+requests go through the trace writer's own packing and SQLite insert code, into a real store on disk.
+Then `moescope trace ID --json` and `moescope requests` run as subprocesses against the 1M-token store
+(their wall time includes Python start-up), and the in-process query time is reported too.
+
+    python benchmarks/traces.py [--tokens 1000000] [--out benchmarks/results/traces.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from moescope.runtime.engine import RequestRecord, StepRecord
+from moescope.runtime.router import route
+from moescope.traces import store
+from moescope.traces.recorder import TraceRecorder
+
+HERE = Path(__file__).resolve().parent
+LAYERS, EXPERTS, TOP_K, PER_REQUEST = (1, 2, 3), 8, 2, 100
+
+
+def fill(path: Path, n_tokens: int) -> dict:
+    rec = TraceRecorder(path, max_bytes=2**40, flush_interval_s=1.0)
+    rec.shutdown()  # we drive the writer's code on this thread, timed
+    rec.conn = store.open_store(path)
+    gen = torch.Generator().manual_seed(0)
+    n_requests = n_tokens // PER_REQUEST
+    pool = [[(layer, route(torch.randn(PER_REQUEST, EXPERTS, generator=gen), TOP_K)) for layer in LAYERS]
+            for _ in range(8)]
+    t0 = time.perf_counter()
+    for i in range(n_requests):
+        rid = f"req-{i:07d}"
+        step = StepRecord(i, "prefill", float(i), 0.01, PER_REQUEST, ((rid, 0, PER_REQUEST),))
+        rec._on_step(step, pool[i % len(pool)], {layer: (1e-4, 1e-3) for layer in LAYERS}, {}, {})
+        record = RequestRecord(rid, "p" * (PER_REQUEST - 1), "o", tuple(range(PER_REQUEST)), (7,), float(i), 0.0,
+                               0.01, 0.01, (0.01,), 0.01, "length")
+        rec._on_request(record)
+        if i % 500 == 0:
+            rec.conn.commit()
+    rec.conn.commit()
+    seconds = time.perf_counter() - t0
+    rec.conn.close()
+    return {"requests": n_requests, "tokens": n_requests * PER_REQUEST, "write_s": seconds,
+            "token_layer_records_per_s": n_requests * PER_REQUEST * len(LAYERS) / seconds}
+
+
+def wall(cmd: list[str], repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        subprocess.run(cmd, check=True, capture_output=True)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=1_000_000)
+    ap.add_argument("--out", type=Path, default=HERE / "results" / "traces.json")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "traces.sqlite"
+        report = fill(path, args.tokens)
+        conn = store.open_store(path)
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        size = path.stat().st_size
+        report["store_bytes"] = size
+        report["bytes_per_token_layer"] = size / (report["tokens"] * len(LAYERS))
+        rid = f"req-{report['requests'] // 2:07d}"
+        t = time.perf_counter()
+        store.load_request(conn, rid)
+        report["load_request_in_process_s"] = time.perf_counter() - t
+        moescope = [sys.executable, "-m", "moescope"]
+        report["trace_json_cli_s"] = wall([*moescope, "trace", rid, "--traces", str(path), "--json"])
+        report["requests_cli_s"] = wall([*moescope, "requests", "--traces", str(path)])
+        report["startup_cli_s"] = wall([*moescope, "--version"])
+    print(f"trace store: {report['tokens']:,} tokens x {len(LAYERS)} layers, top-{TOP_K}")
+    print(f"  writer: {report['token_layer_records_per_s']:,.0f} token-layer records/s "
+          f"({report['write_s']:.1f} s for the store)")
+    print(f"  size: {report['store_bytes'] / 1e6:.1f} MB = {report['bytes_per_token_layer']:.1f} bytes per token-layer")
+    print(f"  moescope trace ID --json: {report['trace_json_cli_s']:.2f} s wall "
+          f"(in-process query {report['load_request_in_process_s'] * 1e3:.1f} ms; CLI start-up alone "
+          f"{report['startup_cli_s']:.2f} s)")
+    print(f"  moescope requests: {report['requests_cli_s']:.2f} s wall")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

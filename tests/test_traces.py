@@ -1,0 +1,277 @@
+"""Per-token traces: the store, `moescope requests` / `moescope trace`, OpenTelemetry, sanitising."""
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import moescope
+from moescope.capture.observer import Observer
+from moescope.cli import main
+from moescope.errors import BadInput
+from moescope.runtime import traffic
+from moescope.runtime.engine import Engine
+from moescope.runtime.model import MoETransformer
+from moescope.traces import store
+from moescope.traces.recorder import TraceRecorder
+
+EVIL = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\x9b"
+
+
+class StepRouting(Observer):
+    """Independent record: per step, each request's token rows of every layer's expert ids."""
+
+    def __init__(self):
+        self.pending, self.by_request = [], {}
+
+    def on_routing(self, layer, decision):
+        self.pending.append((layer, decision.active_ids.clone()))
+
+    def on_step(self, step):
+        offset = 0
+        for rid, _, n in step.segments:
+            rows = self.by_request.setdefault(rid, [])
+            for t in range(offset, offset + n):
+                rows.append([ids[t].tolist() for _, ids in self.pending])
+            offset += n
+        self.pending = []
+
+
+def _serve(cfg, path, n=6, **kw):
+    model = MoETransformer(cfg).eval()
+    spy = StepRouting()
+    rec = TraceRecorder(path, **kw)
+    with moescope.instrument(model, observers=[rec, spy]):
+        engine = Engine(model, max_batch=3)
+        for i, r in enumerate(traffic.generate(traffic.TrafficConfig(seed=3, output_tokens_median=6), n)):
+            engine.submit(EVIL + r.prompt if i == 0 else r.prompt, max_new_tokens=r.max_new_tokens,
+                          domain=r.domain, tenant=r.tenant)
+        while engine.has_work:
+            engine.step()
+    return engine.finished, spy, rec
+
+
+def test_trace_json_expert_ids_equal_an_independent_observer(tiny_cfg, tmp_path, capsys):
+    path = tmp_path / "t.sqlite"
+    records, spy, rec = _serve(tiny_cfg.replace(capacity_factor=0.9), path)
+    assert rec.written == len(records) and rec.dropped == 0
+    for r in records:
+        assert main(["trace", r.request_id, "--traces", str(path), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        routed = [t for t in doc["tokens"] if t["layers"]]
+        assert [[la["experts"] for la in t["layers"]] for t in routed] == spy.by_request[r.request_id]
+        assert len(doc["tokens"]) == len(r.prompt_tokens) + r.n_output
+        assert [t["latency_s"] for t in doc["tokens"] if t["phase"] == "decode"] == \
+            pytest.approx(list(r.token_latencies_s), rel=1e-6)
+    flagged = [r for r in records if "dropped" in store.load_request(store.open_store(path), r.request_id)["flags"]]
+    assert flagged  # capacity 0.9 drops slots; those requests carry the flag
+
+
+def test_escape_sequences_are_shown_inert_in_every_output(tiny_cfg, tmp_path, capsys):
+    path = tmp_path / "t.sqlite"
+    records, _, _ = _serve(tiny_cfg, path, n=2)
+    rid = records[0].request_id if records[0].prompt.startswith("\x1b") else records[1].request_id
+    for mode in ("--json", "--plain"):
+        assert main(["trace", rid, "--traces", str(path), mode]) == 0
+        out = capsys.readouterr().out
+        assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
+        assert "\\x1b]0;pwned\\x07" in out or "\\\\x1b]0;pwned\\\\x07" in out
+    from moescope.tui.trace_app import TraceApp, header_text
+
+    doc = store.load_request(store.open_store(path), rid)
+    text = header_text(doc).plain
+    assert "\x1b" not in text and "\\x1b]0;pwned\\x07" in text
+
+
+def test_tui_pilot_navigate_anomaly_search_quit(tiny_cfg, tmp_path):
+    import asyncio
+
+    from textual.widgets import DataTable, Static
+
+    from moescope.tui.trace_app import TraceApp
+
+    path = tmp_path / "t.sqlite"
+    records, spy, _ = _serve(tiny_cfg.replace(capacity_factor=0.9), path)
+    conn = store.open_store(path)
+    docs = [store.load_request(conn, r.request_id) for r in records]
+    doc = next(d for d in docs if any(t["flags"] for t in d["tokens"]))
+    first_anomaly = next(i for i, t in enumerate(doc["tokens"]) if t["flags"])
+
+    async def drive():
+        app = TraceApp(doc)
+        async with app.run_test(size=(80, 24)) as pilot:
+            tokens = app.query_one("#tokens", DataTable)
+            layers = app.query_one("#layers", DataTable)
+            assert tokens.row_count == len(doc["tokens"])
+            await pilot.press("down", "down")
+            assert app.current == 2
+            assert layers.row_count == len(doc["layers"])
+            assert layers.get_row_at(0)[1] == ",".join(map(str, doc["tokens"][2]["layers"][0]["experts"]))
+            await pilot.press("home")
+            await pilot.press("n")
+            assert app.current == first_anomaly
+            # search: the output's first 3 characters start at the first decode position
+            out = doc["tokens"][len([t for t in doc["tokens"] if t["phase"] == "prefill"])]
+            await pilot.press("home", "slash", *list(out["text"]), "enter")
+            assert doc["tokens"][app.current]["text"] == out["text"]
+            await pilot.press("c")
+            await pilot.press("q")
+        assert app.return_code in (0, None)
+
+    asyncio.run(drive())
+
+
+def test_tmux_screen_reads_as_a_person_would(tiny_cfg, tmp_path):
+    from servers import require
+
+    tmux = require("tmux", "tmux")
+    path = tmp_path / "t.sqlite"
+    records, _, _ = _serve(tiny_cfg, path, n=2)
+    rid = records[-1].request_id
+    session = f"moescope-{os.getpid()}"
+    cmd = f"{sys.executable} -m moescope trace {rid} --traces {path}; echo EXITED; sleep 30"
+    subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
+    try:
+        deadline = time.monotonic() + 60
+        screen = ""
+        while time.monotonic() < deadline:
+            screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+            if rid in screen and "quit" in screen:
+                break
+            time.sleep(0.5)
+        assert rid in screen and "prompt:" in screen and "next anomaly" in screen, screen
+        assert all(len(line) <= 80 for line in screen.splitlines())
+        subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 20
+        while "EXITED" not in screen and time.monotonic() < deadline:
+            time.sleep(0.3)
+            screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
+                                    text=True).stdout
+        assert "EXITED" in screen
+    finally:
+        subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
+
+
+def test_requests_command_filters(tiny_cfg, tmp_path, capsys):
+    path = tmp_path / "t.sqlite"
+    records, _, _ = _serve(tiny_cfg.replace(capacity_factor=0.9), path)
+    assert main(["requests", "--traces", str(path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["request_id"] for r in rows} == {r.request_id for r in records}
+    assert main(["requests", "--traces", str(path), "--slowest", "2", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    want = sorted(records, key=lambda r: -r.total_s)[:2]
+    assert [r["request_id"] for r in slow] == [r.request_id for r in want]
+    assert main(["requests", "--traces", str(path), "--flag", "dropped", "--json"]) == 0
+    dropped = json.loads(capsys.readouterr().out)
+    assert dropped and all("dropped" in r["flags"] for r in dropped)
+    assert main(["requests", "--traces", str(path), "--since", "1h"]) == 0
+    assert records[0].request_id[:8] in capsys.readouterr().out
+    assert main(["requests", "--traces", str(path), "--since", "yesterday-ish"]) == 2
+
+
+def test_bad_stores_are_clear_errors(tmp_path, capsys):
+    assert main(["requests", "--traces", str(tmp_path / "missing.sqlite")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    bad = tmp_path / "bad.sqlite"
+    bad.write_bytes(b"this is not sqlite at all" * 100)
+    assert main(["trace", "x", "--traces", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moescope: error: trace store") and err.count("\n") == 1
+    old = tmp_path / "old.sqlite"
+    conn = store.open_store(old, create=True)
+    conn.execute("UPDATE meta SET value='0' WHERE key='schema_version'")
+    conn.commit()
+    with pytest.raises(BadInput, match="older moescope"):
+        store.open_store(old)
+
+
+def test_sampling_keeps_anomalies_and_otel_spans_link(tiny_cfg, tmp_path):
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    path = tmp_path / "t.sqlite"
+    records, _, rec = _serve(tiny_cfg.replace(capacity_factor=0.9), path, n=8, sample=0.0,
+                             tracer=provider.get_tracer("moescope"))
+    conn = store.open_store(path)
+    kept = {r.request_id: r for r in store.list_requests(conn, limit=100)}
+    assert kept and all(r.flags for r in kept.values())  # sample=0: only anomalous requests
+    assert rec.sampled_out == len(records) - len(kept)
+    spans = exporter.get_finished_spans()
+    roots = {s.attributes["moescope.request_id"]: s for s in spans if s.name == "moescope.request"}
+    assert set(roots) == set(kept)
+    for rid, span in roots.items():
+        doc = store.load_request(conn, rid)
+        assert doc["trace_id"] == format(span.context.trace_id, "032x")
+        kids = sorted((s for s in spans if s.parent and s.parent.span_id == span.context.span_id),
+                      key=lambda s: s.start_time)
+        assert [k.name for k in kids] == ["moescope.queue", "moescope.prefill", "moescope.decode"]
+        assert span.end_time - span.start_time == pytest.approx(doc["timings"]["total_s"] * 1e9, rel=1e-3)
+
+
+def test_a_full_queue_drops_and_counts_without_blocking(tiny_cfg, tmp_path):
+    path = tmp_path / "t.sqlite"
+    rec = TraceRecorder(path, queue_size=1)
+    rec._queue.put(("request", None))  # occupy the queue: the writer will choke on this item (counted)
+    model = MoETransformer(tiny_cfg).eval()
+    with moescope.instrument(model, port=0, observers=[rec]) as inst:
+        Engine(model, max_batch=2).run(traffic.generate(traffic.TrafficConfig(seed=1), 3), realtime=False)
+        text = inst.exporter.exposition().decode()
+    assert rec.dropped > 0
+    assert f'moescope_capture_dropped_total{{model="test-tiny",queue="traces",rank="0"}} {float(rec.dropped)}' in text
+
+
+def test_retention_by_size(tiny_cfg, tmp_path):
+    path = tmp_path / "t.sqlite"
+    _serve(tiny_cfg, path, n=10, max_bytes=60_000, flush_interval_s=0.05)
+    conn = store.open_store(path)
+    n = conn.execute("SELECT COUNT(*) FROM requests").fetchone()[0]
+    assert 0 < n < 10
+
+
+KILL_SCRIPT = r"""
+import sys, time, moescope
+from moescope.runtime import loader, traffic
+from moescope.runtime.engine import Engine
+from moescope.traces.recorder import TraceRecorder
+model = loader.build_model("tiny-demo")
+rec = TraceRecorder(sys.argv[1], flush_interval_s=0.5)
+inst = moescope.instrument(model, observers=[rec])
+engine = Engine(model, max_batch=4)
+for r in traffic.generate(traffic.TrafficConfig(seed=9), 100000):
+    engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
+while True:
+    for record in engine.step():
+        print(time.time(), record.request_id, flush=True)
+"""
+
+
+def test_killing_the_process_loses_at_most_the_last_flush_interval(tmp_path):
+    path = tmp_path / "t.sqlite"
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(path)], stdout=subprocess.PIPE, text=True)
+    finished = []
+    deadline = time.monotonic() + 120
+    while len(finished) < 40 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if line:
+            ts, rid = line.split()
+            finished.append((float(ts), rid))
+    os.kill(proc.pid, signal.SIGKILL)
+    killed_at = time.time()
+    proc.wait()
+    conn = store.open_store(path)  # opens after the crash
+    stored = {r[0] for r in conn.execute("SELECT request_id FROM requests")}
+    # Everything finished more than two flush intervals (1 s) before the kill is there.
+    old = {rid for ts, rid in finished if ts < killed_at - 1.0}
+    assert old and old <= stored, (len(old), len(old - stored))
