@@ -47,7 +47,7 @@ class Instrumentation:
         observers = list(observers)
         self.observer = FanOut([self.metrics, *observers])
         # Observers with their own queue (QueuedObserver, TraceRecorder) report drops and errors.
-        queued = [o for o in observers if hasattr(o, "dropped")]
+        queued = [o for o in observers if isinstance(getattr(o, "dropped", None), int)]
         self.metrics.errors_source = lambda: {**self.observer.errors,
                                               **{_name(q): q.errors for q in queued if getattr(q, "errors", 0)}}
         self.metrics.dropped_source = lambda: {_name(q): q.dropped for q in queued}
