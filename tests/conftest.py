@@ -9,6 +9,14 @@ sys.path.insert(0, str(Path(__file__).parent))  # tests/reference.py
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_configure(config):
+    # Demo runs in tests (and their subprocesses) write traces to a temporary store, not the user's home.
+    import tempfile
+
+    os.environ.setdefault("MOESCOPE_TRACES", os.path.join(tempfile.mkdtemp(prefix="moescope-test-"),
+                                                          "traces.sqlite"))
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 

@@ -275,3 +275,16 @@ def test_killing_the_process_loses_at_most_the_last_flush_interval(tmp_path):
     # Everything finished more than two flush intervals (1 s) before the kill is there.
     old = {rid for ts, rid in finished if ts < killed_at - 1.0}
     assert old and old <= stored, (len(old), len(old - stored))
+
+
+def test_a_demo_request_opens_by_id(tmp_path, capsys):
+    path = tmp_path / "demo.sqlite"
+    assert main(["demo", "--requests", "3", "--rate", "0", "--metrics-port", "-1", "--traces", str(path),
+                 "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["traces"] == str(path)
+    for rid in summary["request_ids"]:
+        assert main(["trace", rid, "--traces", str(path), "--json"]) == 0
+        doc = json.loads(capsys.readouterr().out)
+        assert doc["request_id"] == rid and doc["model"] == "tiny-demo"
+        assert all(len(t["layers"]) == 3 for t in doc["tokens"][:-1])
