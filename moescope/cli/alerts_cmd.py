@@ -1,0 +1,24 @@
+"""``moescope alerts build``: regenerate the alert rules and their promtool tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+
+@click.group("alerts")
+def alerts() -> None:
+    """Alert rules (generated from moescope/alerts/rules.py)."""
+
+
+@alerts.command("build")
+@click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True,
+              help="Repository root to write collectors/prometheus/ under.")
+def build(root: Path) -> int:
+    """Write collectors/prometheus/moescope-rules.yml and tests/moescope-rules.test.yml."""
+    from moescope.alerts import rules
+
+    for path in rules.write(root):
+        click.echo(f"wrote {path}")
+    return 0

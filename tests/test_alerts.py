@@ -1,0 +1,92 @@
+"""Alert rules, their promtool unit tests, Alertmanager routing, playbooks: checked with the real tools."""
+
+import re
+import subprocess
+
+import pytest
+import yaml
+
+from conftest import ROOT
+from moescope.alerts import rules
+from moescope.metrics import catalogue
+from servers import require
+
+PROM = ROOT / "collectors" / "prometheus"
+AM = ROOT / "collectors" / "alertmanager" / "alertmanager.yml"
+
+
+def test_generated_rules_are_stable():
+    for path, doc in ((PROM / "moescope-rules.yml", rules.rules_document()),
+                      (PROM / "tests" / "moescope-rules.test.yml", rules.tests_document())):
+        assert yaml.safe_load(path.read_text()) == doc, f"{path} is stale: run `moescope alerts build`"
+
+
+def test_promtool_check_and_unit_tests_pass():
+    promtool = require("promtool", "prometheus")
+    check = subprocess.run([promtool, "check", "rules", str(PROM / "moescope-rules.yml")], capture_output=True,
+                           text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    test = subprocess.run([promtool, "test", "rules", "tests/moescope-rules.test.yml"], cwd=PROM,
+                          capture_output=True, text=True)
+    assert test.returncode == 0, test.stdout + test.stderr
+    # Every alert is tested: firing, healthy and at the boundary (the Watchdog just fires).
+    names = [t["name"] for t in rules.tests_document()["tests"]]
+    for s in rules.specs():
+        cases = {"fires", "healthy", "boundary"} if s.name != "Watchdog" else {"always fires"}
+        assert {n.split(" ", 1)[1] for n in names if n.split(" ", 1)[0] == s.name} == cases
+
+
+def test_every_rule_metric_is_in_the_catalogue_and_every_alert_is_complete():
+    known = catalogue.names() | {"up"}
+    for s in rules.specs():
+        used = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"\bmoescope_[a-z_]+", s.expr)}
+        assert used <= known, (s.name, used - known)
+        assert set(s.metrics) <= known
+    doc = rules.rules_document()
+    for rule in doc["groups"][0]["rules"]:
+        assert rule["labels"]["severity"] in ("critical", "warning", "info", "none")
+        assert {"summary", "description", "runbook_url"} <= set(rule["annotations"])
+        assert rule["annotations"]["runbook_url"].endswith(f"/{rule['alert']}.md")
+    nonfinite = next(r for r in doc["groups"][0]["rules"] if r["alert"] == "MoERouterNonFiniteLogits")
+    assert "for" not in nonfinite and nonfinite["labels"]["severity"] == "critical"
+
+
+def test_every_alert_has_a_playbook_and_every_playbook_an_alert():
+    alerts = {s.name for s in rules.specs()}
+    books = {p.stem for p in (ROOT / "playbooks").glob("*.md")} - {"README"}
+    assert books == alerts
+    index = (ROOT / "playbooks" / "README.md").read_text()
+    for name in alerts:
+        text = (ROOT / "playbooks" / f"{name}.md").read_text()
+        assert text.startswith(f"# {name}\n")
+        for section in ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation"):
+            assert section in text, (name, section)
+        assert f"({name}.md)" in index
+
+
+@pytest.mark.parametrize("labels,receiver", [
+    (["alertname=MoEExpertCollapse", "severity=critical", "model=m", "layer=1"], "critical"),
+    (["alertname=MoERouterNonFiniteLogits", "severity=critical"], "critical"),
+    (["alertname=MoEExpertLoadImbalance", "severity=warning", "model=m", "layer=1"], "warning"),
+    (["alertname=MoEExpertCacheHitRateLow", "severity=warning"], "warning"),
+    (["alertname=Watchdog", "severity=none"], "watchdog"),
+    (["alertname=SomethingElse"], "default"),
+])
+def test_alertmanager_routes(labels, receiver):
+    amtool = require("amtool", "prometheus-alertmanager")
+    assert subprocess.run([amtool, "check-config", str(AM)], capture_output=True).returncode == 0
+    ok = subprocess.run([amtool, "config", "routes", "test", f"--config.file={AM}", f"--verify.receivers={receiver}",
+                         *labels], capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    wrong = "default" if receiver != "default" else "critical"
+    bad = subprocess.run([amtool, "config", "routes", "test", f"--config.file={AM}", f"--verify.receivers={wrong}",
+                          *labels], capture_output=True, text=True)
+    assert bad.returncode == 1  # amtool really checks
+
+
+def test_alertmanager_inhibits_warnings_by_criticals_of_the_same_layer():
+    cfg = yaml.safe_load(AM.read_text())
+    (rule,) = cfg["inhibit_rules"]
+    assert rule["source_matchers"] == ['severity="critical"'] and rule["target_matchers"] == ['severity="warning"']
+    assert set(rule["equal"]) == {"model", "layer"}
+    assert cfg["route"]["group_by"] == ["alertname", "model", "layer"]
