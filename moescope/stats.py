@@ -42,10 +42,11 @@ def imbalance(load: Sequence[float]) -> float:
     return m - 1.0 if m else 0.0
 
 
-def top_share(load: Sequence[float]) -> float:
-    """The busiest expert's share of all slots (1/E when balanced, 1.0 when collapsed); 0 for no load."""
-    total = sum(load)
-    return max(load) / total if total else 0.0
+def top_share(load: Sequence[float], tokens: float) -> float:
+    """Share of the routed tokens that the busiest expert took: k/E when balanced, 1.0 when every token
+    chose it (a collapse). Per token, not per slot: with top-k one expert can hold at most 1/k of the slots,
+    but all of the tokens. 0 for no tokens."""
+    return max(load) / tokens if tokens else 0.0
 
 
 def dead_experts(load: Sequence[float]) -> int:

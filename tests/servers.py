@@ -93,3 +93,72 @@ class Prometheus:
         except subprocess.TimeoutExpired:
             self.proc.kill()
         self.log.close()
+
+
+class Webhook:
+    """An Alertmanager webhook receiver on loopback: keeps every (path, payload) it gets."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        self.received: list[tuple[str, dict]] = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.received.append((self.path, json.loads(body)))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def alerts(self) -> list[tuple[str, dict]]:
+        """(receiver path, alert) for every alert delivered so far."""
+        return [(path, a) for path, payload in self.received for a in payload.get("alerts", [])]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+
+
+class Alertmanager:
+    """Alertmanager (Debian package) with the repo's routing, its webhooks pointed at ``webhook``."""
+
+    def __init__(self, tmp: Path, config: Path, webhook_port: int) -> None:
+        import yaml
+
+        self.binary = require("prometheus-alertmanager", "prometheus-alertmanager")  # Debian names it so
+        cfg = yaml.safe_load(config.read_text())
+        for r in cfg["receivers"]:
+            for w in r.get("webhook_configs", []):
+                w["url"] = w["url"].replace("127.0.0.1:9099", f"127.0.0.1:{webhook_port}")
+        cfg["route"].update(group_wait="1s", group_interval="2s")  # test timings; the routing tree is the repo's
+        for sub in cfg["route"].get("routes", []):
+            sub.pop("group_wait", None)
+        (tmp / "alertmanager.yml").write_text(yaml.safe_dump(cfg))
+        self.port = free_port()
+        self.log = open(tmp / "alertmanager.log", "wb")
+        self.proc = subprocess.Popen(
+            [self.binary, f"--config.file={tmp / 'alertmanager.yml'}", f"--storage.path={tmp / 'am-data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--cluster.listen-address="],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        self.address = f"127.0.0.1:{self.port}"
+        try:
+            wait_http(f"http://{self.address}/-/ready")
+        except OSError:
+            self.stop()
+            raise RuntimeError("alertmanager did not start: " + (tmp / "alertmanager.log").read_text()[-2000:])
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()

@@ -107,6 +107,9 @@ def _print_human(s: dict) -> None:
                    "$MOESCOPE_TRACES]; 'none' to disable.")
 @click.option("--trace-sample", type=click.FloatRange(0, 1), default=1.0, show_default=True,
               help="Share of ordinary requests traced (anomalous ones are always kept).")
+@click.option("--scenario", default="healthy", show_default=True,
+              help="Fault scenario(s), comma-separated: healthy, collapse, imbalance, jitter (real changes to "
+                   "the router, never to the metrics).")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
@@ -121,7 +124,7 @@ def _print_human(s: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
-         metrics_port, metrics_addr, linger, traces_path, trace_sample, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
+         metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
          no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.probes import ExpertLoadProbe
@@ -134,6 +137,9 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     overrides = {"capacity_factor": capacity_factor} if capacity_factor is not None else {}
     model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
                                dtype=dtype, **overrides)
+    from moescope.runtime import faults
+
+    faults.apply(model, faults.parse(scenario))
     rank_env = env_rank()
     if world_size > 1 and rank_env is None:
         return demo_parallel.launch(click.get_current_context(), world_size, placement_spec, slow_rank, timeout,

@@ -75,7 +75,7 @@ def overview():
     stats = [
         ("Max load CV", f"max(moescope_expert_load_cv_ratio{{{SEL}}})", "none", [(None, "green"), (0.10, "yellow"), (0.15, "red")]),
         ("Top expert share", f"max(moescope_expert_load_top_share_ratio{{{SEL}}})", "percentunit",
-         [(None, "green"), (0.3, "yellow"), (0.5, "red")]),
+         [(None, "green"), (0.5, "yellow"), (0.75, "red")]),
         ("Dead experts", f"sum(moescope_dead_experts{{{SEL}}})", "none", [(None, "green"), (1, "red")]),
         ("Cache hit rate", hit, "percentunit", [(None, "red"), (0.85, "yellow"), (0.95, "green")]),
         ("Activation ratio", f"avg(moescope_activation_ratio{{{SEL}}})", "percentunit", [(None, "blue")]),

@@ -58,7 +58,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("moescope_activation_ratio", "Parameters touched per token / total parameters, over the window."),
     _g("moescope_expert_load_cv_ratio", "Coefficient of variation of expert load over the window.", "layer"),
     _g("moescope_expert_load_max_over_mean_ratio", "Busiest expert's load / mean load over the window.", "layer"),
-    _g("moescope_expert_load_top_share_ratio", "Busiest expert's share of the layer's slots over the window.",
+    _g("moescope_expert_load_top_share_ratio", "Share of the routed tokens that chose the busiest expert, over the "
+       "window (k/E balanced, 1 = collapsed).",
        "layer"),
     _g("moescope_dead_experts", "Experts with no slot over the window.", "layer"),
     _g("moescope_router_entropy_ratio", "Mean normalised router entropy over the window (1 = uniform).", "layer"),

@@ -254,7 +254,7 @@ class MetricsObserver(Observer):
             per_layer[layer] = {
                 "moescope_expert_load_cv_ratio": stats.load_cv(load),
                 "moescope_expert_load_max_over_mean_ratio": stats.max_over_mean(load),
-                "moescope_expert_load_top_share_ratio": stats.top_share(load),
+                "moescope_expert_load_top_share_ratio": stats.top_share(load, w["tokens"]),
                 "moescope_dead_experts": float(stats.dead_experts(load)),
                 "moescope_router_entropy_ratio": w["entropy"] / w["tokens"],
                 "moescope_router_margin_ratio": w["margin"] / w["tokens"],

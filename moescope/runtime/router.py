@@ -118,9 +118,11 @@ class Router(nn.Module):
         self.top_k = top_k
         self.temperature = temperature
         self.capacity_factor = capacity_factor
+        self.fault = None  # a runtime.faults.RouterFault, for the fault scenarios
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())  # [T, E]
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        return logits if self.fault is None else self.fault.apply(logits)
 
     def forward(self, x: torch.Tensor) -> tuple[RoutingDecision, torch.Tensor]:
         """Returns the decision and the raw logits [T, E] (the training loss needs them)."""
