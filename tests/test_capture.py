@@ -1,8 +1,6 @@
 """Capture + exporter on the reference runtime: exported numbers against independent recomputation."""
 
-import os
 import shutil
-import socket
 import subprocess
 import time
 
@@ -204,3 +202,48 @@ def test_exporter_binds_loopback_and_reports_busy_port(tiny_cfg):
         assert b"moescope_build_info" in urllib.request.urlopen(inst.exporter.url, timeout=5).read()
         with pytest.raises(BadInput, match=f"cannot serve metrics on 127.0.0.1:{port}"):
             moescope.instrument(MoETransformer(tiny_cfg), port=port)
+
+
+def test_canary_flips_only_under_router_noise_and_drift_against_a_baseline(tiny_cfg):
+    from moescope.runtime import faults
+    from moescope.runtime.canary import Canary
+
+    model = MoETransformer(tiny_cfg).eval()
+    canary = Canary(model, interval_s=0.0)
+    with moescope.instrument(model, port=0) as inst:
+        engine = Engine(model, max_batch=4, canary=canary)
+        engine.run(traffic.generate(traffic.TrafficConfig(seed=8, output_tokens_median=4), 3), realtime=False)
+        assert inst.metrics.flips and all(v == 0.0 for v in inst.metrics.flips.values())  # deterministic router
+        faults.apply(model, ["jitter"])
+        engine.run(traffic.generate(traffic.TrafficConfig(seed=9, output_tokens_median=4), 3), realtime=False)
+        assert all(v > 0.0 for v in inst.metrics.flips.values())
+        parsed = parse(inst.exporter.exposition().decode())
+        assert by_label(parsed, "moescope_routing_flip_ratio", "layer") == {str(k): v for k, v in
+                                                                           inst.metrics.flips.items()}
+        # Drift: against the window's own load it is 0; against a one-hot baseline it is large.
+        win = inst.metrics.window()
+        inst.metrics.baseline = {layer: list(w["slots"]) for layer, w in win.items()}
+        g = inst.metrics.window_gauges()["layers"]
+        assert all(v["moescope_routing_drift_jsd_bits"] == pytest.approx(0.0, abs=1e-12) for v in g.values())
+        inst.metrics.baseline = {layer: [1.0] + [0.0] * (tiny_cfg.n_experts - 1) for layer in win}
+        g = inst.metrics.window_gauges()["layers"]
+        want = {layer: stats.jensen_shannon(list(w["slots"]), inst.metrics.baseline[layer]) for layer, w in win.items()}
+        assert {k: v["moescope_routing_drift_jsd_bits"] for k, v in g.items()} == pytest.approx(want)
+        assert all(v > 0.3 for v in want.values())
+
+
+def test_device_summary_path_equals_the_host_path(tiny_cfg):
+    """The CUDA path (batched device ops) computes exactly what the CPU path (numpy views) does."""
+    from moescope.capture.routing_probe import RoutingProbe
+    from moescope.runtime.router import route
+
+    gen = torch.Generator().manual_seed(3)
+    by_layer = {layer: [route(torch.randn(n, 6, generator=gen), 2, capacity_factor=cf)
+                        for n, cf in ((9, None), (17, 0.7), (1, None))] for layer in (1, 2)}
+    by_layer[2][0].nonfinite.fill_(2)  # a made-up count, so the non-finite column is not all zeros
+    host = RoutingProbe._host(by_layer, 6)
+    dev = RoutingProbe._device(by_layer, 6)
+    import numpy as np
+
+    np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-9)
+    assert host[:, :6].sum() > 0 and host[:, 10].sum() > 0 and host[1, 9] == 2

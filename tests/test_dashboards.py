@@ -43,22 +43,32 @@ def test_push_to_an_unreachable_grafana_is_a_clear_error(capsys):
     port = free_port()
     assert main(["dashboards", "push", "--url", f"http://127.0.0.1:{port}", "--token", "t"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"moescope: error: cannot push moescope-") and f"127.0.0.1:{port}" in err
+    assert err.startswith("moescope: error: cannot push moescope-") and f"127.0.0.1:{port}" in err
     assert err.count("\n") == 1
 
 
 @pytest.mark.integration
 def test_every_panel_query_returns_data_from_prometheus(tmp_path):
     port = free_port()
-    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"])
+    baseline = tmp_path / "baseline.json"  # a uniform baseline: drift is measured against it
+    baseline.write_text(json.dumps({"format": "moescope-baseline-v1", "model": "tiny-demo",
+                                    "layers": {str(i): [1.0] * 8 for i in (1, 2, 3)}}))
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}"])
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "16", "--rate", "0",
              "--world-size", "2", "--cache-size", "4", "--capacity-factor", "1.0", "--metrics-port", str(port),
              "--linger", "30", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # A single-process demo beside it: the canary (flip ratio) and drift series (expert parallel runs
+        # have no canary yet).
+        single = subprocess.Popen(
+            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "12", "--rate", "0",
+             "--metrics-port", str(port + 2), "--baseline", str(baseline), "--canary-interval", "0.2",
+             "--linger", "30", "--traces", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # wait until Prometheus has the run's final counters from both ranks
-            n = prom.scalar('count(moescope_build_info{model="tiny-demo"})')
+            n = prom.scalar('count(moescope_build_info{model="tiny-demo"})') - 1 \
+                if prom.scalar('count(moescope_build_info{model="tiny-demo"})') else None
             steps = prom.scalar('sum(moescope_steps_total{model="tiny-demo"})')
             if n == 2 and steps and proc.poll() is None and time.monotonic() > 0:
                 time.sleep(6)  # a few more scrapes: rates need several samples
@@ -74,6 +84,7 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
                     failures.append(f"{name} / {title}: {q}")
         assert not failures, "\n".join(failures)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, single):
+            if p.poll() is None:
+                p.kill()
         prom.stop()

@@ -3,13 +3,11 @@
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
 
 import pytest
-import torch
 
 import moescope
 from moescope.capture.observer import Observer
@@ -82,7 +80,7 @@ def test_escape_sequences_are_shown_inert_in_every_output(tiny_cfg, tmp_path, ca
         out = capsys.readouterr().out
         assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
         assert "\\x1b]0;pwned\\x07" in out or "\\\\x1b]0;pwned\\\\x07" in out
-    from moescope.tui.trace_app import TraceApp, header_text
+    from moescope.tui.trace_app import header_text
 
     doc = store.load_request(store.open_store(path), rid)
     text = header_text(doc).plain
@@ -92,7 +90,7 @@ def test_escape_sequences_are_shown_inert_in_every_output(tiny_cfg, tmp_path, ca
 def test_tui_pilot_navigate_anomaly_search_quit(tiny_cfg, tmp_path):
     import asyncio
 
-    from textual.widgets import DataTable, Static
+    from textual.widgets import DataTable
 
     from moescope.tui.trace_app import TraceApp
 
@@ -288,3 +286,16 @@ def test_a_demo_request_opens_by_id(tmp_path, capsys):
         doc = json.loads(capsys.readouterr().out)
         assert doc["request_id"] == rid and doc["model"] == "tiny-demo"
         assert all(len(t["layers"]) == 3 for t in doc["tokens"][:-1])
+
+
+def test_baseline_from_the_store_equals_the_runs_own_load(tmp_path, capsys):
+    path, a, b = tmp_path / "t.sqlite", tmp_path / "a.json", tmp_path / "b.json"
+    assert main(["demo", "--requests", "5", "--rate", "0", "--metrics-port", "-1", "--traces", str(path),
+                 "--save-baseline", str(a), "--canary-interval", "0.01"]) == 0
+    assert main(["baseline", "save", "--traces", str(path), "--out", str(b)]) == 0
+    capsys.readouterr()
+    from moescope.analysis import baseline
+
+    assert baseline.load(a) == baseline.load(b)  # the canary's routing is kept out of both
+    (tmp_path / "bad.json").write_text("{}")
+    assert main(["demo", "--baseline", str(tmp_path / "bad.json"), "--requests", "1"]) == 2

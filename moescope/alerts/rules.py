@@ -28,6 +28,8 @@ class Thresholds:
     cache_hit_rate: float = 0.85
     fetch_p99_s: float = 0.05
     drop_ratio: float = 0.01
+    flip_ratio: float = 0.05  # a deterministic router flips nothing; the seeds' jitter fault flips ~12%
+    drift_jsd_bits: float = 0.1
     memory_capacity_bytes: int = 24 * 2**30
     memory_horizon_s: int = 4 * 3600
     for_override: str | None = None  # end-to-end tests shorten every `for` (production keeps the specs')
@@ -172,6 +174,20 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                   bad={f"moescope_router_nonfinite_logits_total{{{L}}}": "0 0 3 3 3 3"},
                   healthy={f"moescope_router_nonfinite_logits_total{{{L}}}": "0x20"},
                   boundary={f"moescope_router_nonfinite_logits_total{{{L}}}": "5x20"}),
+        AlertSpec("MoERoutingFlips", f"moescope_routing_flip_ratio > {t.flip_ratio}", "warning",
+                  "Routing is not deterministic: the canary batch routes differently.",
+                  "{{ $value | humanizePercentage }} of the canary tokens changed experts in layer {{ $labels.layer }}"
+                  " of {{ $labels.model }} (rank {{ $labels.rank }}).", ("moescope_routing_flip_ratio",), "5m",
+                  bad={f"moescope_routing_flip_ratio{{{L}}}": "0.12x20"},
+                  healthy={f"moescope_routing_flip_ratio{{{L}}}": "0x20"},
+                  boundary={f"moescope_routing_flip_ratio{{{L}}}": f"{t.flip_ratio}x20"}),
+        AlertSpec("MoERoutingDrift", f"moescope_routing_drift_jsd_bits > {t.drift_jsd_bits}", "warning",
+                  "Routing drifted away from the baseline.",
+                  "Layer {{ $labels.layer }} of {{ $labels.model }} routes with a JS divergence of "
+                  "{{ $value | printf \"%.3f\" }} bits from its baseline.", ("moescope_routing_drift_jsd_bits",),
+                  "10m", bad={f"moescope_routing_drift_jsd_bits{{{L}}}": "0.3x20"},
+                  healthy={f"moescope_routing_drift_jsd_bits{{{L}}}": "0.01x20"},
+                  boundary={f"moescope_routing_drift_jsd_bits{{{L}}}": f"{t.drift_jsd_bits}x20"}),
         AlertSpec("MoETokensDropped",
                   "sum by (model, rank, layer) (rate(moescope_tokens_dropped_total[5m])) / sum by (model, rank, layer) "
                   f"(rate(moescope_router_tokens_total[5m])) > {t.drop_ratio}", "warning",
@@ -266,6 +282,8 @@ def _expected_labels(s: AlertSpec) -> list[dict]:
         "MoEExpertSwitchJitter": [{"model": "m", "rank": "0"}],
         "MoERouterNonFiniteLogits": [{"model": "m", "rank": "0", "layer": "1"}],
         "MoETokensDropped": [{"model": "m", "rank": "0", "layer": "1"}],
+        "MoERoutingFlips": [{"model": "m", "rank": "0", "layer": "1"}],
+        "MoERoutingDrift": [{"model": "m", "rank": "0", "layer": "1"}],
         "MoEMemoryGrowth": [{"model": "m", "rank": "0"}],
         "MoEExporterDown": [{"job": "moescope", "instance": "127.0.0.1:9400"}],
         "MoEExporterAbsent": [{}],  # absent() of a regex matcher carries no labels
@@ -286,6 +304,8 @@ EXPECTED_DESCRIPTIONS = {
     "MoEExpertSwitchJitter": "p99 time to make an expert resident on m rank 0 is 247.6ms.",  # 10 + 240 * .99
     "MoERouterNonFiniteLogits": "Layer 1 of m (rank 0) produced 3 non-finite router logits in 5 minutes.",
     "MoETokensDropped": "Layer 1 of m drops 5% slots per routed token.",
+    "MoERoutingFlips": "12% of the canary tokens changed experts in layer 1 of m (rank 0).",
+    "MoERoutingDrift": "Layer 1 of m routes with a JS divergence of 0.300 bits from its baseline.",
     # 5e9 B at 40 min, +1e8 B/min: 5e9 + 1e8 / 60 * 14400 = 2.9e10 B = 27.01 GiB
     "MoEMemoryGrowth": "At its current rate m (rank 0) reaches memory capacity within 4h (predicted 27.01GiB).",
     "MoEExporterDown": "Prometheus cannot scrape 127.0.0.1:9400 (job moescope).",

@@ -7,9 +7,9 @@ runtime's grouped expert loop does, so the replay reproduces the runtime cache's
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from moescope.analysis.files import read_format
 from moescope.errors import BadInput
 from moescope.runtime import cache_policy
 from moescope.capture.routing_log import FORMAT
@@ -17,15 +17,7 @@ from moescope.capture.routing_log import FORMAT
 
 def load_lookups(path: str | Path) -> tuple[int, dict[int, list[int]]]:
     """(n_experts, {layer: lookup sequence}) from a routing log file."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise BadInput(f"routing log {path} does not exist") from None
-    except (OSError, ValueError) as exc:
-        raise BadInput(f"routing log {path} is not readable JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise BadInput(f"routing log {path} is not in {FORMAT} format")
+    data = read_format(path, "routing log", FORMAT)
     n_experts = data.get("n_experts")
     layers = data.get("layers")
     if not isinstance(n_experts, int) or n_experts <= 0 or not isinstance(layers, dict) or not layers:

@@ -33,6 +33,9 @@ class Observer:
     def on_cache(self, layer: int, delta: Any) -> None:
         """The expert cache's counter changes during one forward of one layer (a ``CacheDelta``)."""
 
+    def on_canary(self, flips: dict[int, float]) -> None:
+        """The canary batch was routed again: share of its tokens whose expert set flipped, per layer."""
+
     def on_all_to_all(self, record: Any) -> None:
         """One expert-parallel exchange (dispatch or combine) of one layer on this rank (``AllToAllRecord``)."""
 
@@ -49,7 +52,8 @@ class Observer:
 NOOP = Observer()
 
 
-_HOOKS = ("on_routing", "on_layer_time", "on_cache", "on_all_to_all", "on_step", "on_request", "shutdown")
+_HOOKS = ("on_routing", "on_layer_time", "on_cache", "on_all_to_all", "on_canary", "on_step", "on_request",
+          "shutdown")
 
 
 class FanOut(Observer):
@@ -106,6 +110,9 @@ class FanOut(Observer):
 
     def on_all_to_all(self, record: Any) -> None:
         self._each("on_all_to_all", record)
+
+    def on_canary(self, flips: dict[int, float]) -> None:
+        self._each("on_canary", flips)
 
     def on_step(self, step: Any) -> None:
         self._each("on_step", step)

@@ -124,7 +124,7 @@ class RoutingProbe(Observer):
     def _device(by_layer, n_exp: int) -> np.ndarray:
         """Same layout as ``_host``, computed with batched device ops and one device->host copy."""
         width = n_exp + 1
-        ids, seg, scalars = [], [], []
+        ids, scalars = [], []
         for i, decs in enumerate(by_layer.values()):
             for d in decs:
                 ids.append(d.active_ids.reshape(-1) + i * width)

@@ -110,6 +110,12 @@ def _print_human(s: dict) -> None:
 @click.option("--scenario", default="healthy", show_default=True,
               help="Fault scenario(s), comma-separated: healthy, collapse, imbalance, jitter (real changes to "
                    "the router, never to the metrics).")
+@click.option("--canary-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
+              help="Seconds between canary routing runs (flip ratio per layer); 0: off.")
+@click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
+              help="Routing baseline to measure drift against (moescope_routing_drift_jsd_bits).")
+@click.option("--save-baseline", type=click.Path(dir_okay=False), default=None,
+              help="Write this run's expert load per layer as a baseline file.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
@@ -124,7 +130,8 @@ def _print_human(s: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
-         metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
+         metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, canary_interval, baseline_path,
+         save_baseline, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
          no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.probes import ExpertLoadProbe
@@ -177,11 +184,20 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))
         if inst.exporter is not None:
             click.echo(f"metrics: {inst.exporter.url}", err=True)
+        if baseline_path:
+            from moescope.analysis import baseline as bl
+
+            inst.metrics.baseline = bl.load(baseline_path)
         cache = None
         if cache_size is not None or cache_policy or cache_tier or cache_prefetch:
             cache = stack.enter_context(_expert_cache(model, cache_size, cache_policy or "lru",
                                                       cache_tier or "memory", cache_prefetch, cache_file, seed))
-        engine = Engine(model, max_batch=max_batch, seed=seed)  # observed through the instrumentation
+        canary = None
+        if canary_interval > 0 and world == 1:  # lock-step ranks would need step-aligned canaries: not yet
+            from moescope.runtime.canary import Canary
+
+            canary = Canary(model, interval_s=canary_interval)
+        engine = Engine(model, max_batch=max_batch, seed=seed, canary=canary)  # observed via the instrumentation
         start = time.perf_counter()
         try:
             records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature,
@@ -203,6 +219,10 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, wall)
         if linger:
             time.sleep(linger)
+    if save_baseline:
+        from moescope.analysis import baseline as bl
+
+        bl.save(save_baseline, {int(k): v for k, v in summary["expert_load"].items()}, model.cfg.name)
     if world > 1 and demo_parallel.write_summary(summary):
         return 0
     if routing_log is not None:

@@ -123,6 +123,10 @@ def experts():
         "none", 12, 10))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Dead experts by layer", [
         _q(prometheus, f"max by (layer) (moescope_dead_experts{{{SEL}}})", "L{{layer}}")], "none", 0, 18))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Canary flip ratio and drift from baseline", [
+        _q(prometheus, f"max by (layer) (moescope_routing_flip_ratio{{{SEL}}})", "flips L{{layer}}"),
+        _q(prometheus, f"max by (layer) (moescope_routing_drift_jsd_bits{{{SEL}}})", "drift L{{layer}} (bits)")],
+        "none", 0, 26))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Router entropy and margin by layer", [
         _q(prometheus, f"avg by (layer) (moescope_router_entropy_ratio{{{SEL}}})", "entropy L{{layer}}"),
         _q(prometheus, f"avg by (layer) (moescope_router_margin_ratio{{{SEL}}})", "margin L{{layer}}")],

@@ -64,6 +64,10 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _g("moescope_dead_experts", "Experts with no slot over the window.", "layer"),
     _g("moescope_router_entropy_ratio", "Mean normalised router entropy over the window (1 = uniform).", "layer"),
     _g("moescope_router_margin_ratio", "Mean top-1 minus top-2 router probability over the window.", "layer"),
+    _g("moescope_routing_flip_ratio", "Share of the canary batch's tokens whose expert set differs from its "
+       "baseline routing (last canary run).", "layer"),
+    _g("moescope_routing_drift_jsd_bits", "Jensen-Shannon divergence (bits) of the window's load distribution "
+       "against the saved baseline.", "layer"),
     _g("moescope_window_seconds", "Length of the window the ratio gauges are computed over."),
     _g("moescope_expert_series_per_expert", "1 when per-(layer, expert) series are exported, 0 when the "
        "cardinality budget forced per-layer aggregates."),

@@ -104,12 +104,19 @@ class MoescopeCollector:
             yield f
         for layer_name in ("moescope_expert_load_cv_ratio", "moescope_expert_load_max_over_mean_ratio",
                            "moescope_expert_load_top_share_ratio", "moescope_dead_experts",
-                           "moescope_router_entropy_ratio", "moescope_router_margin_ratio"):
-            if gauges["layers"]:
+                           "moescope_router_entropy_ratio", "moescope_router_margin_ratio",
+                           "moescope_routing_drift_jsd_bits"):
+            rows = [(layer, vals[layer_name]) for layer, vals in sorted(gauges["layers"].items()) if layer_name in vals]
+            if rows:
                 f = family(layer_name)
-                for layer, vals in sorted(gauges["layers"].items()):
-                    f.add_metric([*base, str(layer)], vals[layer_name])
+                for layer, value in rows:
+                    f.add_metric([*base, str(layer)], value)
                 yield f
+        if st.flips:
+            f = family("moescope_routing_flip_ratio")
+            for layer, value in sorted(st.flips.items()):
+                f.add_metric([*base, str(layer)], value)
+            yield f
         if gauges["activation_ratio"] is not None:
             f = family("moescope_activation_ratio")
             f.add_metric(list(base), gauges["activation_ratio"])

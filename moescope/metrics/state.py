@@ -117,6 +117,8 @@ class MetricsObserver(Observer):
         self._bounds = {m.name: m.buckets for m in c.values() if m.kind == "histogram"}
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
         self._bins: collections.deque[_Bin] = collections.deque()
+        self.flips: dict[int, float] = {}  # last canary run's flip ratio per layer
+        self.baseline: dict[int, list[float]] | None = None  # layer -> baseline load (drift reference)
         self.errors_source: Callable[[], dict[str, int]] | None = None  # observer -> errors raised
         self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
 
@@ -167,6 +169,10 @@ class MetricsObserver(Observer):
             h = self.hist("moescope_expert_fetch_seconds", str(layer))
             for s in delta.load_seconds:
                 h.observe(s)
+
+    def on_canary(self, flips) -> None:
+        with self.lock:
+            self.flips = dict(flips)
 
     def on_all_to_all(self, record) -> None:
         with self.lock:
@@ -259,6 +265,8 @@ class MetricsObserver(Observer):
                 "moescope_router_entropy_ratio": w["entropy"] / w["tokens"],
                 "moescope_router_margin_ratio": w["margin"] / w["tokens"],
             }
+            if self.baseline and layer in self.baseline:
+                per_layer[layer]["moescope_routing_drift_jsd_bits"] = stats.jensen_shannon(load, self.baseline[layer])
         info = self.info
         ratio = stats.activation_ratio(info.dense_params, info.expert_params, info.total_params,
                                        k_eff_sum) if any_tokens else None

@@ -92,11 +92,12 @@ class Engine:
         seed: seeds the per-request samplers (request n gets ``seed * 1_000_003 + n``).
         observer: receives routing, step and request events (a list is wrapped in ``FanOut``).
         clock: time source in seconds (tests inject a fake one).
+        canary: a ``runtime.canary.Canary`` run between steps when due (flip ratios go to ``on_canary``).
     """
 
     def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,
                  observer: Observer | list[Observer] | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, canary=None) -> None:
         if max_batch <= 0:
             raise BadInput(f"max_batch must be positive, got {max_batch}")
         self.model = model.eval()
@@ -113,6 +114,7 @@ class Engine:
         self._submitted = 0
         self._steps = 0
         self.finished: list[RequestRecord] = []
+        self.canary = canary
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -148,6 +150,8 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestRecord]:
         """Run one forward (prefill of newly admitted requests, else a decode); returns requests finished."""
+        if self.canary is not None and self.canary.due():
+            self.observer.on_canary(self.canary.run())
         now = self.clock()
         new = []
         while self._waiting and len(self._running) + len(new) < self.max_batch:

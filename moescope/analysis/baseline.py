@@ -1,0 +1,56 @@
+"""Routing baselines: the expert load distribution per layer that drift is measured against.
+
+File format (JSON): ``{"format": "moescope-baseline-v1", "model": NAME, "layers": {"1": [slots per expert]}}``.
+Made by ``moescope demo --save-baseline FILE`` (the run's load) or ``moescope baseline save`` (from the trace
+store); used by ``moescope demo --baseline FILE`` (exported as ``moescope_routing_drift_jsd_bits``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from moescope.analysis.files import read_format
+from moescope.errors import BadInput
+
+FORMAT = "moescope-baseline-v1"
+
+
+def save(path: str | Path, load: dict[int, list[float]], model: str | None) -> Path:
+    path = Path(path)
+    path.write_text(json.dumps({"format": FORMAT, "model": model,
+                                "layers": {str(k): [float(x) for x in v] for k, v in sorted(load.items())}}) + "\n")
+    return path
+
+
+def load(path: str | Path) -> dict[int, list[float]]:
+    data = read_format(path, "baseline", FORMAT)
+    if not isinstance(data.get("layers"), dict):
+        raise BadInput(f"baseline {path} has no layers")
+    try:
+        return {int(k): [float(x) for x in v] for k, v in data["layers"].items()}
+    except (TypeError, ValueError):
+        raise BadInput(f"baseline {path}: layers must map layer numbers to lists of loads") from None
+
+
+def from_store(conn, since: float | None = None) -> tuple[dict[int, list[float]], str | None]:
+    """Load per layer summed over the stored requests' routed tokens (dropped slots excluded)."""
+    sql = "SELECT ids, n_prompt, n_output, layers, top_k, n_experts, model FROM requests WHERE ids IS NOT NULL"
+    args = []
+    if since is not None:
+        sql += " AND started >= ?"
+        args.append(since)
+    totals: dict[int, np.ndarray] = {}
+    model = None
+    for blob, n_prompt, n_output, layers, k, n_exp, model in conn.execute(sql, args):
+        layers = json.loads(layers)
+        n = n_prompt + max(0, n_output - 1)
+        ids = np.frombuffer(blob, dtype=np.int16).reshape(n, len(layers), k)
+        for j, layer in enumerate(layers):
+            counts = np.bincount(ids[:, j].ravel(), minlength=n_exp + 1)[:n_exp]
+            totals[layer] = totals.get(layer, 0) + counts
+    if not totals:
+        raise BadInput("the trace store holds no routed tokens to make a baseline from")
+    return {layer: v.tolist() for layer, v in sorted(totals.items())}, model

@@ -1,0 +1,65 @@
+"""Canary routing: at an interval the engine routes a fixed canary batch and compares each token's expert
+set with the first (baseline) routing of the same batch. The flip ratio per layer (share of canary tokens
+whose top-k set changed) is 0 for a deterministic router; noise, a changed checkpoint or a precision fault
+make it rise. The canary forward is real engine work on the same model, kept out of the serving metrics,
+traces and expert-cache state.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from moescope.capture.observer import NOOP
+from moescope.runtime import tokenizer, traffic
+from moescope.runtime.model import MoETransformer, Segment
+
+
+def default_prompts(n: int = 4, seed: int = 4242) -> list[str]:
+    """A fixed batch: held-out prompts of every domain (deterministic)."""
+    return [r.prompt for r in traffic.generate(traffic.TrafficConfig(seed=seed, domains={
+        "code": 1, "prose": 1, "numbers": 1, "unicode": 1}), n)]
+
+
+class Canary:
+    def __init__(self, model: MoETransformer, *, prompts: list[str] | None = None, interval_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.model, self.interval_s, self.clock = model, interval_s, clock
+        ids = [tokenizer.encode(p) for p in (prompts or default_prompts())]
+        self._tokens = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
+        self._segments = [len(seq) for seq in ids]
+        self.baseline: dict[int, torch.Tensor] | None = None
+        self._last = None
+
+    @torch.inference_mode()
+    def run(self) -> dict[int, float]:
+        """Route the canary batch; returns the flip ratio per MoE layer against the baseline."""
+        model = self.model
+        observer, model.observer = model.observer, NOOP  # not serving traffic: no metrics, no traces
+        # Nor the expert cache's state: the canary computes from the master weights (bit-identical), so its
+        # lookups neither count nor reorder the serving cache.
+        experts = [layer.experts for layer in model.moe_layers()]
+        sources = [e.weight_source for e in experts]
+        for e in experts:
+            e.weight_source = None
+        try:
+            out = model(self._tokens.to(model.device), [Segment(n) for n in self._segments], last_only=True)
+        finally:
+            model.observer = observer
+            for e, s in zip(experts, sources):
+                e.weight_source = s
+        sets = {layer: d.ids.sort(-1).values for layer, d in out.decisions.items()}  # [T, k] expert sets
+        if self.baseline is None:
+            self.baseline = sets
+        # One host copy per canary run (every interval_s), not per step.
+        flips = torch.stack([(sets[layer] != self.baseline[layer]).any(-1).float().mean() for layer in sets])
+        return dict(zip(sets, flips.tolist()))
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self._last is None or now - self._last >= self.interval_s:
+            self._last = now
+            return True
+        return False
