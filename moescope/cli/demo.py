@@ -64,6 +64,10 @@ def _print_human(s: dict) -> None:
                        f"{st['evictions']} evictions, {st['prefetch_hits']} prefetch hits{load}")
     ids = s["request_ids"]
     click.echo(f"request ids: {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}")
+    if s.get("traces"):
+        click.echo(f"traces in {s['traces']}: `moescope requests`, `moescope trace {ids[0] if ids else 'ID'}`")
+    if s.get("metrics_url"):
+        click.echo(f"metrics were served on {s['metrics_url']} (--linger S keeps them up after the run)")
 
 
 @click.command()
