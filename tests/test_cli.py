@@ -58,3 +58,16 @@ def test_corrupt_weights_file(tmp_path):
     bad = tmp_path / "w.safetensors"
     bad.write_bytes(b"\x00garbage")
     assert main(["demo", "--weights", str(bad), "--requests", "1"]) == 2
+
+
+def test_check_determinism_passes_healthy_and_fails_jitter(capsys):
+    assert main(["check", "determinism", "--runs", "3", "--json"]) == 0
+    ok = json.loads(capsys.readouterr().out)
+    assert ok["passed"] and all(v == 0.0 for v in ok["flip_rate"].values()) and not ok["flipped"]
+    assert main(["check", "determinism", "--runs", "3", "--scenario", "jitter", "--json"]) == 1
+    captured = capsys.readouterr()
+    bad = json.loads(captured.out)
+    assert not bad["passed"] and max(bad["flip_rate"].values()) > 0.01
+    # The examples are real flips: before and after differ.
+    assert bad["flipped"] and all(f["before"] != f["after"] for f in bad["flipped"])
+    assert captured.err.startswith("moescope: error: routing is not deterministic")

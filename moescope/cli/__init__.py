@@ -17,13 +17,14 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from moescope.cli import (alerts_cmd, baseline_cmd, cache_sim, dashboards_cmd, demo, requests_cmd, trace_cmd,
-                              train_demo)
+    from moescope.cli import (alerts_cmd, baseline_cmd, cache_sim, check_cmd, dashboards_cmd, demo, requests_cmd,
+                              trace_cmd, train_demo)
 
     cli.add_command(alerts_cmd.alerts)
     cli.add_command(baseline_cmd.baseline)
     cli.add_command(dashboards_cmd.dashboards)
     cli.add_command(cache_sim.cache_sim)
+    cli.add_command(check_cmd.check)
     cli.add_command(requests_cmd.requests_cmd)
     cli.add_command(trace_cmd.trace_cmd)
     cli.add_command(demo.demo)

@@ -112,8 +112,8 @@ def _print_human(s: dict) -> None:
 @click.option("--trace-sample", type=click.FloatRange(0, 1), default=1.0, show_default=True,
               help="Share of ordinary requests traced (anomalous ones are always kept).")
 @click.option("--scenario", default="healthy", show_default=True,
-              help="Fault scenario(s), comma-separated: healthy, collapse, imbalance, jitter (real changes to "
-                   "the router, never to the metrics).")
+              help="Fault scenario(s), comma-separated: healthy, collapse, imbalance, jitter, nan, thrash, "
+                   "switch-jitter, slow-rank, drop, drift, leak (real changes to the engine, never to metrics).")
 @click.option("--canary-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between canary routing runs (flip ratio per layer); 0: off.")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
@@ -143,14 +143,22 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     from moescope.cli import demo_parallel
     from moescope.parallel.launch import env_rank
     from moescope.runtime import loader, traffic
+    from moescope.runtime import faults
     from moescope.runtime.engine import Engine
 
+    scenarios = faults.parse(scenario)
+    settings = faults.demo_settings(scenarios)  # the scenarios' real settings override the flags
+    capacity_factor = settings.get("capacity_factor", capacity_factor)
+    cache_size = settings.get("cache_size", cache_size)
+    cache_policy = settings.get("cache_policy", cache_policy)
+    cache_tier = settings.get("cache_tier", cache_tier)
+    world_size = max(world_size, settings.get("world_size", 1))
+    slow_rank = settings.get("slow_rank", slow_rank)
+    delay_ms = settings.get("delay_ms", delay_ms)
     overrides = {"capacity_factor": capacity_factor} if capacity_factor is not None else {}
     model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
                                dtype=dtype, **overrides)
-    from moescope.runtime import faults
-
-    faults.apply(model, faults.parse(scenario))
+    faults.apply(model, scenarios)
     rank_env = env_rank()
     if world_size > 1 and rank_env is None:
         return demo_parallel.launch(click.get_current_context(), world_size, placement_spec, slow_rank, timeout,
@@ -162,7 +170,9 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             metrics_port += rank
     if n_requests is None:
         n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
-    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed), n_requests)
+    shift = settings.get("traffic_shift")
+    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed, shift_after=n_requests // 2 if shift else None,
+                                                  shifted_domains=shift), n_requests)
     probe = ExpertLoadProbe()
     observers = [probe]
     routing_log = None
@@ -195,13 +205,16 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
         cache = None
         if cache_size is not None or cache_policy or cache_tier or cache_prefetch:
             cache = stack.enter_context(_expert_cache(model, cache_size, cache_policy or "lru",
-                                                      cache_tier or "memory", cache_prefetch, cache_file, seed))
+                                                      cache_tier or "memory", cache_prefetch, cache_file, seed,
+                                                      settings.get("disk_delay_s")))
         canary = None
         if canary_interval > 0 and world == 1:  # lock-step ranks would need step-aligned canaries: not yet
             from moescope.runtime.canary import Canary
 
             canary = Canary(model, interval_s=canary_interval)
         engine = Engine(model, max_batch=max_batch, seed=seed, canary=canary)  # observed via the instrumentation
+        if settings.get("leak"):
+            engine.leak = []
         start = time.perf_counter()
         try:
             records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature,
@@ -247,7 +260,7 @@ def _default_traces():
 
 
 @contextmanager
-def _expert_cache(model, size, policy, tier, prefetch, cache_file, seed):
+def _expert_cache(model, size, policy, tier, prefetch, cache_file, seed, disk_delay_s=None):
     """Attach an expert cache for the run; static pins the most used experts of a calibration pass over
     held-out traffic (a different seed from the served traffic)."""
     from moescope.capture.probes import ExpertLoadProbe
@@ -265,7 +278,8 @@ def _expert_cache(model, size, policy, tier, prefetch, cache_file, seed):
     with tempfile.TemporaryDirectory(prefix="moescope-experts-") as tmp:
         path = cache_file or os.path.join(tmp, "experts.safetensors")
         cache = attach_cache(model, size=size if size is not None else model.cfg.n_experts, policy=policy,
-                             tier=tier, path=path if tier == "disk" else None, prefetch=prefetch, pinned=pinned)
+                             tier=tier, path=path if tier == "disk" else None, prefetch=prefetch, pinned=pinned,
+                             disk_delay_s=disk_delay_s)
         try:
             yield cache
         finally:

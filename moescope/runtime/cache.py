@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -115,8 +116,9 @@ class DiskTier:
     """
 
     def __init__(self, path: str | Path, layer: int, shapes: tuple[torch.Size, torch.Size], dtype: torch.dtype,
-                 *, drop_page_cache: bool = True) -> None:
+                 *, drop_page_cache: bool = True, delay_s: tuple[float, float] | None = None) -> None:
         self.path, self.layer, self.shapes, self.dtype = Path(path), layer, shapes, dtype
+        self.delay_s = delay_s  # the switch-jitter fault: a slow device, every read waits this much longer
         self.drop_page_cache = drop_page_cache and hasattr(os, "posix_fadvise")
         self._local = threading.local()  # one mmap handle per thread (the prefetcher has its own)
         if not self.path.exists():
@@ -135,6 +137,8 @@ class DiskTier:
         return handle
 
     def load(self, expert: int) -> ExpertWeights:
+        if self.delay_s is not None:
+            time.sleep(random.uniform(*self.delay_s))
         out = []
         for part, shape in zip(("gate_up", "down"), self.shapes):
             name = _tensor_name(self.layer, expert, part)
@@ -321,7 +325,8 @@ class ExpertCache:
 
 def attach_cache(model: torch.nn.Module, *, size: int, policy: str = "lru", tier: str = "memory",
                  path: str | Path | None = None, prefetch: int = 0,
-                 pinned: dict[int, Sequence[int]] | None = None, drop_page_cache: bool = True) -> ExpertCache:
+                 pinned: dict[int, Sequence[int]] | None = None, drop_page_cache: bool = True,
+                 disk_delay_s: tuple[float, float] | None = None) -> ExpertCache:
     """Put an expert cache in front of every MoE layer of ``model``.
 
     Args:
@@ -361,7 +366,7 @@ def attach_cache(model: torch.nn.Module, *, size: int, policy: str = "lru", tier
         ex: Experts = block.ffn.experts
         shapes = (ex.gate_up_proj.shape[1:], ex.down_proj.shape[1:])
         backing = (MemoryTier(ex.gate_up_proj, ex.down_proj) if tier == "memory" else
-                   DiskTier(path, block.index, shapes, dtype, drop_page_cache=drop_page_cache))
+                   DiskTier(path, block.index, shapes, dtype, drop_page_cache=drop_page_cache, delay_s=disk_delay_s))
         pol = cache_policy.make(policy, size, pinned=(pinned or {}).get(block.index, ()))
         expert_bytes = (ex.gate_up_proj[0].numel() + ex.down_proj[0].numel()) * ex.gate_up_proj.element_size()
         lc = LayerCache(block.index, backing, pol, model.device, dtype, expert_bytes)

@@ -6,8 +6,14 @@ Router faults act on the router's logits before the softmax:
 - ``imbalance``: a milder graded bias across the experts (skewed routing);
 - ``jitter``: Gaussian noise on the logits from an unseeded generator, so the same input routes differently
   from run to run (non-deterministic routing).
-Scenarios compose: ``--scenario collapse,jitter``. Faults of the other subsystems (cache, ranks, traffic)
-are demo flags; see ``moescope demo --help``.
+Model faults:
+- ``nan``: the embedding rows of the UTF-8 lead bytes of 4-byte characters (emoji) overflow to inf (a
+  precision fault on unusual inputs): those tokens' router logits become non-finite.
+Faults of the other subsystems are settings of the demo (``DEMO_SETTINGS``): ``thrash`` (a cache far too
+small), ``switch-jitter`` (a slow disk tier: every load waits 20-60 ms more), ``slow-rank`` (2 ranks, rank 1
+late by 20 ms in every dispatch), ``drop`` (capacity factor 0.5), ``drift`` (the traffic switches to
+numbers only halfway), ``leak`` (the engine retains every step's logits).
+Scenarios compose: ``--scenario collapse,jitter``.
 """
 
 from __future__ import annotations
@@ -38,12 +44,21 @@ def _router_fault(name: str, n_experts: int) -> RouterFault:
     if name == "imbalance":
         return RouterFault(bias=tuple(1.5 * (n_experts - 1 - e) / max(1, n_experts - 1) for e in range(n_experts)))
     if name == "jitter":
-        return RouterFault(noise_std=0.5)
+        return RouterFault(noise_std=0.04)
     raise AssertionError(name)
 
 
 ROUTER_SCENARIOS = ("collapse", "imbalance", "jitter")
-SCENARIOS = ("healthy", *ROUTER_SCENARIOS)
+# Demo settings each scenario changes (real engine behaviour, through the same flags a user has).
+DEMO_SETTINGS = {
+    "thrash": {"cache_size": 1, "cache_policy": "lru"},
+    "switch-jitter": {"cache_size": 4, "cache_tier": "disk", "disk_delay_s": (0.02, 0.06)},
+    "slow-rank": {"world_size": 2, "slow_rank": 1, "delay_ms": 20.0},
+    "drop": {"capacity_factor": 0.5},
+    "drift": {"traffic_shift": {"numbers": 1.0}},
+    "leak": {"leak": True},
+}
+SCENARIOS = ("healthy", *ROUTER_SCENARIOS, "nan", *DEMO_SETTINGS)
 
 
 def combine(faults: list[RouterFault]) -> RouterFault | None:
@@ -65,7 +80,18 @@ def parse(spec: str) -> list[str]:
 
 
 def apply(model, names: list[str]) -> None:
-    """Install the router faults of ``names`` on every MoE layer of ``model`` (healthy: none)."""
+    """Install the model faults of ``names`` (router faults on every MoE layer; ``nan`` in the embedding)."""
     fault = combine([_router_fault(n, model.cfg.n_experts) for n in names if n in ROUTER_SCENARIOS])
     for layer in model.moe_layers():
         layer.router.fault = fault
+    if "nan" in names:
+        with torch.no_grad():  # 4-byte UTF-8 lead bytes: emoji and other astral-plane characters
+            model.embed.weight[0xF0:0xF5] = float("inf")  # as if cast to fp16 and overflowed
+
+
+def demo_settings(names: list[str]) -> dict:
+    """The demo settings the scenarios ask for, merged (later scenarios win on conflicts)."""
+    out: dict = {}
+    for n in names:
+        out.update(DEMO_SETTINGS.get(n, {}))
+    return out

@@ -1,0 +1,51 @@
+"""``moescope check determinism``: exit 1 when routing is not reproducible."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import click
+
+from moescope.errors import CheckFailed
+from moescope.traces.sanitize import sanitize_tree
+
+
+@click.group("check")
+def check() -> None:
+    """Checks to run before going live (exit 1 when they find a problem)."""
+
+
+@check.command("determinism")
+@click.option("--model", "model_spec", default="tiny-demo", show_default=True)
+@click.option("--weights", default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--scenario", default="healthy", show_default=True, help="Fault scenario(s) to check under.")
+@click.option("--runs", type=click.IntRange(min=2), default=5, show_default=True)
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Held-out prompts of every domain to route.")
+@click.option("--threshold", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="Largest flip rate per layer that still passes.")
+@click.option("--json", "as_json", is_flag=True)
+def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshold, as_json) -> int:
+    """Route the same inputs RUNS times; report the flip rate per layer and the tokens that flipped."""
+    from moescope.analysis.determinism import check as run_check
+    from moescope.runtime import faults, loader
+    from moescope.runtime.canary import default_prompts
+
+    model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device)
+    faults.apply(model, faults.parse(scenario))
+    report = run_check(model, default_prompts(n_prompts), runs=runs)
+    passed = report.worst <= threshold
+    if as_json:
+        click.echo(json.dumps(sanitize_tree({**asdict(report), "threshold": threshold, "passed": passed}), indent=1))
+    else:
+        click.echo(f"{report.tokens} tokens x {runs} runs; flip rate per layer: "
+                   + ", ".join(f"L{k} {v:.2%}" for k, v in report.flip_rate.items()))
+        for f in report.flipped[:10]:
+            click.echo(f"  run {f['run']} layer {f['layer']} token {f['position']} ({sanitize_tree(f['text'])}): "
+                       f"{f['before']} -> {f['after']}")
+        click.echo("PASS" if passed else f"FAIL: flip rate {report.worst:.2%} > threshold {threshold:.2%}")
+    if not passed:
+        raise CheckFailed(f"routing is not deterministic: flip rate {report.worst:.2%} > {threshold:.2%}")
+    return 0
