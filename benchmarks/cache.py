@@ -13,12 +13,13 @@ percentiles over all decode tokens of all rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _results import save
 
 import torch
 
@@ -104,10 +105,9 @@ def main(argv: list[str] | None = None) -> int:
         lp99 = f"{row['load_p99_s'] * 1e3:12.2f}" if row["load_p99_s"] is not None else f"{'-':>12}"
         print(f"{label:>6} {row['tier']:>7} {tok_s:8.1f} {row['vs_all']:6.2f}x {row['token_p50_s'] * 1e3:8.1f} "
               f"{row['token_p99_s'] * 1e3:8.1f} {row['hit_rate']:9.3f} {lp50} {lp99}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"config": CFG.to_dict(), "rounds": args.rounds, "requests": args.requests,
-                                    "max_batch": args.max_batch, "rows": rows}, indent=1) + "\n")
-    print(f"outputs identical to the all-resident run in every variant; wrote {args.out}")
+    print("outputs identical to the all-resident run in every variant")
+    save({"config": CFG.to_dict(), "rounds": args.rounds, "requests": args.requests,
+                                    "max_batch": args.max_batch, "rows": rows}, args.out)
     return 0
 
 

@@ -19,11 +19,12 @@ ffn 2816, 8 experts, top-2), at 1, 16, 256 and 2048 tokens per step, fp32.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _results import save
 
 import torch
 
@@ -150,9 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>14} {r['tokens']:>6} {r['bare_s'] * 1e3:>9.3f} | {m['hook_s'] * 1e6:>16.1f} "
                   f"{m['hook_share']:>6.2%} {m['ratio']:>6.3f} | {t['hook_s'] * 1e6:>15.1f} {t['hook_share']:>6.2%} "
                   f"{t['ratio']:>6.3f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save(report, args.out)
     return 0
 
 

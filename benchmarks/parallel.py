@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _results import save
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -45,9 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"world_size": w, **r, "wall_s": s["wall_s"]})
             print(f"{w:>5} {r['rank']:>4} {r['tokens_per_s']:>9.1f} {r['all_to_all_s']:>13.3f} "
                   f"{r['all_to_all_share']:>12.1%} {s['wall_s']:>7.2f}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save(rows, args.out)
     return 0
 
 

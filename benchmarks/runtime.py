@@ -12,12 +12,13 @@ copy bandwidth measured in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 import time
 from pathlib import Path
+
+from _results import save
 
 import torch
 
@@ -134,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copy bandwidth {report['copy_bandwidth_gb_s']:.1f} GB/s; 1-token floor "
               f"{report['bandwidth_floor_1_token_s'] * 1e3:.2f} ms (2 experts x {report['expert_bytes'] / 1e6:.1f} MB);"
               f" ours at 1 token = {report['ours_1_token_over_floor']:.2f}x the floor")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save(report, args.out)
     return 0
 
 

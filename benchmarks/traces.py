@@ -11,13 +11,14 @@ Then `moescope trace ID --json` and `moescope requests` run as subprocesses agai
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _results import save
 
 import torch
 
@@ -93,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(in-process query {report['load_request_in_process_s'] * 1e3:.1f} ms; CLI start-up alone "
           f"{report['startup_cli_s']:.2f} s)")
     print(f"  moescope requests: {report['requests_cli_s']:.2f} s wall")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    save(report, args.out)
     return 0
 
 

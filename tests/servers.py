@@ -47,7 +47,22 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-class Prometheus:
+class _Server:
+    """A server process started by a test: ``proc`` and its ``log`` file."""
+
+    proc: subprocess.Popen
+    log: object
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        self.log.close()
+
+
+class Prometheus(_Server):
     """A Prometheus scraping ``targets`` every second (and evaluating ``rule_files`` every second)."""
 
     def __init__(self, tmp: Path, targets: list[str], *, rule_files: list[str] = (),
@@ -86,13 +101,6 @@ class Prometheus:
         result = self.query(promql, at)
         return float(result[0]["value"][1]) if result else None
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
 
 
 class Webhook:
@@ -127,7 +135,7 @@ class Webhook:
         self.server.shutdown()
 
 
-class Alertmanager:
+class Alertmanager(_Server):
     """Alertmanager (Debian package) with the repo's routing, its webhooks pointed at ``webhook``."""
 
     def __init__(self, tmp: Path, config: Path, webhook_port: int) -> None:
@@ -155,10 +163,3 @@ class Alertmanager:
             self.stop()
             raise RuntimeError("alertmanager did not start: " + (tmp / "alertmanager.log").read_text()[-2000:])
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self.log.close()
