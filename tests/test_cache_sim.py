@@ -52,3 +52,18 @@ def test_cache_sim_table_and_bad_input(tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("moescope: error: routing log") and err.count("\n") == 1
     assert main(["cache-sim", str(tmp_path / "missing.json")]) == 2
+
+
+def test_cache_sim_from_the_trace_store_equals_the_routing_log(tmp_path, capsys):
+    log, traces = tmp_path / "routing.json", tmp_path / "t.sqlite"
+    assert main(["demo", "--requests", "6", "--rate", "0", "--metrics-port", "-1", "--record-routing", str(log),
+                 "--traces", str(traces), "--canary-interval", "0"]) == 0
+    capsys.readouterr()
+    from moescope.traces import store
+
+    assert cache_sim.load_lookups_from_store(store.open_store(traces)) == cache_sim.load_lookups(log)
+    assert main(["cache-sim", "--traces", str(traces), "--json"]) == 0
+    from_store = json.loads(capsys.readouterr().out)
+    assert main(["cache-sim", str(log), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == from_store
+    assert main(["cache-sim"]) == 2

@@ -34,6 +34,40 @@ def load_lookups(path: str | Path) -> tuple[int, dict[int, list[int]]]:
     return n_experts, seqs
 
 
+def load_lookups_from_store(conn) -> tuple[int, dict[int, list[int]]]:
+    """The same lookup sequences from a trace store: each engine step's experts per layer (the union over
+    the stored requests that took part in it), steps in order. With sampling below 1 only kept requests
+    contribute, so the replay sees a subset of each step's experts."""
+    import json as _json
+
+    import numpy as np
+
+    used: dict[tuple[str, int], dict[int, set[int]]] = {}
+    n_experts = None
+    rows = conn.execute("SELECT ids, n_prompt, n_output, layers, top_k, n_experts, step, steps FROM requests "
+                        "WHERE ids IS NOT NULL")
+    for blob, n_prompt, n_output, layers, k, n_exp, step_blob, steps in rows:
+        layers, steps = _json.loads(layers), _json.loads(steps)
+        n = n_prompt + max(0, n_output - 1)
+        ids = np.frombuffer(blob, dtype=np.int16).reshape(n, len(layers), k)
+        step_of = np.frombuffer(step_blob, dtype=np.uint16 if len(step_blob) == 2 * n else np.int32)
+        n_experts = n_exp
+        for i in range(n):
+            st = steps[int(step_of[i])]
+            if "index" not in st:
+                raise BadInput("this trace store predates step ids; record a new one (or use --record-routing)")
+            per_layer = used.setdefault((st.get("run", ""), st["index"]), {})
+            for j, layer in enumerate(layers):
+                per_layer.setdefault(layer, set()).update(int(e) for e in ids[i, j] if e < n_exp)
+    if not used:
+        raise BadInput("the trace store holds no routed tokens")
+    seqs: dict[int, list[int]] = {}
+    for key in sorted(used):
+        for layer, experts in used[key].items():
+            seqs.setdefault(layer, []).extend(sorted(experts))
+    return n_experts, seqs
+
+
 def simulate_all(n_experts: int, seqs: dict[int, list[int]], *, target: float = 0.9,
                  policies=cache_policy.SIM_POLICIES) -> dict:
     """Hit rates summed over layers (each layer has its own cache of the given size)."""

@@ -8,16 +8,26 @@ import click
 
 
 @click.command("cache-sim")
-@click.argument("routing_log", type=click.Path(dir_okay=False))
+@click.argument("routing_log", type=click.Path(dir_okay=False), required=False)
+@click.option("--traces", "traces_path", type=click.Path(dir_okay=False), default=None,
+              help="Replay the routing recorded in this trace store instead of a routing log.")
 @click.option("--target", type=click.FloatRange(0, 1), default=0.9, show_default=True,
               help="Hit rate the recommended size must reach.")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def cache_sim(routing_log: str, target: float, as_json: bool) -> int:
-    """Replay ROUTING_LOG (from `moescope demo --record-routing`) through LRU, LFU, static and Belady's
-    optimal at cache sizes 1..E."""
+def cache_sim(routing_log: str | None, traces_path: str | None, target: float, as_json: bool) -> int:
+    """Replay ROUTING_LOG (from `moescope demo --record-routing`) or a trace store (--traces) through LRU,
+    LFU, static and Belady's optimal at cache sizes 1..E."""
     from moescope.analysis import cache_sim as sim
+    from moescope.errors import BadInput
 
-    n_experts, seqs = sim.load_lookups(routing_log)
+    if (routing_log is None) == (traces_path is None):
+        raise BadInput("give either a routing log or --traces PATH")
+    if traces_path is not None:
+        from moescope.traces import store
+
+        n_experts, seqs = sim.load_lookups_from_store(store.open_store(traces_path))
+    else:
+        n_experts, seqs = sim.load_lookups(routing_log)
     report = sim.simulate_all(n_experts, seqs, target=target)
     click.echo(json.dumps(report, indent=1) if as_json else sim.format_table(report))
     return 0

@@ -17,6 +17,7 @@ import queue
 import random
 import threading
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,7 @@ ALWAYS_KEEP = ("nonfinite", "dropped", "cache_miss", "slow")
 
 @dataclass
 class _Step:
+    index: int  # the engine's step number (with the recorder's run id: a global step id)
     phase: str
     seconds: float
     layers: tuple[int, ...]
@@ -71,6 +73,7 @@ class TraceRecorder(Observer):
                  rank: int = 0, seed: int = 0, clock_offset: float | None = None) -> None:
         self.path = Path(path)
         self.name = "traces"
+        self.run_id = uuid.uuid4().hex[:12]  # step numbers restart per process: (run, index) is unique
         self.conn = store_mod.open_store(self.path, create=True)  # fail fast, on the caller's thread
         self.sample, self.max_bytes, self.flush_interval_s = sample, max_bytes, flush_interval_s
         self.tracer, self.model, self.rank = tracer, model, rank
@@ -173,7 +176,7 @@ class TraceRecorder(Observer):
         layer_s = {str(layer): [times.get(layer, (None, None))[0], times.get(layer, (None, None))[1],
                                 a2a.get(layer)] for layer in layers}
         self._steps[step.index] = _Step(
-            phase=step.phase, seconds=step.seconds, layers=layers, ids=ids.astype(np.int16),
+            index=step.index, phase=step.phase, seconds=step.seconds, layers=layers, ids=ids.astype(np.int16),
             weights=np.stack([d.weights.detach().cpu().numpy() for d in decs], axis=1).astype(np.float16),
             entropy=np.stack([d.entropy.cpu().numpy() for d in decs], axis=1).astype(np.float16),
             margin=np.stack([d.margin.cpu().numpy() for d in decs], axis=1).astype(np.float16),
@@ -232,7 +235,8 @@ class TraceRecorder(Observer):
         }
         if slices:
             first = slices[0][0]
-            step_list = [{"phase": st.phase, "seconds": st.seconds, "layer_s": st.layer_s} for st, *_ in slices]
+            step_list = [{"phase": st.phase, "seconds": st.seconds, "layer_s": st.layer_s, "index": st.index,
+                          "run": self.run_id} for st, *_ in slices]
             row.update({
                 "n_layers": len(first.layers), "top_k": first.ids.shape[2], "n_experts": first.n_experts,
                 "layers": json.dumps(list(first.layers)),
