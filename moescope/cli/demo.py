@@ -138,7 +138,6 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
          save_baseline, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
          no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
-    from moescope.capture.probes import ExpertLoadProbe
     from moescope.capture.routing_log import RoutingLog
     from moescope.cli import demo_parallel
     from moescope.parallel.launch import env_rank
@@ -173,8 +172,7 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     shift = settings.get("traffic_shift")
     reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed, shift_after=n_requests // 2 if shift else None,
                                                   shifted_domains=shift), n_requests)
-    probe = ExpertLoadProbe()
-    observers = [probe]
+    observers = []
     routing_log = None
     if record_routing:
         routing_log = RoutingLog()
@@ -222,7 +220,12 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
         except KeyboardInterrupt:  # keep what was served: summarise it
             records = engine.finished
         wall = time.perf_counter() - start
-        summary = _summary(records, probe.snapshot(), probe.dropped(), wall, model, model.device,
+        # The load comes from the instrumentation's own counters: no second probe on the hot path.
+        inst.metrics.flush()
+        load = {layer: counts.tolist() for layer, counts in sorted(inst.metrics.expert_tokens.items())}
+        dropped = {layer: int(n) for layer, n in
+                   sorted(inst.metrics.layer_counters["moescope_tokens_dropped_total"].items())}
+        summary = _summary(records, load, dropped, wall, model, model.device,
                            n_requests if duration is None else len(records))
         if cache is not None:
             summary["expert_cache"] = _cache_summary(cache)
