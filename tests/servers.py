@@ -111,11 +111,13 @@ class Webhook:
         import threading
 
         self.received: list[tuple[str, dict]] = []
+        self.arrived: list[float] = []  # time.monotonic() of each delivery
         outer = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):  # noqa: N802
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                outer.arrived.append(time.monotonic())
                 outer.received.append((self.path, json.loads(body)))
                 self.send_response(200)
                 self.end_headers()
@@ -130,6 +132,13 @@ class Webhook:
     def alerts(self) -> list[tuple[str, dict]]:
         """(receiver path, alert) for every alert delivered so far."""
         return [(path, a) for path, payload in self.received for a in payload.get("alerts", [])]
+
+    def first_arrival(self, alertname: str) -> float | None:
+        """time.monotonic() when ``alertname`` first arrived firing, or None."""
+        for (_, payload), t in zip(list(self.received), list(self.arrived)):
+            if any(a["labels"]["alertname"] == alertname and a["status"] == "firing" for a in payload["alerts"]):
+                return t
+        return None
 
     def stop(self) -> None:
         self.server.shutdown()

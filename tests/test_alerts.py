@@ -85,8 +85,14 @@ def test_alertmanager_routes(labels, receiver):
 
 
 def test_alertmanager_inhibits_warnings_by_criticals_of_the_same_layer():
+    # (that inhibition works in a real Alertmanager is shown by tests/test_detection_matrix.py)
     cfg = yaml.safe_load(AM.read_text())
-    (rule,) = cfg["inhibit_rules"]
-    assert rule["source_matchers"] == ['severity="critical"'] and rule["target_matchers"] == ['severity="warning"']
-    assert set(rule["equal"]) == {"model", "layer"}
+    first, *cause_rules = cfg["inhibit_rules"]
+    assert first["source_matchers"] == ['severity="critical"'] and first["target_matchers"] == ['severity="warning"']
+    assert set(first["equal"]) == {"model", "layer"}
+    names = {s.name: s for s in rules.specs()}
+    for rule in cause_rules:  # a cause mutes its symptom: both must be real alerts, sharing the equal labels
+        (src,), (dst,) = rule["source_matchers"], rule["target_matchers"]
+        src, dst = src.split('"')[1], dst.split('"')[1]
+        assert src in names and dst in names and src != dst
     assert cfg["route"]["group_by"] == ["alertname", "model", "layer"]

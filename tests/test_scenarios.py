@@ -49,10 +49,10 @@ def test_cache_drop_drift_and_leak_scenarios(capsys):
 def test_leak_retains_memory_per_step():
     model = loader.build_model("tiny-demo")
     engine = Engine(model, max_batch=2)
-    engine.leak = []
+    engine.leak, engine.leak_bytes = [], faults.DEMO_SETTINGS["leak"]["leak_bytes"]
     engine.submit("hello", max_new_tokens=5)
     engine.run([], realtime=False)
-    assert len(engine.leak) == 5 and sum(t.numel() * 4 for t in engine.leak) == 5 * 65536
+    assert len(engine.leak) == 5 and sum(t.numel() * 4 for t in engine.leak) == 5 * 256 * 1024
 
 
 def test_unknown_scenario_is_bad_input(capsys):

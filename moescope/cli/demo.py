@@ -118,6 +118,8 @@ def _print_human(s: dict) -> None:
               help="Seconds between canary routing runs (flip ratio per layer); 0: off.")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
               help="Routing baseline to measure drift against (moescope_routing_drift_jsd_bits).")
+@click.option("--drift-after", type=click.FloatRange(min=0), default=None,
+              help="Drift scenario: seconds of traffic before the domain mix shifts [half the run].")
 @click.option("--save-baseline", type=click.Path(dir_okay=False), default=None,
               help="Write this run's expert load per layer as a baseline file.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
@@ -135,7 +137,7 @@ def _print_human(s: dict) -> None:
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
          metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, canary_interval, baseline_path,
-         save_baseline, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
+         drift_after, save_baseline, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
          no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.routing_log import RoutingLog
@@ -170,8 +172,14 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     if n_requests is None:
         n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
     shift = settings.get("traffic_shift")
-    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed, shift_after=n_requests // 2 if shift else None,
+    shift_after = None
+    if shift:
+        shift_after = n_requests // 2 if drift_after is None or rate == 0 else int(rate * drift_after)
+    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed, shift_after=shift_after,
                                                   shifted_domains=shift), n_requests)
+    auto_baseline = None
+    if shift and not baseline_path:  # drift needs a reference: the load of a known-good pass of the normal mix
+        auto_baseline = _calibration_load(model, seed, 64)
     observers = []
     routing_log = None
     if record_routing:
@@ -200,6 +208,9 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             from moescope.analysis import baseline as bl
 
             inst.metrics.baseline = bl.load(baseline_path)
+        elif auto_baseline is not None:
+            inst.metrics.baseline = auto_baseline
+            click.echo("drift baseline: a calibration pass over held-out traffic of the normal mix", err=True)
         cache = None
         if cache_size is not None or cache_policy or cache_tier or cache_prefetch:
             cache = stack.enter_context(_expert_cache(model, cache_size, cache_policy or "lru",
@@ -211,8 +222,8 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
 
             canary = Canary(model, interval_s=canary_interval)
         engine = Engine(model, max_batch=max_batch, seed=seed, canary=canary)  # observed via the instrumentation
-        if settings.get("leak"):
-            engine.leak = []
+        if settings.get("leak_bytes"):
+            engine.leak, engine.leak_bytes = [], settings["leak_bytes"]
         start = time.perf_counter()
         try:
             records = engine.run(reqs, realtime=rate > 0, deadline_s=duration, temperature=temperature,
@@ -262,22 +273,31 @@ def _default_traces():
     return DEFAULT_PATH
 
 
+def _calibration_load(model, seed: int, n_requests: int = 16) -> dict[int, list[int]]:
+    """Expert load per layer of a pass over held-out traffic (another seed than the served traffic), run
+    outside the served run's instrumentation."""
+    from moescope.capture.probes import ExpertLoadProbe
+    from moescope.runtime import traffic
+    from moescope.runtime.engine import Engine
+
+    calib, previous = ExpertLoadProbe(), model.observer
+    Engine(model, max_batch=8, observer=[calib]).run(
+        traffic.generate(traffic.TrafficConfig(seed=seed + 7919, output_tokens_median=8), n_requests),
+        realtime=False)
+    model.observer = previous  # the calibration pass is not part of the served run's metrics
+    return calib.snapshot()
+
+
 @contextmanager
 def _expert_cache(model, size, policy, tier, prefetch, cache_file, seed, disk_delay_s=None):
     """Attach an expert cache for the run; static pins the most used experts of a calibration pass over
     held-out traffic (a different seed from the served traffic)."""
-    from moescope.capture.probes import ExpertLoadProbe
-    from moescope.runtime import traffic
     from moescope.runtime.cache import attach_cache
-    from moescope.runtime.engine import Engine
 
     pinned = None
     if policy == "static":
-        calib, previous = ExpertLoadProbe(), model.observer
-        Engine(model, max_batch=8, observer=[calib]).run(
-            traffic.generate(traffic.TrafficConfig(seed=seed + 7919, output_tokens_median=8), 8), realtime=False)
-        model.observer = previous  # the calibration pass is not part of the served run's metrics
-        pinned = {layer: sorted(range(len(c)), key=lambda e: (-c[e], e)) for layer, c in calib.snapshot().items()}
+        pinned = {layer: sorted(range(len(c)), key=lambda e: (-c[e], e))
+                  for layer, c in _calibration_load(model, seed, 8).items()}
     with tempfile.TemporaryDirectory(prefix="moescope-experts-") as tmp:
         path = cache_file or os.path.join(tmp, "experts.safetensors")
         cache = attach_cache(model, size=size if size is not None else model.cfg.n_experts, policy=policy,

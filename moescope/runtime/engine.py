@@ -116,6 +116,7 @@ class Engine:
         self.finished: list[RequestRecord] = []
         self.canary = canary
         self.leak: list[torch.Tensor] | None = None  # the leak fault: a list that retains a tensor per step
+        self.leak_bytes = 65536  # retained per step under the leak fault
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -175,8 +176,8 @@ class Engine:
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)
         logits = self.model(tokens, segments, last_only=True).logits  # [n_seq, V]
         next_ids = self._sample(logits, batch).tolist()  # the engine's one host sync per step
-        if self.leak is not None:  # 64 KiB retained per step, never freed: memory grows with traffic
-            self.leak.append(logits.new_empty(16384).fill_(1.0))
+        if self.leak is not None:  # leak_bytes retained per step, never freed: memory grows with traffic
+            self.leak.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32, device=logits.device))
         done_at = self.clock()
         if phase == "prefill":
             self._running.extend(new)

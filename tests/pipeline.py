@@ -1,0 +1,86 @@
+"""The whole alerting path for one scenario: demo -> exporter -> real Prometheus (the repo's rules) -> real
+Alertmanager (the repo's routing and inhibitions) -> a webhook. Shared by the end-to-end alerting tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import yaml
+
+from conftest import ROOT
+from moescope.alerts import rules
+from servers import Alertmanager, Prometheus, Webhook, free_port, wait_http
+
+WARMUP_S = 12
+
+
+@dataclass
+class Delivered:
+    alerts: list  # (receiver path, alert) as the webhook got them
+    first: dict  # alertname -> seconds from the first scrape to its first firing delivery
+    scraped_at: float  # time.monotonic() of Prometheus' start
+
+
+def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=(), settle_s: float = 0.0,
+        thresholds: rules.Thresholds | None = None) -> Delivered:
+    """Run the demo under ``scenario`` and watch for ``watch_s``; stop early once ``stop_when(alerts)`` holds
+    and ``settle_s`` more seconds passed (so an alert that comes with the expected one is seen too)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    rule_file = tmp_path / "rules.yml"
+    # The repo's rules with every `for` shrunk 30-fold (10m -> 20s, 5m -> 10s), so a test window of seconds can
+    # see them fire, in production's order (a cause with a shorter `for` still fires before its symptoms).
+    t = thresholds or rules.Thresholds(for_scale=1 / 30)
+    rule_file.write_text(yaml.safe_dump(rules.rules_document(t), sort_keys=False))
+    hook = Webhook()
+    am = Alertmanager(tmp_path, ROOT / "collectors" / "alertmanager" / "alertmanager.yml", hook.port)
+    port = free_port()
+    log = open(tmp_path / "demo.log", "wb")
+    demo = subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--no-tui", "--scenario", scenario,
+                             "--duration", str(watch_s + 60), "--rate", "8", "--metrics-port", str(port),
+                             "--traces", "none", *demo_args], stdout=log, stderr=subprocess.STDOUT)
+    prom = None
+    try:
+        targets = [f"127.0.0.1:{port}"]
+        if "slow-rank" in scenario:  # 2 ranks: rank r serves metrics on port + r
+            targets.append(f"127.0.0.1:{port + 1}")
+        for target in targets:
+            wait_http(f"http://{target}/metrics", timeout=90)  # scrape only live exporters
+        # Warm-up: the exporter's ratio gauges cover a 60 s window; in its first seconds a handful of tokens
+        # make a noisy CV or a "dead" expert, which production's 10-minute `for` would never see.
+        time.sleep(WARMUP_S)
+        # resend-delay: alerts that fired before Prometheus discovered the Alertmanager are resent within 2 s
+        # (the default waits a minute)
+        prom = Prometheus(tmp_path, targets, rule_files=[str(rule_file)], alertmanager=am.address,
+                          extra_args=["--rules.alert.resend-delay=2s"])
+        start = time.monotonic()
+        deadline, met = start + watch_s, None
+        while time.monotonic() < deadline:
+            if met is None and stop_when is not None and stop_when(hook.alerts()):
+                met = time.monotonic()
+            if met is not None and time.monotonic() - met >= settle_s:
+                break
+            time.sleep(0.5)
+        assert demo.poll() is None, "the demo ended inside the watch window: " + \
+            (tmp_path / "demo.log").read_text()[-2000:]
+        got = hook.alerts()
+        first = {}
+        for name in {a["labels"]["alertname"] for _, a in got}:
+            at = hook.first_arrival(name)
+            if at is not None:
+                first[name] = round(at - start, 1)
+        return Delivered(got, first, start)
+    finally:
+        if prom is not None:
+            prom.stop()
+        demo.kill()
+        demo.wait()
+        log.close()
+        am.stop()
+        hook.stop()
+
+
+def firing(delivered: Delivered) -> set[str]:
+    return {a["labels"]["alertname"] for _, a in delivered.alerts if a["status"] == "firing"}
