@@ -22,12 +22,14 @@ class Delivered:
     alerts: list  # (receiver path, alert) as the webhook got them
     first: dict  # alertname -> seconds from the first scrape to its first firing delivery
     scraped_at: float  # time.monotonic() of Prometheus' start
+    during: object = None  # what the ``during`` callback returned
 
 
 def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=(), settle_s: float = 0.0,
-        thresholds: rules.Thresholds | None = None) -> Delivered:
+        thresholds: rules.Thresholds | None = None, during=None) -> Delivered:
     """Run the demo under ``scenario`` and watch for ``watch_s``; stop early once ``stop_when(alerts)`` holds
-    and ``settle_s`` more seconds passed (so an alert that comes with the expected one is seen too)."""
+    and ``settle_s`` more seconds passed (so an alert that comes with the expected one is seen too).
+    ``during(prometheus)`` runs then, while everything is still up."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     rule_file = tmp_path / "rules.yml"
     # The repo's rules with every `for` shrunk 30-fold (10m -> 20s, 5m -> 10s), so a test window of seconds can
@@ -65,13 +67,14 @@ def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=()
             time.sleep(0.5)
         assert demo.poll() is None, "the demo ended inside the watch window: " + \
             (tmp_path / "demo.log").read_text()[-2000:]
+        extra = during(prom) if during is not None else None
         got = hook.alerts()
         first = {}
         for name in {a["labels"]["alertname"] for _, a in got}:
             at = hook.first_arrival(name)
             if at is not None:
                 first[name] = round(at - start, 1)
-        return Delivered(got, first, start)
+        return Delivered(got, first, start, extra)
     finally:
         if prom is not None:
             prom.stop()

@@ -1,5 +1,9 @@
 """End to end: demo scenario -> exporter -> real Prometheus (rules) -> real Alertmanager -> webhook."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 
 import pipeline
@@ -9,8 +13,20 @@ pytestmark = pytest.mark.integration
 
 
 def test_collapse_reaches_the_webhook_with_its_runbook(tmp_path):
-    got = pipeline.run(tmp_path, "collapse", 90, stop_when=lambda alerts: any(
-        a["labels"]["alertname"] == "MoEExpertCollapse" for _, a in alerts)).alerts
+    traces = tmp_path / "traces.sqlite"
+
+    def diagnose(prom):  # `moescope diagnose --prometheus` reads the same alert back from the real server
+        run = subprocess.run([sys.executable, "-m", "moescope", "diagnose", "--traces", str(traces), "--prometheus",
+                              prom.url, "--json"], capture_output=True, text=True, timeout=120)
+        return run.returncode, json.loads(run.stdout)
+
+    result = pipeline.run(tmp_path, "collapse", 90, demo_args=["--traces", str(traces)], during=diagnose,
+                          stop_when=lambda alerts: any(a["labels"]["alertname"] == "MoEExpertCollapse"
+                                                       for _, a in alerts))
+    got = result.alerts
+    code, report = result.during
+    causes = [f["cause"] for f in report["findings"] if f["severity"] == "critical"]
+    assert code == 1 and "collapse" in causes and "alert:MoEExpertCollapse" in causes, report["findings"]
     collapse = [(path, a) for path, a in got if a["labels"]["alertname"] == "MoEExpertCollapse"]
     assert collapse, [a["labels"]["alertname"] for _, a in got]
     path, alert = collapse[0]

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from moescope.capture.observer import Observer
+from moescope.metrics.system import rss_bytes
 from moescope.traces import store as store_mod
 
 log = logging.getLogger("moescope.traces")
@@ -47,6 +48,7 @@ class _Step:
     layer_s: dict[str, list]
     n_experts: int
     refs: int
+    extra: dict  # t (unix time), rss (bytes), peer_wait ({layer: seconds per peer}) where known
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
@@ -85,6 +87,7 @@ class TraceRecorder(Observer):
         self._times: dict[int, tuple[float, float]] = {}
         self._missed: dict[int, tuple[int, ...]] = {}
         self._a2a: dict[int, float] = {}
+        self._peer_wait: dict[int, list[float]] = {}
         # writer-thread state
         self._steps: dict[int, _Step] = {}
         self._live: dict[str, list[tuple[int, int, int]]] = {}
@@ -105,6 +108,10 @@ class TraceRecorder(Observer):
 
     def on_all_to_all(self, record) -> None:
         self._a2a[record.layer] = self._a2a.get(record.layer, 0.0) + record.seconds
+        if any(record.peer_wait_s):
+            waits = self._peer_wait.setdefault(record.layer, [0.0] * len(record.peer_wait_s))
+            for i, w in enumerate(record.peer_wait_s):
+                waits[i] += w
 
     def _put(self, item) -> None:
         try:
@@ -117,8 +124,9 @@ class TraceRecorder(Observer):
         times, self._times = self._times, {}
         missed, self._missed = self._missed, {}
         a2a, self._a2a = self._a2a, {}
+        waits, self._peer_wait = self._peer_wait, {}
         if pending:
-            self._put(("step", step, pending, times, missed, a2a))
+            self._put(("step", step, pending, times, missed, a2a, waits, time.time()))
 
     def on_request(self, record) -> None:
         self._put(("request", record))
@@ -161,7 +169,7 @@ class TraceRecorder(Observer):
             self.errors += 1
             log.exception("trace store commit failed")
 
-    def _on_step(self, step, pending, times, missed, a2a) -> None:
+    def _on_step(self, step, pending, times, missed, a2a, waits, t) -> None:
         decs = [d for _, d in pending]
         layers = tuple(layer for layer, _ in pending)
         if len({d.ids.shape for d in decs}) != 1:
@@ -180,7 +188,9 @@ class TraceRecorder(Observer):
             weights=np.stack([d.weights.detach().cpu().numpy() for d in decs], axis=1).astype(np.float16),
             entropy=np.stack([d.entropy.cpu().numpy() for d in decs], axis=1).astype(np.float16),
             margin=np.stack([d.margin.cpu().numpy() for d in decs], axis=1).astype(np.float16),
-            miss=miss, layer_s=layer_s, n_experts=n_exp, refs=len(step.segments))
+            miss=miss, layer_s=layer_s, n_experts=n_exp, refs=len(step.segments),
+            extra={"t": round(t, 4), "rss": rss_bytes(),
+                   **({"peer_wait": {str(k): [round(w, 6) for w in v] for k, v in waits.items()}} if waits else {})})
         offset = 0
         for rid, _, n in step.segments:
             self._live.setdefault(rid, []).append((step.index, offset, n))
@@ -236,7 +246,7 @@ class TraceRecorder(Observer):
         if slices:
             first = slices[0][0]
             step_list = [{"phase": st.phase, "seconds": st.seconds, "layer_s": st.layer_s, "index": st.index,
-                          "run": self.run_id} for st, *_ in slices]
+                          "run": self.run_id, **st.extra} for st, *_ in slices]
             row.update({
                 "n_layers": len(first.layers), "top_k": first.ids.shape[2], "n_experts": first.n_experts,
                 "layers": json.dumps(list(first.layers)),

@@ -44,7 +44,8 @@ CREATE TABLE IF NOT EXISTS requests (
     tokens BLOB,                    -- uint16 or int32 [n_prompt + n_output] token ids
     latencies BLOB,                 -- float32 [n_output] per output token (first = ttft)
     ids BLOB, weights BLOB, entropy BLOB, margin BLOB, miss BLOB, step BLOB,
-    steps TEXT                      -- JSON: [{phase, seconds, layer_s: {layer: [router, experts, a2a]}}]
+    steps TEXT                      -- JSON: [{phase, seconds, layer_s: {layer: [router, experts, a2a]}, run, index,
+                                    --        t (unix s), rss (bytes), peer_wait: {layer: [s per peer]}}]
 );
 CREATE INDEX IF NOT EXISTS requests_started ON requests(started);
 CREATE INDEX IF NOT EXISTS requests_total ON requests(total_s);
