@@ -49,3 +49,37 @@ def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshol
     if not passed:
         raise CheckFailed(f"routing is not deterministic: flip rate {report.worst:.2%} > {threshold:.2%}")
     return 0
+
+
+@check.command("quantization")
+@click.option("--model", "model_spec", default="tiny-demo", show_default=True)
+@click.option("--weights", default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True)
+@click.option("--quantize", "variant", type=click.Choice(["experts", "experts+router"]), default="experts",
+              show_default=True, help="What gets int8 weights.")
+@click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=32, show_default=True,
+              help="Held-out prompts of every domain to route.")
+@click.option("--threshold", type=click.FloatRange(min=0), default=0.005, show_default=True,
+              help="Largest flip rate per layer that still passes.")
+@click.option("--json", "as_json", is_flag=True)
+def quantization(model_spec, weights, device, variant, n_prompts, threshold, as_json) -> int:
+    """Route the same inputs at full precision and with int8 weights; report flips, non-finite logits and
+    output agreement. Exit 1 when a layer's flip rate exceeds the threshold."""
+    from moescope.analysis.quantization import compare
+    from moescope.runtime import loader
+    from moescope.runtime.canary import default_prompts
+
+    model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device)
+    report = compare(model, default_prompts(n_prompts), variant)
+    passed = report.worst <= threshold and not any(report.nonfinite_logits.values())
+    if as_json:
+        click.echo(json.dumps({**asdict(report), "threshold": threshold, "passed": passed}, indent=1))
+    else:
+        click.echo(f"int8 {variant}: {report.tokens} tokens; flip rate per layer: "
+                   + ", ".join(f"L{k} {v:.2%}" for k, v in report.flip_rate.items()))
+        click.echo(f"  non-finite router logits: {sum(report.nonfinite_logits.values())}; greedy next token "
+                   f"unchanged {report.next_token_agreement:.2%}; mean KL {report.mean_kl:.2e} nats")
+        click.echo("PASS" if passed else f"FAIL: flip rate {report.worst:.2%} > threshold {threshold:.2%}")
+    if not passed:
+        raise CheckFailed(f"int8 {variant} changes routing: flip rate {report.worst:.2%} > {threshold:.2%}")
+    return 0
