@@ -40,6 +40,7 @@ class LayerStats:
     margin_sum: float
     router_s: float | None = None
     experts_s: float | None = None
+    rerouted: dict | None = None  # mitigation ("load", "smoothing") -> slots it changed, when one is on
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,16 @@ class StepStats:
     layers: tuple[LayerStats, ...]
     n_experts: int
     top_k: int
+
+
+REROUTE_REASONS = ("load", "smoothing")
+
+
+def _rerouted(d) -> torch.Tensor:
+    """[2] int64 on the decision's device: slots changed by each mitigation (zeros when off)."""
+    r = d.rerouted or {}
+    zero = torch.zeros((), dtype=torch.int64, device=d.ids.device)
+    return torch.stack([r.get(name, zero) for name in REROUTE_REASONS])
 
 
 class RoutingProbe(Observer):
@@ -99,18 +110,24 @@ class RoutingProbe(Observer):
         layers = []
         for (layer, decs), row in zip(by_layer.items(), rows):
             r_s, e_s = times.get(layer, (None, None))
+            rerouted = None
+            if decs[0].rerouted is not None:
+                rerouted = {name: int(row[n_exp + 5 + i]) for i, name in enumerate(REROUTE_REASONS)
+                            if name in decs[0].rerouted}
             layers.append(LayerStats(layer=layer, tokens=sum(d.ids.shape[0] for d in decs),
                                      slots=row[:n_exp].astype(np.int64), dropped=int(row[n_exp + 4]),
                                      nonfinite=int(row[n_exp + 3]), entropy_sum=float(row[n_exp + 1]),
-                                     margin_sum=float(row[n_exp + 2]), router_s=r_s, experts_s=e_s))
+                                     margin_sum=float(row[n_exp + 2]), router_s=r_s, experts_s=e_s,
+                                     rerouted=rerouted))
         return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k)
 
     @staticmethod
     def _host(by_layer, n_exp: int) -> np.ndarray:
-        """[L, E + 5] float64: slots per expert + dropped bucket, entropy sum, margin sum, non-finite, dropped.
+        """[L, E + 7] float64: slots per expert + dropped bucket, entropy sum, margin sum, non-finite, dropped,
+        slots rerouted by load-aware routing, by smoothing.
         CPU tensors only: ``.numpy()`` views the same memory (no copy, no sync). One concatenation per layer
         and quantity (cheaper than a numpy view per decision when an interval holds many steps)."""
-        rows = np.empty((len(by_layer), n_exp + 5))
+        rows = np.empty((len(by_layer), n_exp + 7))
         for i, decs in enumerate(by_layer.values()):
             rows[i, : n_exp + 1] = np.bincount(torch.cat([d.active_ids.reshape(-1) for d in decs]).numpy(),
                                                minlength=n_exp + 1)
@@ -118,6 +135,7 @@ class RoutingProbe(Observer):
             rows[i, n_exp + 2] = torch.cat([d.margin for d in decs]).numpy().sum(dtype=np.float64)
             rows[i, n_exp + 3] = torch.stack([d.nonfinite for d in decs]).numpy().sum()
             rows[i, n_exp + 4] = torch.stack([d.dropped for d in decs]).numpy().sum()
+            rows[i, n_exp + 5:] = torch.stack([_rerouted(d) for d in decs]).numpy().sum(0)
         return rows
 
     @staticmethod
@@ -131,7 +149,8 @@ class RoutingProbe(Observer):
             scalars.append(torch.stack([torch.cat([d.entropy for d in decs]).sum(dtype=torch.float64),
                                         torch.cat([d.margin for d in decs]).sum(dtype=torch.float64),
                                         torch.stack([d.nonfinite for d in decs]).sum().double(),
-                                        torch.stack([d.dropped for d in decs]).sum().double()]))
+                                        torch.stack([d.dropped for d in decs]).sum().double(),
+                                        *torch.stack([_rerouted(d) for d in decs]).sum(0).double()]))
         flat = torch.cat(ids)
         counts = torch.zeros(len(by_layer) * width, dtype=torch.float64, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))

@@ -122,6 +122,12 @@ def _print_human(s: dict) -> None:
               help="Drift scenario: seconds of traffic before the domain mix shifts [half the run].")
 @click.option("--save-baseline", type=click.Path(dir_okay=False), default=None,
               help="Write this run's expert load per layer as a baseline file.")
+@click.option("--load-aware", "load_bound", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Load-aware routing: demote experts whose estimated load exceeds this share of their "
+                   "capacity (e.g. 0.85; capacity = 1.5 x the fair share). Default: off.")
+@click.option("--smoothing", "smoothing_margin", type=click.FloatRange(min=0), default=None,
+              help="Router smoothing: a position whose prefix was routed before keeps its experts unless the "
+                   "new choice has this much more router probability (e.g. 0.02). Default: off.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
@@ -137,8 +143,8 @@ def _print_human(s: dict) -> None:
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
          metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, canary_interval, baseline_path,
-         drift_after, save_baseline, world_size, placement_spec, slow_rank, delay_ms, timeout, seed,
-         no_tui, as_json) -> int:
+         drift_after, save_baseline, load_bound, smoothing_margin, world_size, placement_spec, slow_rank, delay_ms,
+         timeout, seed, no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.routing_log import RoutingLog
     from moescope.cli import demo_parallel
@@ -160,6 +166,11 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
                                dtype=dtype, **overrides)
     faults.apply(model, scenarios)
+    if load_bound is not None or smoothing_margin is not None:
+        from moescope.runtime.router import Mitigation
+
+        for layer in model.moe_layers():
+            layer.router.mitigation = Mitigation(load_bound=load_bound, smoothing_margin=smoothing_margin)
     rank_env = env_rank()
     if world_size > 1 and rank_env is None:
         return demo_parallel.launch(click.get_current_context(), world_size, placement_spec, slow_rank, timeout,

@@ -53,6 +53,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("moescope_expert_tokens_total", "Slots (token, expert pairs) computed by each expert.", "layer", "expert"),
     _c("moescope_router_tokens_total", "Tokens routed by the layer's router.", "layer"),
     _c("moescope_tokens_dropped_total", "Slots dropped by the capacity limit.", "layer"),
+    _c("moescope_rerouted_slots_total", "Slots a routing mitigation gave to another expert than the router's "
+       "top-k (reason: load = load-aware routing, smoothing = hysteresis); only while one is on.", "layer",
+       "reason"),
     _c("moescope_router_nonfinite_logits_total", "NaN or Inf router logits.", "layer"),
     # routing health over the recent window (gauges)
     _g("moescope_activation_ratio", "Parameters touched per token / total parameters, over the window."),

@@ -212,6 +212,8 @@ class MetricsObserver(Observer):
                 lc["moescope_router_tokens_total"][layer] += ls.tokens
                 lc["moescope_tokens_dropped_total"][layer] += ls.dropped
                 lc["moescope_router_nonfinite_logits_total"][layer] += ls.nonfinite
+                for reason, n in (ls.rerouted or {}).items():
+                    self.counters[("moescope_rerouted_slots_total", (str(layer), reason))] += n
                 win = b.slots.get(layer)
                 if win is None:
                     b.slots[layer] = ls.slots.copy()

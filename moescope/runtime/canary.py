@@ -15,6 +15,7 @@ import torch
 from moescope.capture.observer import NOOP
 from moescope.runtime import tokenizer, traffic
 from moescope.runtime.model import MoETransformer, Segment
+from moescope.runtime.router import extend_prefix_key
 
 
 def default_prompts(n: int = 4, seed: int = 4242) -> list[str]:
@@ -27,7 +28,7 @@ class Canary:
     def __init__(self, model: MoETransformer, *, prompts: list[str] | None = None, interval_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.model, self.interval_s, self.clock = model, interval_s, clock
-        ids = [tokenizer.encode(p) for p in (prompts or default_prompts())]
+        ids = self._ids = [tokenizer.encode(p) for p in (prompts or default_prompts())]
         self._tokens = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
         self._segments = [len(seq) for seq in ids]
         self.baseline: dict[int, torch.Tensor] | None = None
@@ -45,7 +46,12 @@ class Canary:
         for e in experts:
             e.weight_source = None
         try:
-            out = model(self._tokens.to(model.device), [Segment(n) for n in self._segments], last_only=True)
+            keys = None
+            if model.smoothing:
+                keys = torch.tensor([k for seq in self._ids for k in extend_prefix_key(0, seq)],
+                                    dtype=torch.int64, device=model.device)
+            out = model(self._tokens.to(model.device), [Segment(n) for n in self._segments], last_only=True,
+                        route_keys=keys)
         finally:
             model.observer = observer
             for e, s in zip(experts, sources):

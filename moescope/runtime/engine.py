@@ -22,6 +22,7 @@ from moescope.capture.observer import FanOut, Observer
 from moescope.errors import BadInput
 from moescope.runtime import tokenizer
 from moescope.runtime.model import KVCache, MoETransformer, Segment
+from moescope.runtime.router import extend_prefix_key
 from moescope.runtime.traffic import TrafficRequest
 
 
@@ -79,6 +80,7 @@ class _Live:
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     admitted_at: float = 0.0
+    prefix_key: int = 0  # router smoothing: key of the tokens fed so far
     prefill_s: float = 0.0
     finish_reason: str = ""
 
@@ -174,7 +176,16 @@ class Engine:
         seg_info = tuple((r.request_id, s.start_pos, s.n) for r, s in zip(batch, segments))
         started = self.clock()
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)
-        logits = self.model(tokens, segments, last_only=True).logits  # [n_seq, V]
+        keys = None
+        if self.model.smoothing:  # host-side prefix keys from host-side token ids: no device round trip
+            keys_list = []
+            for r in batch:
+                new_ids = r.prompt_ids if phase == "prefill" else r.output_ids[-1:]
+                ks = extend_prefix_key(r.prefix_key, new_ids)
+                r.prefix_key = ks[-1]
+                keys_list += ks
+            keys = torch.tensor(keys_list, dtype=torch.int64, device=self.model.device)
+        logits = self.model(tokens, segments, last_only=True, route_keys=keys).logits  # [n_seq, V]
         next_ids = self._sample(logits, batch).tolist()  # the engine's one host sync per step
         if self.leak is not None:  # leak_bytes retained per step, never freed: memory grows with traffic
             self.leak.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32, device=logits.device))

@@ -204,16 +204,35 @@ class MoETransformer(nn.Module):
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg, self.device, self.embed.weight.dtype)
 
-    def forward(self, tokens: torch.Tensor, segments: list[Segment], *, last_only: bool = False) -> ForwardOutput:
+    @property
+    def smoothing(self) -> bool:
+        """Whether a router mitigation needs prefix keys (``route_keys``) with each forward."""
+        return any(m.router.mitigation is not None and m.router.mitigation.smoothing_margin is not None
+                   for m in self.moe_layers())
+
+    def forward(self, tokens: torch.Tensor, segments: list[Segment], *, last_only: bool = False,
+                route_keys: torch.Tensor | None = None) -> ForwardOutput:
         """Run the flat batch ``tokens`` [T] laid out as ``segments``; advances each segment's KV cache.
 
         Args:
             tokens: [T] token ids, the segments' new tokens concatenated in order.
             segments: how many tokens belong to which sequence (and its cache, if any).
             last_only: return only the logits of each segment's last token ([n_segments, V]).
+            route_keys: [T] int64 prefix keys (``router.extend_prefix_key``) for router smoothing.
         """
         if sum(s.n for s in segments) != tokens.shape[0]:
             raise ValueError("segments do not cover the flat batch")
+        if route_keys is not None:
+            for moe in self.moe_layers():
+                moe.router.keys = route_keys
+        try:
+            return self._forward(tokens, segments, last_only)
+        finally:
+            if route_keys is not None:
+                for moe in self.moe_layers():
+                    moe.router.keys = None
+
+    def _forward(self, tokens: torch.Tensor, segments: list[Segment], last_only: bool) -> ForwardOutput:
         x = self.embed(tokens)  # [T, H]
         out = ForwardOutput(logits=x)
         observer = self.observer

@@ -42,6 +42,7 @@ class RoutingDecision:
     dropped: torch.Tensor
     n_experts: int
     active_ids: torch.Tensor | None = None
+    rerouted: dict | None = None  # mitigation -> [] int64 slots it changed ("load", "smoothing")
 
     def __post_init__(self) -> None:
         if self.active_ids is None:  # computed once here, read by the experts and every probe
@@ -77,13 +78,22 @@ def capacity_keep_mask(ids: torch.Tensor, n_experts: int, capacity: int) -> torc
 
 
 def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
-          capacity_factor: float | None = None) -> RoutingDecision:
-    """Turn router logits [T, E] into a decision. Pure function: the reference every router path must match."""
+          capacity_factor: float | None = None, select=None) -> RoutingDecision:
+    """Turn router logits [T, E] into a decision. Pure function: the reference every router path must match.
+
+    ``select(probs, ids) -> (ids, rerouted)`` lets a mitigation replace the plain top-k choice (gate weights
+    stay the router's own probabilities of the chosen experts, renormalised).
+    """
     n_tokens, n_experts = logits.shape
     logits = logits.float()
     nonfinite = (~torch.isfinite(logits)).sum()
     probs = torch.softmax(logits / temperature, dim=-1)  # [T, E]
     top_p, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    rerouted = None
+    if select is not None:
+        chosen, rerouted = select(probs, ids)
+        top_p, order = probs.gather(1, chosen).sort(dim=-1, descending=True, stable=True)
+        ids = chosen.gather(1, order)  # best first, as plain top-k orders them
     weights = top_p / top_p.sum(dim=-1, keepdim=True)
     # Normalised entropy; xlogy gives 0*log(0) = 0 for experts with zero probability.
     entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(n_experts) if n_experts > 1 \
@@ -104,8 +114,46 @@ def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
         weights = weights * kept
         dropped = (~kept).sum()
         active = None
+    if select is not None:  # margin stays the router's own confidence, whatever was chosen
+        top2 = torch.topk(probs, min(2, n_experts), dim=-1).values
+        margin = top2[:, 0] - top2[:, -1] if n_experts > 1 else top2[:, 0]
     return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
-                           nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active)
+                           nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active,
+                           rerouted=rerouted)
+
+
+def _changed_slots(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+    """[] int64: slots of ``before`` [T, k] whose expert is not in the same row of ``after``."""
+    return (before.unsqueeze(-1) != after.unsqueeze(-2)).all(-1).sum()
+
+
+@dataclass(frozen=True)
+class Mitigation:
+    """Switchable routing mitigations (the [mitigate] issue). Both keep state on the device only.
+
+    load_bound: load-aware routing: an expert whose estimated load (EMA of its share of tokens) exceeds
+        ``load_bound`` x its capacity (``load_capacity_factor`` x the fair share k/E) is ranked after every
+        expert under the bound for the next forwards: the token's next-ranked expert takes the slot.
+    smoothing_margin: hysteresis: a position whose prefix (token ids from the sequence start, hashed by the
+        caller into ``Router.keys``) was routed before keeps that expert set unless the new top-k set has more
+        router probability by more than this margin. Memory: a fixed device table of ``table_size`` entries.
+    """
+
+    load_bound: float | None = None
+    load_capacity_factor: float = 1.5
+    load_ema: float = 0.2
+    smoothing_margin: float | None = None
+    table_size: int = 1 << 16
+
+
+def extend_prefix_key(key: int, tokens) -> list[int]:
+    """Prefix keys of ``tokens`` following a sequence whose prefix key is ``key`` (0 at the start): one
+    64-bit key per position, identifying the token ids from the sequence start up to and including it."""
+    out = []
+    for t in tokens:
+        key = hash((key, int(t)))  # ints and tuples of ints hash the same in every process
+        out.append(key)
+    return out
 
 
 class Router(nn.Module):
@@ -119,6 +167,45 @@ class Router(nn.Module):
         self.temperature = temperature
         self.capacity_factor = capacity_factor
         self.fault = None  # a runtime.faults.RouterFault, for the fault scenarios
+        self.mitigation: Mitigation | None = None
+        self.keys: torch.Tensor | None = None  # [T] int64 prefix keys of the forward (smoothing only)
+        self._load: torch.Tensor | None = None  # [E] EMA of each expert's share of tokens
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # smoothing memory: keys [S], ids [S, k]
+
+    def _select(self, probs: torch.Tensor, ids: torch.Tensor):
+        m, (n_tokens, n_experts), k = self.mitigation, probs.shape, self.top_k
+        rerouted, chosen = {}, ids
+        if m.smoothing_margin is not None and self.keys is not None and n_tokens:
+            if self._table is None:
+                self._table = (torch.full((m.table_size,), -1, dtype=torch.int64, device=probs.device),
+                               torch.zeros((m.table_size, k), dtype=torch.int64, device=probs.device))
+            t_keys, t_ids = self._table
+            keys = self.keys.to(probs.device)
+            slot = keys.remainder(m.table_size)
+            prev = t_ids[slot]
+            known = t_keys[slot] == keys
+            gain = probs.gather(1, chosen).sum(-1) - probs.gather(1, prev).sum(-1)
+            keep = known & (gain <= m.smoothing_margin)
+            smoothed = torch.where(keep.unsqueeze(-1), prev, chosen)
+            rerouted["smoothing"] = _changed_slots(chosen, smoothed)
+            chosen = smoothed
+        if m.load_bound is not None and n_tokens:
+            if self._load is None:
+                self._load = torch.full((n_experts,), k / n_experts, device=probs.device)
+            over = self._load > m.load_bound * m.load_capacity_factor * k / n_experts  # [E]
+            # Chosen experts under the bound keep their slot; a chosen expert over it gives the slot to the
+            # token's next-ranked expert under the bound (overloaded experts rank last).
+            mine = torch.zeros_like(probs, dtype=torch.bool).scatter_(1, chosen, True)
+            scores = probs + 4.0 * (mine & ~over) - 2.0 * over
+            new = torch.topk(scores, k, dim=-1).indices
+            rerouted["load"] = _changed_slots(chosen, new)
+            chosen = new
+            share = torch.zeros(n_experts, device=probs.device).scatter_add_(
+                0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device)) / n_tokens
+            self._load.mul_(1 - m.load_ema).add_(m.load_ema * share)
+        if "smoothing" in rerouted:  # remember what the position finally used
+            t_keys[slot], t_ids[slot] = keys, chosen
+        return chosen, rerouted
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
@@ -127,5 +214,5 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[RoutingDecision, torch.Tensor]:
         """Returns the decision and the raw logits [T, E] (the training loss needs them)."""
         logits = self.logits(x)
-        return route(logits, self.top_k, temperature=self.temperature,
-                     capacity_factor=self.capacity_factor), logits
+        return route(logits, self.top_k, temperature=self.temperature, capacity_factor=self.capacity_factor,
+                     select=self._select if self.mitigation is not None else None), logits
