@@ -19,10 +19,13 @@ class AllToAllStats(Observer):
         self.seconds = {"dispatch": 0.0, "combine": 0.0}
         self.peer_wait_s = [0.0] * world_size
         self.exchanges = 0
+        self.received_bytes = 0  # dispatch: the rows this rank's experts computed (its expert load)
 
     def on_all_to_all(self, record) -> None:
         self.seconds[record.op] += record.seconds
         self.exchanges += 1
+        if record.op == "dispatch":
+            self.received_bytes += sum(record.recv_bytes)
         for p, w in enumerate(record.peer_wait_s):
             self.peer_wait_s[p] += w
 
@@ -104,7 +107,7 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) ->
     return {"rank": rank, "tokens_per_s": summary["tokens_per_s"], "all_to_all_s": round(a2a, 4),
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
-            "exchanges": stats.exchanges, "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
+            "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes, "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
             "metrics_url": summary.get("metrics_url")}
 
 

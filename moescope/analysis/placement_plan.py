@@ -1,0 +1,128 @@
+"""Placement planning from recorded load: which rank holds which experts (with replicas of hot ones).
+
+Per MoE layer, EPLB's recipe on one node: (1) with ``slots`` physical slots per rank (N x S >= E), give the
+spare slots one by one to the expert with the highest load per replica; (2) pack the replicas onto ranks,
+heaviest first, each onto the least-loaded rank that has a free slot and no replica of that expert yet.
+
+Predicted load per rank follows the runtime's dispatch rule (`parallel.placement`): every rank owns 1/N of a
+step's tokens; a slot goes to the sender's own rank when it holds a replica of the expert, else to the lowest
+rank holding one. So a replica helps in proportion to the senders it serves, not 1/replicas.
+
+Outputs: deepseek-ai/EPLB's tensors (``phy2log`` [layers, N*S], ``log2phy`` [layers, E, max replicas] padded
+with -1, ``logcnt`` [layers, E]) as JSON, and the placement YAML `moescope demo --placement` accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from moescope.errors import BadInput
+from moescope.parallel.placement import _layout
+
+
+def rank_loads(load: np.ndarray, per_rank: list[list[int]]) -> np.ndarray:
+    """[N] slots each rank computes under the runtime's dispatch rule (senders own 1/N of the tokens)."""
+    n = len(per_rank)
+    out = np.zeros(n)
+    for e, w in enumerate(load):
+        holders = [r for r in range(n) if e in per_rank[r]]
+        for sender in range(n):
+            dest = sender if sender in holders else holders[0]
+            out[dest] += w / n
+    return out
+
+
+def cross_rank_share(load: np.ndarray, per_rank: list[list[int]]) -> float:
+    """Share of slots computed on another rank than their sender's."""
+    n = len(per_rank)
+    total = load.sum()
+    if total == 0:
+        return 0.0
+    local = sum(w / n for e, w in enumerate(load) for s in range(n) if e in per_rank[s])
+    return float(1 - local / total)
+
+
+def imbalance(loads: np.ndarray) -> float:
+    """max / mean load per rank (1.0 = perfectly balanced)."""
+    return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+
+
+def plan_layer(load: np.ndarray, ranks: int, slots: int, coactivation: np.ndarray | None = None
+               ) -> list[list[int]]:
+    n_exp = len(load)
+    if ranks * slots < n_exp:
+        raise BadInput(f"{ranks} ranks x {slots} slots cannot hold {n_exp} experts (need slots >= "
+                       f"{-(-n_exp // ranks)})")
+    count = np.ones(n_exp, dtype=np.int64)
+    for _ in range(ranks * slots - n_exp):  # spare slots: replicate the heaviest load per replica
+        cand = [e for e in range(n_exp) if count[e] < ranks]
+        if not cand:
+            break
+        e = max(cand, key=lambda x: (load[x] / count[x], -x))
+        count[e] += 1
+    replicas = sorted(((load[e] / count[e], e) for e in range(n_exp) for _ in range(count[e])),
+                      key=lambda t: (-t[0], t[1]))
+    per_rank: list[list[int]] = [[] for _ in range(ranks)]
+    weight = np.zeros(ranks)
+    for w, e in replicas:
+        free = [r for r in range(ranks) if len(per_rank[r]) < slots and e not in per_rank[r]]
+        if coactivation is not None and w > 0:
+            # among equally loaded ranks, prefer one holding the experts this one is chosen with most
+            r = min(free, key=lambda r: (weight[r], -sum(coactivation[e, x] for x in per_rank[r]), r))
+        else:
+            r = min(free, key=lambda r: (weight[r], r))
+        per_rank[r].append(e)
+        weight[r] += w
+    return [sorted(x) for x in per_rank]
+
+
+@dataclass
+class Plan:
+    ranks: int
+    slots: int
+    layers: dict[int, list[list[int]]]
+    predicted: dict  # per layer: planned vs round-robin max/mean and cross-rank share
+
+    def eplb(self) -> dict:
+        phy2log, log2phy, logcnt = [], [], []
+        n_exp = max(e for per in self.layers.values() for r in per for e in r) + 1
+        max_rep = max(sum(e in r for r in per) for per in self.layers.values() for e in range(n_exp))
+        for layer in sorted(self.layers):
+            per = self.layers[layer]
+            phys_padded = []
+            for r in per:  # each rank's S slots; unused slots (fewer replicas than slots) are -1
+                phys_padded += r + [-1] * (self.slots - len(r))
+            phy2log.append(phys_padded)
+            where = {e: [i for i, x in enumerate(phys_padded) if x == e] for e in range(n_exp)}
+            log2phy.append([where[e] + [-1] * (max_rep - len(where[e])) for e in range(n_exp)])
+            logcnt.append([len(where[e]) for e in range(n_exp)])
+        return {"format": "deepseek-ai/EPLB", "layers": sorted(self.layers), "num_ranks": self.ranks,
+                "slots_per_rank": self.slots, "phy2log": phy2log, "log2phy": log2phy, "logcnt": logcnt}
+
+    def placement_yaml(self, n_experts: int) -> str:
+        from moescope.parallel.placement import to_yaml, validate
+
+        replicated = any(sum(len(r) for r in per) > n_experts for per in self.layers.values())
+        return to_yaml(validate(self.layers, n_experts, self.ranks, replicated, sorted(self.layers),
+                                "planned placement"))
+
+
+def plan(profile, ranks: int, slots: int | None = None) -> Plan:
+    if ranks < 1:
+        raise BadInput(f"--ranks must be >= 1, got {ranks}")
+    n_exp = profile.n_experts
+    slots = slots if slots is not None else -(-n_exp // ranks)
+    layers, predicted = {}, {}
+    rr = [list(x) for x in _layout("round-robin", n_exp, ranks)]
+    for layer, load in profile.load().items():
+        load = load.astype(float)
+        per = plan_layer(load, ranks, slots, profile.coactivation.get(layer))
+        layers[layer] = per
+        predicted[layer] = {
+            "planned_max_over_mean": round(imbalance(rank_loads(load, per)), 4),
+            "round_robin_max_over_mean": round(imbalance(rank_loads(load, rr)), 4),
+            "planned_cross_rank_share": round(cross_rank_share(load, per), 4),
+            "round_robin_cross_rank_share": round(cross_rank_share(load, rr), 4)}
+    return Plan(ranks, slots, layers, predicted)

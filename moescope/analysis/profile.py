@@ -1,0 +1,166 @@
+"""Expert load profiles: what `report`, `plan-placement` and `cache-sim` read, from the trace store or from
+real engines' dumps.
+
+A ``LoadProfile`` holds, per MoE layer, slots per expert for each pass (a forward, a recorder pass or a
+training iteration) and, when the source has per-token routing (the trace store), expert co-activation.
+
+Imports:
+- **SGLang** expert-distribution recorder dumps: a ``.pt`` file holding ``logical_count`` [passes, layers,
+  experts] (or [layers, experts] in ``stat`` mode), loaded with ``torch.load(weights_only=True)``. Layers
+  whose counts are all zero (dense layers) are left out; layer numbers are the dump's layer indices.
+- **Megatron**-style tokens-per-expert JSONL: one JSON object per line with ``layer`` and
+  ``tokens_per_expert`` (a list), and optionally ``iteration`` (or ``step``); each distinct iteration is a pass.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from moescope.errors import BadInput
+
+
+@dataclass
+class LoadProfile:
+    source: str
+    n_experts: int
+    passes: dict[int, np.ndarray]  # layer -> [P, E] slots per expert per pass
+    coactivation: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [E, E] tokens choosing both
+    model: str | None = None
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.passes)
+
+    def load(self) -> dict[int, np.ndarray]:
+        """layer -> [E] total slots."""
+        return {layer: p.sum(0) for layer, p in sorted(self.passes.items())}
+
+    def lookups(self) -> dict[int, list[int]]:
+        """cache-sim input: per layer, the experts each pass used, ascending (the runtime's lookup order)."""
+        return {layer: [int(e) for row in p for e in np.nonzero(row)[0]] for layer, p in self.passes.items()}
+
+
+def from_store(conn, *, since: float | None = None, limit: int = 100000) -> LoadProfile:
+    """Passes are the engine's steps (run, index) in order; co-activation counts token-level expert pairs."""
+    sql = ("SELECT ids, n_prompt, n_output, layers, top_k, n_experts, step, steps, model FROM requests "
+           "WHERE ids IS NOT NULL")
+    args: list = []
+    if since is not None:
+        sql += " AND started >= ?"
+        args.append(since)
+    sql += " ORDER BY started LIMIT ?"
+    args.append(limit)
+    from moescope.traces.store import _ints
+
+    step_rows: dict[tuple, dict[int, np.ndarray]] = {}
+    co: dict[int, np.ndarray] = {}
+    n_exp, model = None, None
+    for blob, n_prompt, n_output, layers, k, e, step_blob, steps, model in conn.execute(sql, args):
+        layers, steps = json.loads(layers), json.loads(steps or "[]")
+        n_exp = e
+        n = n_prompt + max(0, n_output - 1)
+        ids = np.frombuffer(blob, dtype=np.int16).reshape(n, len(layers), k).astype(np.int64)
+        step_of = _ints(step_blob, n)
+        for s in np.unique(step_of):
+            st = steps[int(s)] if steps else {}
+            key = (st.get("run", ""), st.get("index", int(s)))
+            rows = ids[step_of == s]
+            per_layer = step_rows.setdefault(key, {})
+            for j, layer in enumerate(layers):
+                c = np.bincount(rows[:, j].ravel(), minlength=e + 1)[:e]
+                per_layer[layer] = per_layer.get(layer, 0) + c
+        for j, layer in enumerate(layers):
+            m = co.setdefault(layer, np.zeros((e, e), dtype=np.int64))
+            sel = ids[:, j]
+            for a in range(k):
+                for b in range(a + 1, k):
+                    ok = (sel[:, a] < e) & (sel[:, b] < e)
+                    np.add.at(m, (sel[ok, a], sel[ok, b]), 1)
+                    np.add.at(m, (sel[ok, b], sel[ok, a]), 1)
+    if not step_rows:
+        raise BadInput("the trace store holds no routed requests (run `moescope demo` first)")
+    layers = sorted({layer for v in step_rows.values() for layer in v})
+    passes = {layer: np.stack([step_rows[key].get(layer, np.zeros(n_exp, np.int64)) for key in sorted(step_rows)])
+              for layer in layers}
+    return LoadProfile("trace store", n_exp, passes, co, model)
+
+
+def from_sglang(path: str | Path) -> LoadProfile:
+    import torch
+
+    path = Path(path)
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise BadInput(f"SGLang dump {path} does not exist") from None
+    except Exception as exc:  # noqa: BLE001 - a corrupt or foreign file: one clear line
+        raise BadInput(f"SGLang dump {path} is not readable with torch.load(weights_only=True): {exc}") from None
+    counts = data.get("logical_count") if isinstance(data, dict) else data
+    if not isinstance(counts, torch.Tensor) or counts.dim() not in (2, 3):
+        raise BadInput(f"SGLang dump {path} has no logical_count tensor [passes, layers, experts]")
+    c = counts.detach().to(torch.int64).numpy()
+    if c.ndim == 2:
+        c = c[None]
+    if (c < 0).any():
+        raise BadInput(f"SGLang dump {path}: negative expert counts")
+    passes = {layer: c[:, layer, :] for layer in range(c.shape[1]) if c[:, layer, :].any()}
+    if not passes:
+        raise BadInput(f"SGLang dump {path}: every count is zero")
+    return LoadProfile(f"sglang:{path.name}", c.shape[2], passes)
+
+
+def from_megatron(path: str | Path) -> LoadProfile:
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise BadInput(f"tokens-per-expert file {path} does not exist") from None
+    rows: dict[tuple[int, int], np.ndarray] = {}
+    order: list[int] = []
+    n_exp = None
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            layer = int(obj["layer"])
+            tpe = np.asarray(obj["tokens_per_expert"], dtype=np.int64)
+            it = int(obj.get("iteration", obj.get("step", 0)))
+        except (ValueError, KeyError, TypeError):
+            raise BadInput(f"{path}:{no}: expected a JSON object with layer and tokens_per_expert") from None
+        if tpe.ndim != 1 or (tpe < 0).any() or (n_exp is not None and len(tpe) != n_exp):
+            raise BadInput(f"{path}:{no}: tokens_per_expert must be one list of non-negative counts per line, "
+                           f"the same length on every line")
+        n_exp = len(tpe)
+        if it not in order:
+            order.append(it)
+        rows[(it, layer)] = rows.get((it, layer), 0) + tpe
+    if not rows:
+        raise BadInput(f"tokens-per-expert file {path} is empty")
+    layers = sorted({layer for _, layer in rows})
+    passes = {layer: np.stack([rows.get((it, layer), np.zeros(n_exp, np.int64)) for it in order])
+              for layer in layers}
+    return LoadProfile(f"megatron:{path.name}", n_exp, passes)
+
+
+def load(traces_path: str | None = None, import_path: str | None = None, *, since: float | None = None
+         ) -> LoadProfile:
+    """From ``--import FILE`` (``.pt``: SGLang; ``.jsonl``/``.json``: Megatron-style) or the trace store."""
+    if import_path:
+        suffix = Path(import_path).suffix.lower()
+        if suffix == ".pt":
+            return from_sglang(import_path)
+        if suffix in (".jsonl", ".json"):
+            return from_megatron(import_path)
+        raise BadInput(f"--import {import_path}: expected an SGLang .pt dump or a Megatron-style .jsonl file")
+    from moescope.traces import store
+
+    conn = store.open_store(traces_path)
+    try:
+        return from_store(conn, since=since)
+    finally:
+        conn.close()
