@@ -1,0 +1,37 @@
+"""``moescope top``: live terminal view of routing health from metrics endpoints or a Prometheus server."""
+
+from __future__ import annotations
+
+import click
+
+from moescope.errors import BadInput
+
+
+@click.command("top")
+@click.argument("endpoints", nargs=-1)
+@click.option("--prometheus", default=None, help="Read from this Prometheus server instead of endpoints.")
+@click.option("--alertmanager", default=None, help="Show the alerts firing in this Alertmanager.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds per poll.")
+@click.option("--once", is_flag=True, help="Print one plain-text frame (two polls, --interval apart) and exit.")
+def top_cmd(endpoints, prometheus, alertmanager, interval, once) -> int:
+    """Watch ENDPOINTS (host:port of each rank's exporter; default 127.0.0.1:9400) live."""
+    import time
+
+    from moescope.tui.top_data import Poller
+
+    if endpoints and prometheus:
+        raise BadInput("give metrics endpoints or --prometheus, not both")
+    poller = Poller(list(endpoints) or ["127.0.0.1:9400"], prometheus=prometheus, alertmanager=alertmanager)
+    if once:
+        from moescope.tui.top_app import details_text, status_text, tiles_text
+
+        poller.poll()
+        time.sleep(interval)
+        f = poller.poll()
+        for text in (status_text(f, False), tiles_text(f), details_text(f, min(f.expert_rate, default=None))):
+            click.echo(text.plain)
+        return 0 if any(v == "ok" for v in f.endpoints.values()) else 2
+    from moescope.tui.top_app import TopApp
+
+    TopApp(poller, interval).run()
+    return 0
