@@ -44,3 +44,15 @@ def test_capture_hooks_never_sync_and_counts_are_exact_on_cuda(tiny_cfg):
         for layer, d in out.decisions.items():
             want = torch.bincount(d.ids.reshape(-1).cpu(), minlength=tiny_cfg.n_experts).tolist()
             assert inst.metrics.expert_tokens[layer].tolist() == want
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_router_kernel_on_cuda_equals_the_reference():
+    pytest.importorskip("triton")
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import triton_router_check
+
+    triton_router_check.main("cuda")

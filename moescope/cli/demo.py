@@ -128,6 +128,8 @@ def _print_human(s: dict) -> None:
 @click.option("--smoothing", "smoothing_margin", type=click.FloatRange(min=0), default=None,
               help="Router smoothing: a position whose prefix was routed before keeps its experts unless the "
                    "new choice has this much more router probability (e.g. 0.02). Default: off.")
+@click.option("--router-impl", type=click.Choice(["auto", "torch", "triton"]), default="auto", show_default=True,
+              help="Router path: the fused Triton kernel (auto: on CUDA when triton is installed) or torch.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
@@ -143,7 +145,7 @@ def _print_human(s: dict) -> None:
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
          metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, canary_interval, baseline_path,
-         drift_after, save_baseline, load_bound, smoothing_margin, world_size, placement_spec, slow_rank, delay_ms,
+         drift_after, save_baseline, load_bound, smoothing_margin, router_impl, world_size, placement_spec, slow_rank, delay_ms,
          timeout, seed, no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.routing_log import RoutingLog
@@ -166,6 +168,8 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
                                dtype=dtype, **overrides)
     faults.apply(model, scenarios)
+    for layer in model.moe_layers():
+        layer.router.impl = router_impl
     if load_bound is not None or smoothing_margin is not None:
         from moescope.runtime.router import Mitigation
 

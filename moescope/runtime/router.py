@@ -77,9 +77,42 @@ def capacity_keep_mask(ids: torch.Tensor, n_experts: int, capacity: int) -> torc
     return (pos < capacity).view(top_k, n_tokens).t()
 
 
+def _apply_capacity(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, capacity_factor: float | None):
+    """(kept, weights, dropped, active_ids or None) under the capacity limit (nothing dropped without one)."""
+    if capacity_factor is None:
+        return (torch.ones_like(ids, dtype=torch.bool), weights,
+                torch.zeros((), dtype=torch.int64, device=ids.device), ids)
+    n_tokens, top_k = ids.shape
+    kept = capacity_keep_mask(ids, n_experts, expert_capacity(n_tokens, top_k, n_experts, capacity_factor))
+    return kept, weights * kept, (~kept).sum(), None
+
+
+def topk_canonical(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk`` with a defined order: larger first, ties to the lower expert id, NaN above everything
+    (torch.topk leaves tie order to the implementation: [0.25] * 4 gives experts 2, 3 on CPU). Two topk
+    passes and elementwise ops over [T, E], a small stable sort over [T, k]; no host sync.
+    Returns (values [T, k], ids [T, k])."""
+    n_experts = probs.shape[-1]
+    key = torch.nan_to_num(probs, nan=2.0)  # probabilities are <= 1: NaN ranks above any of them
+    kth = torch.topk(key, k, dim=-1).values[:, -1:]  # [T, 1] the k-th largest key (its value is well defined)
+    above = key > kth
+    tied = key == kth
+    room = k - above.sum(-1, keepdim=True)
+    chosen = above | (tied & (torch.cumsum(tied.long(), -1) <= room))  # exactly k per row, lowest ids on ties
+    idx = torch.arange(n_experts, device=probs.device)
+    ids = torch.topk(chosen * (n_experts - idx), k, dim=-1).indices  # the chosen ids, ascending
+    order = torch.sort(key.gather(1, ids), dim=-1, descending=True, stable=True).indices
+    ids = ids.gather(1, order)
+    return probs.gather(1, ids), ids
+
+
 def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
-          capacity_factor: float | None = None, select=None) -> RoutingDecision:
+          capacity_factor: float | None = None, select=None, canonical_ties: bool = False) -> RoutingDecision:
     """Turn router logits [T, E] into a decision. Pure function: the reference every router path must match.
+
+    ``canonical_ties``: break exact ties toward the lower expert id and rank NaN first (``topk_canonical``),
+    the order the fused Triton kernel produces by construction. Off by default on the hot path: it costs
+    ~40x a plain ``torch.topk`` at 16 tokens, and exact ties between router probabilities are rare.
 
     ``select(probs, ids) -> (ids, rerouted)`` lets a mitigation replace the plain top-k choice (gate weights
     stay the router's own probabilities of the chosen experts, renormalised).
@@ -88,7 +121,7 @@ def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
     logits = logits.float()
     nonfinite = (~torch.isfinite(logits)).sum()
     probs = torch.softmax(logits / temperature, dim=-1)  # [T, E]
-    top_p, ids = torch.topk(probs, top_k, dim=-1)  # [T, k]
+    top_p, ids = topk_canonical(probs, top_k) if canonical_ties else torch.topk(probs, top_k, dim=-1)  # [T, k]
     rerouted = None
     if select is not None:
         chosen, rerouted = select(probs, ids)
@@ -105,15 +138,7 @@ def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
     else:
         top2 = torch.topk(probs, 2, dim=-1).values
         margin = top2[:, 0] - top2[:, 1]
-    if capacity_factor is None:
-        kept = torch.ones_like(ids, dtype=torch.bool)
-        dropped = torch.zeros((), dtype=torch.int64, device=logits.device)
-        active = ids
-    else:
-        kept = capacity_keep_mask(ids, n_experts, expert_capacity(n_tokens, top_k, n_experts, capacity_factor))
-        weights = weights * kept
-        dropped = (~kept).sum()
-        active = None
+    kept, weights, dropped, active = _apply_capacity(ids, weights, n_experts, capacity_factor)
     if select is not None:  # margin stays the router's own confidence, whatever was chosen
         top2 = torch.topk(probs, min(2, n_experts), dim=-1).values
         margin = top2[:, 0] - top2[:, -1] if n_experts > 1 else top2[:, 0]
@@ -156,6 +181,23 @@ def extend_prefix_key(key: int, tokens) -> list[int]:
     return out
 
 
+def route_kernel(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
+                 capacity_factor: float | None = None, counters=None) -> RoutingDecision:
+    """``route`` computed by the fused Triton kernel (``moescope.kernels.router_triton``); same result as
+    ``route(..., canonical_ties=True)``. ``counters``: the kernel's static device accumulators."""
+    from moescope.kernels.router_triton import route_fused
+
+    n_tokens, n_experts = logits.shape
+    ids, weights, entropy, margin, nonfinite = route_fused(logits, top_k, temperature=temperature,
+                                                           counters=counters)
+    kept, weights, dropped, active = _apply_capacity(ids, weights, n_experts, capacity_factor)
+    return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
+                           nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active)
+
+
+ROUTER_IMPLS = ("auto", "torch", "triton")
+
+
 class Router(nn.Module):
     """Linear gate [E, H] computed in float32 whatever the model dtype (routing is precision-sensitive)."""
 
@@ -168,6 +210,7 @@ class Router(nn.Module):
         self.capacity_factor = capacity_factor
         self.fault = None  # a runtime.faults.RouterFault, for the fault scenarios
         self.mitigation: Mitigation | None = None
+        self.impl = "auto"  # auto: the Triton kernel on CUDA when triton is installed, else torch
         self.keys: torch.Tensor | None = None  # [T] int64 prefix keys of the forward (smoothing only)
         self._load: torch.Tensor | None = None  # [E] EMA of each expert's share of tokens
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # smoothing memory: keys [S], ids [S, k]
@@ -214,5 +257,17 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[RoutingDecision, torch.Tensor]:
         """Returns the decision and the raw logits [T, E] (the training loss needs them)."""
         logits = self.logits(x)
+        if self.mitigation is None and self._use_kernel(logits):
+            return route_kernel(logits, self.top_k, temperature=self.temperature,
+                                capacity_factor=self.capacity_factor), logits
         return route(logits, self.top_k, temperature=self.temperature, capacity_factor=self.capacity_factor,
                      select=self._select if self.mitigation is not None else None), logits
+
+    def _use_kernel(self, logits: torch.Tensor) -> bool:
+        if self.impl == "torch":
+            return False
+        if self.impl == "triton":
+            return True
+        from moescope.kernels import router_triton
+
+        return logits.is_cuda and router_triton.available()
