@@ -35,7 +35,8 @@ HF457 := .venv-hf457
 $(HF457)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(HF457)
 	$(HF457)/bin/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(HF457)/bin/pip install -q --disable-pip-version-check -e '.[test]' 'transformers==4.57.*'
+	# lean: only what the HF adapter tests import (the main venv carries the rest)
+	$(HF457)/bin/pip install -q --disable-pip-version-check -e '.[metrics,hf]' pytest hypothesis 'transformers==4.57.*'
 	touch $@
 
 test-hf457: $(HF457)/.installed

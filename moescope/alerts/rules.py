@@ -36,6 +36,9 @@ class Thresholds:
     drift_jsd_bits_by_model: dict = field(default_factory=lambda: {"tiny-demo": 0.02})
     memory_capacity_bytes: int = 24 * 2**30
     memory_horizon_s: int = 4 * 3600
+    # The trend's window; a process without samples a window ago is too young to judge (start-up growth).
+    # present_over_time, not a plain offset: one failed scrape (a stale marker) must not reset the `for`.
+    memory_window_s: int = 1800
     # End-to-end tests shrink every `for` by this factor (10m -> 10s at 1/60), keeping production's order.
     for_scale: float | None = None
 
@@ -85,6 +88,7 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                 f"sum by (model, rank, layer) (rate(moescope_expert_cache_lookups_total{{{m}}}[5m])))")
 
     # Load that moved with the traffic away from the baseline is drift (its own alert), not imbalance.
+    mem_w = _scaled(f"{t.memory_window_s}s", t.for_scale) if t.for_scale else f"{t.memory_window_s // 60}m"
     cv = _per_model("moescope_expert_load_cv_ratio", ">", t.load_cv, t.load_cv_by_model)
     drift = _per_model("moescope_routing_drift_jsd_bits", ">", t.drift_jsd_bits, t.drift_jsd_bits_by_model)
     return [
@@ -213,14 +217,17 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                   boundary={f"moescope_tokens_dropped_total{{{L}}}": "0+10x20",
                             f"moescope_router_tokens_total{{{L}}}": "0+1000x20"}),
         AlertSpec("MoEMemoryGrowth",
-                  f"predict_linear(moescope_process_resident_memory_bytes[30m], {t.memory_horizon_s}) > "
-                  f"{t.memory_capacity_bytes} or predict_linear(moescope_gpu_memory_used_bytes[30m], "
-                  f"{t.memory_horizon_s}) > on (model, rank, gpu, UUID) moescope_gpu_memory_total_bytes",
+                  f"(predict_linear(moescope_process_resident_memory_bytes[{mem_w}], {t.memory_horizon_s}) > "
+                  f"{t.memory_capacity_bytes} and on (model, rank) "
+                  f"present_over_time(moescope_process_resident_memory_bytes[{mem_w}] offset {mem_w})) or "
+                  f"(predict_linear(moescope_gpu_memory_used_bytes[{mem_w}], {t.memory_horizon_s}) > "
+                  f"on (model, rank, gpu, UUID) moescope_gpu_memory_total_bytes and on (model, rank, gpu, UUID) "
+                  f"present_over_time(moescope_gpu_memory_used_bytes[{mem_w}] offset {mem_w}))",
                   "warning", "Memory grows towards capacity.",
                   "At its current rate {{ $labels.model }} (rank {{ $labels.rank }}) reaches memory capacity within "
                   f"{t.memory_horizon_s // 3600}h (predicted {{{{ $value | humanize1024 }}}}B).",
                   ("moescope_process_resident_memory_bytes", "moescope_gpu_memory_used_bytes",
-                   "moescope_gpu_memory_total_bytes"), "10m", eval_time="40m",
+                   "moescope_gpu_memory_total_bytes"), "10m", eval_time="45m",
                   bad={'moescope_process_resident_memory_bytes{model="m",rank="0"}': "1e9+1e8x60"},
                   healthy={'moescope_process_resident_memory_bytes{model="m",rank="0"}': "1e9x60"},
                   boundary={'moescope_process_resident_memory_bytes{model="m",rank="0"}': "1e9+1e6x60"}),
@@ -323,8 +330,8 @@ EXPECTED_DESCRIPTIONS = {
     "MoETokensDropped": "Layer 1 of m drops 5% slots per routed token.",
     "MoERoutingFlips": "12% of the canary tokens changed experts in layer 1 of m (rank 0).",
     "MoERoutingDrift": "Layer 1 of m routes with a JS divergence of 0.300 bits from its baseline.",
-    # 5e9 B at 40 min, +1e8 B/min: 5e9 + 1e8 / 60 * 14400 = 2.9e10 B = 27.01 GiB
-    "MoEMemoryGrowth": "At its current rate m (rank 0) reaches memory capacity within 4h (predicted 27.01GiB).",
+    # 5.5e9 B at 45 min, +1e8 B/min: 5.5e9 + 1e8 / 60 * 14400 = 2.95e10 B = 27.47 GiB
+    "MoEMemoryGrowth": "At its current rate m (rank 0) reaches memory capacity within 4h (predicted 27.47GiB).",
     "MoEExporterDown": "Prometheus cannot scrape 127.0.0.1:9400 (job moescope).",
     "MoEExporterAbsent": "Prometheus has no moescope scrape target: check the scrape configuration.",
 }

@@ -180,12 +180,12 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
         return demo_parallel.launch(click.get_current_context(), world_size, placement_spec, slow_rank, timeout,
                                     model, as_json)
     rank, world = rank_env or (0, 1)
+    if n_requests is None:  # (before lock-step forces rate 0: a --duration run must not run dry)
+        n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
     if world > 1:
         rate = 0.0  # lock-step ranks schedule by step, never by wall clock (identical batches everywhere)
         if metrics_port > 0:
             metrics_port += rank
-    if n_requests is None:
-        n_requests = 32 if duration is None else max(64, int(rate * duration * 2) + 16)
     shift = settings.get("traffic_shift")
     shift_after = None
     if shift:
