@@ -146,3 +146,44 @@ def test_top_reads_prometheus_and_alertmanager(tmp_path):
         hook.stop()
         demo.kill()
         demo.wait()
+
+
+def test_tmux_80x24_screen_shows_tiles_heatmap_and_quits():
+    """A real terminal (tmux, 80x24), as over SSH: the screen reads, nothing overflows, q quits."""
+    import os
+
+    from servers import require
+
+    tmux = require("tmux", "tmux")
+    port = free_port()
+    demo = _demo(port, "--rate", "8", "--duration", "60")
+    session = f"moescope-top-{os.getpid()}"
+    try:
+        wait_http(f"http://127.0.0.1:{port}/metrics", timeout=90)
+        cmd = f"{sys.executable} -m moescope top 127.0.0.1:{port} --interval 0.5; echo EXITED; sleep 30"
+        subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
+
+        def screen():
+            return subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
+                                  text=True).stdout
+
+        deadline = time.monotonic() + 60
+        text = ""
+        while time.monotonic() < deadline:
+            text = screen()
+            if "e7" in text and "load CV 0." in text:
+                break
+            time.sleep(0.5)
+        assert f"127.0.0.1:{port} ok" in text and "load CV 0." in text and "layer 1" in text, text
+        assert "e7" in text and "quit" in text, text  # every expert row and the key help fit in 24 lines
+        assert all(len(line) <= 80 for line in text.splitlines())
+        subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 20
+        while "EXITED" not in text and time.monotonic() < deadline:
+            time.sleep(0.3)
+            text = screen()
+        assert "EXITED" in text
+    finally:
+        subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
+        demo.kill()
+        demo.wait()
