@@ -135,7 +135,10 @@ class RoutingProbe(Observer):
             rows[i, n_exp + 2] = torch.cat([d.margin for d in decs]).numpy().sum(dtype=np.float64)
             rows[i, n_exp + 3] = torch.stack([d.nonfinite for d in decs]).numpy().sum()
             rows[i, n_exp + 4] = torch.stack([d.dropped for d in decs]).numpy().sum()
-            rows[i, n_exp + 5:] = torch.stack([_rerouted(d) for d in decs]).numpy().sum(0)
+            if decs[0].rerouted is not None:  # only while a mitigation is on: no extra ops otherwise
+                rows[i, n_exp + 5:] = torch.stack([_rerouted(d) for d in decs]).numpy().sum(0)
+            else:
+                rows[i, n_exp + 5:] = 0
         return rows
 
     @staticmethod
@@ -150,7 +153,9 @@ class RoutingProbe(Observer):
                                         torch.cat([d.margin for d in decs]).sum(dtype=torch.float64),
                                         torch.stack([d.nonfinite for d in decs]).sum().double(),
                                         torch.stack([d.dropped for d in decs]).sum().double(),
-                                        *torch.stack([_rerouted(d) for d in decs]).sum(0).double()]))
+                                        *(torch.stack([_rerouted(d) for d in decs]).sum(0).double()
+                                          if decs[0].rerouted is not None
+                                          else torch.zeros(2, dtype=torch.float64, device=decs[0].ids.device))]))
         flat = torch.cat(ids)
         counts = torch.zeros(len(by_layer) * width, dtype=torch.float64, device=flat.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))

@@ -88,6 +88,8 @@ class TraceRecorder(Observer):
         self._missed: dict[int, tuple[int, ...]] = {}
         self._a2a: dict[int, float] = {}
         self._peer_wait: dict[int, list[float]] = {}
+        self._rss_value: int | None = None
+        self._rss_at = float("-inf")
         # writer-thread state
         self._steps: dict[int, _Step] = {}
         self._live: dict[str, list[tuple[int, int, int]]] = {}
@@ -189,12 +191,19 @@ class TraceRecorder(Observer):
             entropy=np.stack([d.entropy.cpu().numpy() for d in decs], axis=1).astype(np.float16),
             margin=np.stack([d.margin.cpu().numpy() for d in decs], axis=1).astype(np.float16),
             miss=miss, layer_s=layer_s, n_experts=n_exp, refs=len(step.segments),
-            extra={"t": round(t, 4), "rss": rss_bytes(),
+            extra={"t": round(t, 4), "rss": self._rss(t),
                    **({"peer_wait": {str(k): [round(w, 6) for w in v] for k, v in waits.items()}} if waits else {})})
         offset = 0
         for rid, _, n in step.segments:
             self._live.setdefault(rid, []).append((step.index, offset, n))
             offset += n
+
+    def _rss(self, now: float) -> int | None:
+        """Resident memory, read at most every 100 ms (a /proc read per step would take GIL time from the
+        engine thread); steps in between carry the latest reading."""
+        if now - self._rss_at >= 0.1:
+            self._rss_value, self._rss_at = rss_bytes(), now
+        return self._rss_value
 
     def _release(self, step_index: int) -> None:
         st = self._steps.get(step_index)
