@@ -131,7 +131,7 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                   f"(rate(moescope_all_to_all_seconds_bucket[5m]))) > {t.all_to_all_p99_s}", "warning",
                   "All-to-all p99 latency is high.",
                   "p99 of the {{ $labels.op }} all-to-all on rank {{ $labels.rank }} of {{ $labels.model }} is "
-                  "{{ $value | humanizeDuration }}.", ("moescope_all_to_all_seconds",), "5m",
+                  "{{ $value | humanizeDuration }}.", ("moescope_all_to_all_seconds",), "10m",
                   bad={'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",le="0.001"}': "0x20",
                        'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",le="0.01"}': "0+60x20",
                        'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",le="+Inf"}': "0+60x20"},
