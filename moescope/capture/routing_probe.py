@@ -135,7 +135,8 @@ class RoutingProbe(Observer):
             rows[i, n_exp + 2] = torch.cat([d.margin for d in decs]).numpy().sum(dtype=np.float64)
             rows[i, n_exp + 3] = torch.stack([d.nonfinite for d in decs]).numpy().sum()
             rows[i, n_exp + 4] = torch.stack([d.dropped for d in decs]).numpy().sum()
-            if decs[0].rerouted is not None:  # only while a mitigation is on: no extra ops otherwise
+            # only while a mitigation is on; CPU tensors here (.numpy() is a view, not a device sync)
+            if decs[0].rerouted is not None:
                 rows[i, n_exp + 5:] = torch.stack([_rerouted(d) for d in decs]).numpy().sum(0)
             else:
                 rows[i, n_exp + 5:] = 0

@@ -127,7 +127,6 @@ def route_fused(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
     w = torch.empty((n_tokens, top_k), dtype=torch.float32, device=dev)
     ent = torch.empty(n_tokens, dtype=torch.float32, device=dev)
     margin = torch.empty(n_tokens, dtype=torch.float32, device=dev)
-    own = counters is None
     counters = counters or RouterCounters.zeros(n_experts, dev)
     before = counters.sums[2].clone()
     if n_tokens:
@@ -136,6 +135,4 @@ def route_fused(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
                              1.0 / temperature, 1.0 / math.log(n_experts) if n_experts > 1 else 0.0,
                              K=top_k, BLOCK_T=block_t, BLOCK_E=triton.next_power_of_2(n_experts))
     nonfinite = (counters.sums[2] - before).round().to(torch.int64)
-    if own:
-        del counters
     return ids, w, ent, margin, nonfinite
