@@ -38,7 +38,7 @@ def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=()
     rule_file.write_text(yaml.safe_dump(rules.rules_document(t), sort_keys=False))
     hook = Webhook()
     am = Alertmanager(tmp_path, ROOT / "collectors" / "alertmanager" / "alertmanager.yml", hook.port)
-    port = free_port()
+    port = free_port(2 if "slow-rank" in scenario else 1)  # 2 ranks: rank r serves metrics on port + r
     log = open(tmp_path / "demo.log", "wb")
     demo = subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--no-tui", "--scenario", scenario,
                              "--duration", str(watch_s + 60), "--rate", "8", "--metrics-port", str(port),

@@ -5,10 +5,13 @@ In CI (CI=true) a missing binary fails the test; elsewhere it skips with the ins
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -29,10 +32,35 @@ def require(binary: str, package: str) -> str:
     return path
 
 
-def free_port() -> int:
+# Ports handed to servers that bind them later (a demo binds seconds after, once torch is imported). They come
+# from below the kernel's ephemeral range (32768-60999 by default): a port there, even one free now, can meanwhile
+# become the source port of some outgoing connection (a scrape, a poll) or a gloo pair's listener, and the
+# server then fails with "Address already in use" (seen in CI, 4 scenarios at a time). Never the same port twice
+# in one test run.
+_PORTS = itertools.count(20000 + (os.getpid() * 97) % 8000)
+_PORTS_LOCK = threading.Lock()
+
+
+def free_port(count: int = 1) -> int:
+    """A port ``p`` such that ``p .. p + count - 1`` are free now and handed out to no one else in this run."""
+    with _PORTS_LOCK:
+        while True:
+            base = next(_PORTS)
+            if base + count > 32000:
+                raise RuntimeError("tests ran out of ports below the ephemeral range")
+            if all(_bindable(p) for p in range(base, base + count)):
+                for _ in range(count - 1):
+                    next(_PORTS)
+                return base
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

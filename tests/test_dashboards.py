@@ -49,7 +49,7 @@ def test_push_to_an_unreachable_grafana_is_a_clear_error(capsys):
 
 @pytest.mark.integration
 def test_every_panel_query_returns_data_from_prometheus(tmp_path):
-    port = free_port()
+    port = free_port(3)  # rank 0, rank 1, and a third process on port + 2
     baseline = tmp_path / "baseline.json"  # a uniform baseline: drift is measured against it
     baseline.write_text(json.dumps({"format": "moescope-baseline-v1", "model": "tiny-demo",
                                     "layers": {str(i): [1.0] * 8 for i in (1, 2, 3)}}))
