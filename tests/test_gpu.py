@@ -56,3 +56,73 @@ def test_triton_router_kernel_on_cuda_equals_the_reference():
     import triton_router_check
 
     triton_router_check.main("cuda")
+
+
+def _decoders(tiny_cfg, dtype, mode):
+    from moescope.runtime.graph_decode import StaticDecoder
+
+    torch.manual_seed(0)
+    model = MoETransformer(tiny_cfg).to("cuda", dtype).eval()
+    prompts = ([5, 9, 77, 3, 120], [200, 1, 13], [60, 61, 62, 63])
+    caches = [model.new_cache() for _ in prompts]
+    with torch.no_grad():
+        model(torch.tensor([t for p in prompts for t in p], device="cuda"),
+              [Segment(len(p), c) for p, c in zip(prompts, caches)])
+    decs = [StaticDecoder(model, len(prompts), experts=mode) for _ in range(2)]
+    for d in decs:
+        for slot, c in enumerate(caches):
+            d.load(slot, c)
+    return model, decs, torch.tensor([c.length for c in caches], device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "dense"), (torch.bfloat16, "auto")])
+def test_counts_inside_a_replayed_cuda_graph_equal_a_recomputation(tiny_cfg, dtype, mode):
+    from moescope.metrics.state import MetricsObserver, ModelInfo
+    from moescope.runtime.graph_decode import GraphCollector
+
+    model, (eager, graphed), positions = _decoders(tiny_cfg, dtype, mode)
+    graphed.capture()
+    metrics = MetricsObserver(ModelInfo.from_runtime(model, "t"))
+    collector = GraphCollector(graphed.counters, metrics.on_stats)
+    tokens = torch.tensor([7, 8, 9], device="cuda")
+    steps = 12
+    torch.cuda.set_sync_debug_mode("error")  # the replayed step and the collector never wait on the device
+    try:
+        for i in range(steps):
+            got = graphed.step(tokens, positions + i)
+            collector.collect()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert graphed.replays == steps
+    for i in range(steps):
+        want = eager.step(tokens, positions + i)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(graphed.counters.slots, eager.counters.slots)  # the recomputation: the same step, eager
+    assert graphed.counters.sums[:, 0].tolist() == [steps] * len(graphed.counters.layers)
+    collector.flush()
+    for row, layer in enumerate(graphed.counters.layers):
+        assert metrics.expert_tokens[layer].tolist() == \
+            eager.counters.slots[row, : tiny_cfg.n_experts].tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_layer_times_come_from_cuda_events_without_waiting(tiny_cfg):
+    class Times(Observer):
+        def __init__(self):
+            self.seen = []
+
+        def on_layer_time(self, layer, router_s, experts_s):
+            self.seen.append((layer, router_s, experts_s))
+
+    model = MoETransformer(tiny_cfg).cuda().eval()
+    model.observer = obs = Times()
+    with torch.no_grad():
+        for _ in range(5):
+            model(torch.randint(0, 256, (64,), device="cuda"), [Segment(64)])
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        model(torch.randint(0, 256, (64,), device="cuda"), [Segment(64)])
+    n_moe = len(model.moe_layers())
+    assert len(obs.seen) >= 5 * n_moe  # every forward's layers, resolved once their events completed
+    assert all(0 < r < 1 and 0 < e < 1 for _, r, e in obs.seen)

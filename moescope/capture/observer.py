@@ -27,8 +27,13 @@ class Observer:
         """One MoE layer routed the tokens of one forward (device tensors; no host copy here)."""
 
     def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:
-        """Host wall time of one MoE layer's router and expert computation in one forward (perf counter; on
-        CUDA the expert loop's per-layer sync makes it close to device time)."""
+        """Time of one MoE layer's router and expert computation in one forward (``runtime.timing``): host
+        clock on CPU; on CUDA, device time from CUDA events, delivered once they completed (a forward or two
+        later, never waited for)."""
+
+    def on_stats(self, stats: Any) -> None:
+        """Routing statistics of steps that called no per-layer hook (a CUDA-graph decode step counts inside
+        the graph; ``runtime.graph_decode.GraphCollector`` reads the counters): a ``StepStats``."""
 
     def on_cache(self, layer: int, delta: Any) -> None:
         """The expert cache's counter changes during one forward of one layer (a ``CacheDelta``)."""
@@ -52,7 +57,7 @@ class Observer:
 NOOP = Observer()
 
 
-_HOOKS = ("on_routing", "on_layer_time", "on_cache", "on_all_to_all", "on_canary", "on_step", "on_request",
+_HOOKS = ("on_routing", "on_layer_time", "on_stats", "on_cache", "on_all_to_all", "on_canary", "on_step", "on_request",
           "shutdown")
 
 
@@ -104,6 +109,9 @@ class FanOut(Observer):
                 fn(layer, router_s, experts_s)
             except Exception:
                 self._failed(name, "on_layer_time")
+
+    def on_stats(self, stats: Any) -> None:
+        self._each("on_stats", stats)
 
     def on_cache(self, layer: int, delta: Any) -> None:
         self._each("on_cache", layer, delta)

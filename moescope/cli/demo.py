@@ -130,6 +130,11 @@ def _print_human(s: dict) -> None:
                    "new choice has this much more router probability (e.g. 0.02). Default: off.")
 @click.option("--router-impl", type=click.Choice(["auto", "torch", "triton"]), default="auto", show_default=True,
               help="Router path: the fused Triton kernel (auto: on CUDA when triton is installed) or torch.")
+@click.option("--decode", "decode_mode", type=click.Choice(["eager", "static", "graph"]), default="eager",
+              show_default=True,
+              help="Decode step: the model's own forward; a fixed-shape step with routing counted inside it "
+                   "(static); or that step captured as a CUDA graph (graph, CUDA only). Needs every expert "
+                   "resident: no --cache-size, --world-size, mitigations.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
               help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
@@ -145,7 +150,7 @@ def _print_human(s: dict) -> None:
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
          metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, canary_interval, baseline_path,
-         drift_after, save_baseline, load_bound, smoothing_margin, router_impl, world_size, placement_spec, slow_rank, delay_ms,
+         drift_after, save_baseline, load_bound, smoothing_margin, router_impl, decode_mode, world_size, placement_spec, slow_rank, delay_ms,
          timeout, seed, no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.capture.routing_log import RoutingLog
@@ -175,6 +180,11 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
 
         for layer in model.moe_layers():
             layer.router.mitigation = Mitigation(load_bound=load_bound, smoothing_margin=smoothing_margin)
+    if decode_mode != "eager" and world_size > 1:
+        from moescope.errors import BadInput
+
+        raise BadInput(f"--decode {decode_mode} serves on one process: it cannot hold expert parallelism "
+                       f"(--world-size {world_size})")
     rank_env = env_rank()
     if world_size > 1 and rank_env is None:
         return demo_parallel.launch(click.get_current_context(), world_size, placement_spec, slow_rank, timeout,
@@ -236,7 +246,8 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             from moescope.runtime.canary import Canary
 
             canary = Canary(model, interval_s=canary_interval)
-        engine = Engine(model, max_batch=max_batch, seed=seed, canary=canary)  # observed via the instrumentation
+        engine = Engine(model, max_batch=max_batch, seed=seed, canary=canary,  # observed via the instrumentation
+                        decode=decode_mode)
         if settings.get("leak_bytes"):
             engine.leak, engine.leak_bytes = [], settings["leak_bytes"]
         start = time.perf_counter()

@@ -83,6 +83,10 @@ class _Live:
     prefix_key: int = 0  # router smoothing: key of the tokens fed so far
     prefill_s: float = 0.0
     finish_reason: str = ""
+    slot: int = -1  # batch slot in the fixed-shape decode step (decode="static"/"graph")
+
+
+DECODE_MODES = ("eager", "static", "graph")
 
 
 class Engine:
@@ -95,13 +99,28 @@ class Engine:
         observer: receives routing, step and request events (a list is wrapped in ``FanOut``).
         clock: time source in seconds (tests inject a fake one).
         canary: a ``runtime.canary.Canary`` run between steps when due (flip ratios go to ``on_canary``).
+        decode: "eager" (the model's own forward), "static" (``runtime.graph_decode.StaticDecoder``: fixed
+            shapes, ``max_batch`` slots, routing counted by ops inside the step), or "graph" (the static step
+            captured once as a CUDA graph and replayed; CUDA only). Prefill stays eager. With "static"/"graph"
+            decode steps call no per-layer hooks (a graph cannot): their routing reaches observers that take
+            summaries (``on_stats``: the metrics) from the in-step counters after each step; per-token traces
+            keep the prefill's routing only.
     """
 
     def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,
                  observer: Observer | list[Observer] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, canary=None) -> None:
+                 clock: Callable[[], float] = time.perf_counter, canary=None, decode: str = "eager") -> None:
         if max_batch <= 0:
             raise BadInput(f"max_batch must be positive, got {max_batch}")
+        if decode not in DECODE_MODES:
+            raise BadInput(f"decode must be one of {', '.join(DECODE_MODES)}, got {decode!r}")
+        if decode == "graph" and model.device.type != "cuda":
+            raise BadInput(f"decode='graph' needs the model on a CUDA device (it is on {model.device.type}); "
+                           "decode='static' runs the same fixed-shape step without a graph")
+        if decode != "eager":
+            from moescope.runtime.graph_decode import check_supported
+
+            check_supported(model)
         self.model = model.eval()
         self.max_batch = max_batch
         self.seed = seed
@@ -119,6 +138,10 @@ class Engine:
         self.canary = canary
         self.leak: list[torch.Tensor] | None = None  # the leak fault: a list that retains a tensor per step
         self.leak_bytes = 65536  # retained per step under the leak fault
+        self.decode = decode
+        self._decoder = None  # StaticDecoder, built at the first decode step
+        self._collector = None
+        self._free_slots = list(range(max_batch - 1, -1, -1))
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -162,6 +185,8 @@ class Engine:
             live = self._waiting.popleft()
             live.admitted_at = now
             live.cache = self.model.new_cache()
+            if self.decode != "eager":
+                live.slot = self._free_slots.pop()
             new.append(live)
         if new:
             batch, phase = new, "prefill"
@@ -185,7 +210,13 @@ class Engine:
                 r.prefix_key = ks[-1]
                 keys_list += ks
             keys = torch.tensor(keys_list, dtype=torch.int64, device=self.model.device)
-        logits = self.model(tokens, segments, last_only=True, route_keys=keys).logits  # [n_seq, V]
+        if phase == "decode" and self.decode != "eager":
+            logits = self._static_decode(batch)
+        else:
+            logits = self.model(tokens, segments, last_only=True, route_keys=keys).logits  # [n_seq, V]
+            if phase == "prefill" and self.decode != "eager":
+                for live in new:
+                    self._static().load(live.slot, live.cache)
         next_ids = self._sample(logits, batch).tolist()  # the engine's one host sync per step
         if self.leak is not None:  # leak_bytes retained per step, never freed: memory grows with traffic
             self.leak.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32, device=logits.device))
@@ -210,11 +241,38 @@ class Engine:
         for live in finished:
             self._running.remove(live)
             live.cache = None  # free the KV cache now, not when the record is collected
+            if live.slot >= 0:
+                self._free_slots.append(live.slot)
             record = self._record(live)
             records.append(record)
             self.finished.append(record)
             self.observer.on_request(record)
         return records
+
+    def _static(self):
+        if self._decoder is None:
+            from moescope.runtime.graph_decode import GraphCollector, StaticDecoder
+
+            self._decoder = StaticDecoder(self.model, self.max_batch)
+            if self.decode == "graph":
+                self._decoder.capture()
+            self._collector = GraphCollector(self._decoder.counters, self.observer.on_stats)
+        return self._decoder
+
+    def _static_decode(self, batch: list[_Live]) -> torch.Tensor:
+        """One decode token for ``batch`` in the fixed-shape step; logits [len(batch), V]."""
+        dec = self._static()
+        tokens, positions, live = [0] * self.max_batch, [0] * self.max_batch, [False] * self.max_batch
+        for r in batch:
+            tokens[r.slot], positions[r.slot], live[r.slot] = r.output_ids[-1], r.cache.length, True
+        dev = self.model.device
+        logits = dec.step(torch.tensor(tokens, device=dev), torch.tensor(positions, device=dev),
+                          torch.tensor(live, device=dev))
+        logits = logits[torch.tensor([r.slot for r in batch], device=dev)]  # a copy: the graph's buffer is reused
+        for r in batch:
+            r.cache.length += 1  # the keys/values live in the decoder's cache; the length stays the request's
+        self._collector.collect()  # routing of earlier steps to the metrics (never waits on the device)
+        return logits
 
     def _sample(self, logits: torch.Tensor, batch: list[_Live]) -> torch.Tensor:
         logits = logits.float()
@@ -269,4 +327,6 @@ class Engine:
         return self.finished[n_before:]
 
     def close(self) -> None:
+        if self._collector is not None:
+            self._collector.flush()
         self.observer.shutdown()

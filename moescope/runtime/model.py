@@ -10,7 +10,6 @@ once, so the experts are batched across requests, which is what makes MoE servin
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +20,7 @@ from moescope.capture.observer import NOOP, Observer
 from moescope.runtime.config import MoEConfig
 from moescope.runtime.experts import DenseFFN, Experts
 from moescope.runtime.router import Router, RoutingDecision
+from moescope.runtime.timing import LayerTimer
 
 
 class RMSNorm(nn.Module):
@@ -128,17 +128,21 @@ class MoELayer(nn.Module):
         self.layer_index = -1  # set by the Block
         # Expert parallelism (moescope.parallel): when set, the experts are computed across ranks.
         self.parallel = None
+        self.timer: LayerTimer | None = None  # set by the model for each forward while someone observes
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision, torch.Tensor, float, float]:
-        """Returns output, decision, router logits, and the host time of the router and of the experts."""
-        t0 = time.perf_counter()
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingDecision, torch.Tensor]:
+        """Returns output, decision and router logits; router and expert times go to ``self.timer``."""
+        timer = self.timer
+        t0 = timer.mark() if timer is not None else None
         decision, logits = self.router(x)
-        t1 = time.perf_counter()
+        t1 = timer.mark() if timer is not None else None
         if self.parallel is None:
             y = self.experts(x, decision.active_ids, decision.weights)
         else:
             y = self.parallel(self.layer_index, self.experts, x, decision.active_ids, decision.weights)
-        return y, decision, logits, t1 - t0, time.perf_counter() - t1
+        if timer is not None:
+            timer.add(self.layer_index, t0, t1, timer.mark())
+        return y, decision, logits
 
 
 class Block(nn.Module):
@@ -180,6 +184,7 @@ class MoETransformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.observer: Observer = NOOP
+        self._timer: LayerTimer | None = None  # host clock on CPU, CUDA events on CUDA (runtime.timing)
         self.reset_parameters(cfg.seed)
 
     @torch.no_grad()
@@ -236,14 +241,23 @@ class MoETransformer(nn.Module):
         x = self.embed(tokens)  # [T, H]
         out = ForwardOutput(logits=x)
         observer = self.observer
+        timer = None
+        if observer is not NOOP:  # nobody watching: no clock readings, no events
+            timer = self._timer
+            if timer is None or timer.cuda != x.is_cuda:
+                timer = self._timer = LayerTimer(x.device)
         for block in self.blocks:
+            if block.is_moe:
+                block.ffn.timer = timer
             x, moe = block(x, segments, self.rope_cos, self.rope_sin)
             if moe is not None:
-                decision, router_logits, router_s, experts_s = moe
+                decision, router_logits = moe
                 out.decisions[block.index] = decision
                 out.router_logits[block.index] = router_logits
                 observer.on_routing(block.index, decision)
-                observer.on_layer_time(block.index, router_s, experts_s)
+        if timer is not None:  # this forward's layers on CPU; on CUDA those whose events completed
+            for layer, router_s, experts_s in timer.poll():
+                observer.on_layer_time(layer, router_s, experts_s)
         for seg in segments:
             if seg.cache is not None:
                 seg.cache.length += seg.n

@@ -69,7 +69,9 @@ def capacity_keep_mask(ids: torch.Tensor, n_experts: int, capacity: int) -> torc
     n_tokens, top_k = ids.shape
     flat = ids.t().reshape(-1)  # [k*T] in priority order: all rank-0 slots, then rank-1, ...
     sorted_ids, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=n_experts)
+    # scatter_add into a fixed size, not bincount: on CUDA bincount reads the max id on the host (a sync, and
+    # not capturable in a CUDA graph)
+    counts = torch.zeros(n_experts, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
     starts = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
     pos_sorted = torch.arange(flat.numel(), device=ids.device) - starts[sorted_ids]
     pos = torch.empty_like(pos_sorted)

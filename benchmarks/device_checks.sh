@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every CUDA check and GPU figure of the [gpu] issue in one call, for a machine with a CUDA device (and
+# torch with CUDA, triton, the repo installed: pip install -e '.[test,gpu]'). Run from the repo root:
+#   bash benchmarks/device_checks.sh [OUTDIR]
+# 1. pytest -m gpu: the Triton router == the torch reference on CUDA; hooks never sync
+#    (torch.cuda.set_sync_debug_mode("error")); counts inside a replayed CUDA graph == a recomputation;
+#    layer times from CUDA events.
+# 2. benchmarks/router_kernel.py --quick: fused kernel vs torch router, T = 1..16384, E = 8..256, k = 2, 8.
+# 3. benchmarks/decode_step.py --quick: capture cost on the decode step, eager and CUDA graph, Mixtral- and
+#    DeepSeek-V3-shaped layers.
+# 4. benchmarks/overhead.py --device cuda: the hook cost per step on the runtime's eager path.
+# Each part is bounded by `timeout`; the whole is sized to finish in about 8 minutes on an H200.
+set -u -o pipefail
+out=${1:-benchmarks/results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+rc=0
+python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" || exit 2
+timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.txt" || rc=1
+timeout 120 python benchmarks/router_kernel.py --quick || rc=1
+cp benchmarks/results/router_kernel.json "$out/" 2>/dev/null
+timeout 180 python benchmarks/decode_step.py --quick --out "$out/decode_step.json" || rc=1
+timeout 120 python benchmarks/overhead.py --device cuda --rounds 3 --out "$out/overhead-cuda.json" || rc=1
+exit $rc
