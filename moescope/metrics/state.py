@@ -121,7 +121,6 @@ class MetricsObserver(Observer):
         self.baseline: dict[int, list[float]] | None = None  # layer -> baseline load (drift reference)
         self.errors_source: Callable[[], dict[str, int]] | None = None  # observer -> errors raised
         self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
-        self.sources: list[Callable[[], object]] = []  # more routing summaries to pull at each flush
 
     # -- helpers ---------------------------------------------------------------------------------------
     def hist(self, name: str, *label_values: str) -> Histogram:
@@ -139,11 +138,8 @@ class MetricsObserver(Observer):
         self.probe.on_layer_time(layer, router_s, experts_s)
 
     def flush(self) -> None:
-        """Summarise routing still pending in the probe and in other sources (a CUDA-graph step's counters),
-        called before reads and at shutdown."""
+        """Summarise routing still pending in the probe (called before reads, and at shutdown)."""
         self.probe.flush()
-        for source in self.sources:
-            source()
 
     def on_stats(self, st: StepStats) -> None:
         """Routing statistics summarised elsewhere: a CUDA-graph decode step's in-graph counters

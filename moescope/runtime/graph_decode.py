@@ -20,8 +20,6 @@ parallelism, no router mitigation (their state lives on the host).
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -277,13 +275,3 @@ class StaticDecoder:
             return self._out
         return self.forward()
 
-
-def decode_timed(decoder: StaticDecoder, tokens, positions, steps: int) -> float:
-    """Seconds per step over ``steps`` steps (the benchmark's measurement; synchronises at the end only)."""
-    sync = torch.cuda.synchronize if decoder.tokens.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        decoder.step(tokens, positions)
-    sync()
-    return (time.perf_counter() - t0) / steps
