@@ -3,6 +3,7 @@ the exported metrics under imbalance and collapse (and its cost in output agreem
 smoothing lowers the canary flip rate under jitter and changes nothing on a deterministic model."""
 
 import numpy as np
+import torch
 import pytest
 
 import moescope
@@ -133,3 +134,18 @@ def test_mitigated_selection_matches_a_per_token_reference():
     # gate weights are the router's probabilities of the chosen experts, renormalised, best first
     w = probs.gather(1, second.ids)
     assert torch.allclose(second.weights, w / w.sum(-1, keepdim=True)) and (w[:, 0] >= w[:, 1]).all()
+
+
+def test_the_canary_leaves_the_load_estimate_alone():
+    model = loader.build_model("tiny-demo")
+    faults.apply(model, ["collapse"])
+    for layer in model.moe_layers():
+        layer.router.mitigation = Mitigation(load_bound=0.85)
+    Engine(model, max_batch=8).run(traffic.generate(traffic.TrafficConfig(seed=1), 8), realtime=False)
+    before = [layer.router._load.clone() for layer in model.moe_layers()]
+    canary = Canary(model)
+    canary.run()
+    canary.run()
+    for layer, want in zip(model.moe_layers(), before):
+        assert torch.equal(layer.router._load, want)
+        assert layer.router.update_load

@@ -45,6 +45,12 @@ class Canary:
         sources = [e.weight_source for e in experts]
         for e in experts:
             e.weight_source = None
+        # Mitigations apply to the canary as to any traffic (its flip ratio measures routing as served, and
+        # the smoothing table learns its prefixes like anyone's), but its batch is not serving load: load-aware
+        # routing's estimate is left as it was.
+        routers = [layer.router for layer in model.moe_layers()]
+        for r in routers:
+            r.update_load = False
         try:
             keys = None
             if model.smoothing:
@@ -56,6 +62,8 @@ class Canary:
             model.observer = observer
             for e, s in zip(experts, sources):
                 e.weight_source = s
+            for r in routers:
+                r.update_load = True
         sets = {layer: d.ids.sort(-1).values for layer, d in out.decisions.items()}  # [T, k] expert sets
         if self.baseline is None:
             self.baseline = sets

@@ -215,6 +215,7 @@ class Router(nn.Module):
         self.impl = "auto"  # auto: the Triton kernel on CUDA when triton is installed, else torch
         self.keys: torch.Tensor | None = None  # [T] int64 prefix keys of the forward (smoothing only)
         self._load: torch.Tensor | None = None  # [E] EMA of each expert's share of tokens
+        self.update_load = True  # False while the canary routes: its batch is not serving load
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # smoothing memory: keys [S], ids [S, k]
 
     def _select(self, probs: torch.Tensor, ids: torch.Tensor):
@@ -247,7 +248,8 @@ class Router(nn.Module):
             chosen = new
             share = torch.zeros(n_experts, device=probs.device).scatter_add_(
                 0, chosen.reshape(-1), torch.ones(chosen.numel(), device=probs.device)) / n_tokens
-            self._load.mul_(1 - m.load_ema).add_(m.load_ema * share)
+            if self.update_load:
+                self._load.mul_(1 - m.load_ema).add_(m.load_ema * share)
         if "smoothing" in rerouted:  # remember what the position finally used
             t_keys[slot], t_ids[slot] = keys, chosen
         return chosen, rerouted
