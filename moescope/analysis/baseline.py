@@ -37,19 +37,14 @@ def load(path: str | Path) -> dict[int, list[float]]:
 
 def from_store(conn, since: float | None = None) -> tuple[dict[int, list[float]], str | None]:
     """Load per layer summed over the stored requests' routed tokens (dropped slots excluded)."""
-    sql = "SELECT ids, n_prompt, n_output, layers, top_k, n_experts, model FROM requests WHERE ids IS NOT NULL"
-    args = []
-    if since is not None:
-        sql += " AND started >= ?"
-        args.append(since)
+    from moescope.traces.store import iter_routed
+
     totals: dict[int, np.ndarray] = {}
     model = None
-    for blob, n_prompt, n_output, layers, k, n_exp, model in conn.execute(sql, args):
-        layers = json.loads(layers)
-        n = n_prompt + max(0, n_output - 1)
-        ids = np.frombuffer(blob, dtype=np.int16).reshape(n, len(layers), k)
-        for j, layer in enumerate(layers):
-            counts = np.bincount(ids[:, j].ravel(), minlength=n_exp + 1)[:n_exp]
+    for r in iter_routed(conn, since=since):
+        model = r.model
+        for j, layer in enumerate(r.layers):
+            counts = np.bincount(r.ids[:, j].ravel(), minlength=r.n_experts + 1)[: r.n_experts]
             totals[layer] = totals.get(layer, 0) + counts
     if not totals:
         raise BadInput("the trace store holds no routed tokens to make a baseline from")

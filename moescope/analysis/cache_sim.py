@@ -38,27 +38,19 @@ def load_lookups_from_store(conn) -> tuple[int, dict[int, list[int]]]:
     """The same lookup sequences from a trace store: each engine step's experts per layer (the union over
     the stored requests that took part in it), steps in order. With sampling below 1 only kept requests
     contribute, so the replay sees a subset of each step's experts."""
-    import json as _json
-
-    import numpy as np
+    from moescope.traces.store import iter_routed
 
     used: dict[tuple[str, int], dict[int, set[int]]] = {}
     n_experts = None
-    rows = conn.execute("SELECT ids, n_prompt, n_output, layers, top_k, n_experts, step, steps FROM requests "
-                        "WHERE ids IS NOT NULL")
-    for blob, n_prompt, n_output, layers, k, n_exp, step_blob, steps in rows:
-        layers, steps = _json.loads(layers), _json.loads(steps)
-        n = n_prompt + max(0, n_output - 1)
-        ids = np.frombuffer(blob, dtype=np.int16).reshape(n, len(layers), k)
-        step_of = np.frombuffer(step_blob, dtype=np.uint16 if len(step_blob) == 2 * n else np.int32)
-        n_experts = n_exp
-        for i in range(n):
+    for r in iter_routed(conn):
+        n_experts, steps, ids, step_of = r.n_experts, r.steps, r.ids, r.step_of
+        for i in range(r.n_routed):
             st = steps[int(step_of[i])]
             if "index" not in st:
                 raise BadInput("this trace store predates step ids; record a new one (or use --record-routing)")
             per_layer = used.setdefault((st.get("run", ""), st["index"]), {})
-            for j, layer in enumerate(layers):
-                per_layer.setdefault(layer, set()).update(int(e) for e in ids[i, j] if e < n_exp)
+            for j, layer in enumerate(r.layers):
+                per_layer.setdefault(layer, set()).update(int(e) for e in ids[i, j] if e < n_experts)
     if not used:
         raise BadInput("the trace store holds no routed tokens")
     seqs: dict[int, list[int]] = {}

@@ -19,7 +19,6 @@ so a finding here and an alert there mean the same thing. Checks, in the store's
 
 from __future__ import annotations
 
-import json
 import math
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
@@ -71,49 +70,38 @@ class Window:
 
 
 def load_window(conn, *, since: float | None = None, limit: int = 5000) -> Window:
-    sql = ("SELECT request_id, started, domain, tenant, model, n_prompt, n_output, layers, top_k, n_experts, "
-           "tokens, ids, entropy, miss, step, steps FROM requests WHERE ids IS NOT NULL")
-    args: list = []
-    if since is not None:
-        sql += " AND started >= ?"
-        args.append(since)
-    sql += " ORDER BY started DESC, rowid DESC LIMIT ?"
-    args.append(limit)
-    rows = list(conn.execute(sql, args))[::-1]
+    from moescope.traces.store import iter_routed
+
+    rows = list(iter_routed(conn, since=since, limit=limit, newest=True))
     if not rows:
         raise BadInput("the trace store holds no routed requests in this window (run `moescope demo`, or widen "
                        "--since)")
-    from moescope.traces.store import _ints
-
     keys: dict[tuple, int] = {}
     steps: list[dict] = []
     started: list[float] = []
-    w = Window([], np.zeros(0), [], [], rows[-1][4], rows[-1][9], rows[-1][8],
-               json.loads(rows[-1][7]), [], [], [], [], [], steps)
-    for (rid, t0, domain, tenant, _, n_prompt, n_output, layers, k, n_exp, tok, ids, ent, miss, step,
-         step_json) in rows:
-        layers = json.loads(layers)
-        if layers != w.layers or k != w.top_k or n_exp != w.n_experts:
+    last = rows[-1]
+    w = Window([], np.zeros(0), [], [], last.model, last.n_experts, last.top_k, last.layers, [], [], [], [], [],
+               steps)
+    for r in rows:
+        if r.layers != w.layers or r.top_k != w.top_k or r.n_experts != w.n_experts:
             continue  # another model's requests: diagnose one model at a time
-        n = n_prompt + max(0, n_output - 1)
-        w.ids.append(rid)
-        w.n_prompt.append(n_prompt)
-        started.append(t0)
-        w.domain.append(domain)
-        w.tenant.append(tenant)
-        w.tokens.append(_ints(tok, n_prompt + n_output)[:n])
-        w.routing.append(np.frombuffer(ids, dtype=np.int16).reshape(n, len(layers), k))
-        w.entropy.append(np.frombuffer(ent, dtype=np.float16).reshape(n, len(layers)).astype(np.float32))
-        w.miss.append(np.frombuffer(miss, dtype=np.uint8).reshape(n, len(layers)))
-        local = json.loads(step_json or "[]")
+        w.ids.append(r.request_id)
+        w.n_prompt.append(r.n_prompt)
+        started.append(r.started)
+        w.domain.append(r.domain)
+        w.tenant.append(r.tenant)
+        w.tokens.append(r.tokens)
+        w.routing.append(r.ids)
+        w.entropy.append(r.entropy)
+        w.miss.append(r.miss)
         index = []
-        for st in local:
+        for st in r.steps:
             key = (st.get("run"), st.get("index"))
             if key not in keys or key == (None, None):
                 keys[key] = len(steps)
                 steps.append(st)
             index.append(keys[key])
-        w.step_of.append(np.array(index, dtype=np.int64)[_ints(step, n)] if index else np.zeros(n, np.int64))
+        w.step_of.append(np.array(index, dtype=np.int64)[r.step_of] if index else np.zeros(r.n_routed, np.int64))
     w.started = np.array(started)
     return w
 

@@ -46,25 +46,16 @@ class LoadProfile:
 
 def from_store(conn, *, since: float | None = None, limit: int = 100000) -> LoadProfile:
     """Passes are the engine's steps (run, index) in order; co-activation counts token-level expert pairs."""
-    sql = ("SELECT ids, n_prompt, n_output, layers, top_k, n_experts, step, steps, model FROM requests "
-           "WHERE ids IS NOT NULL")
-    args: list = []
-    if since is not None:
-        sql += " AND started >= ?"
-        args.append(since)
-    sql += " ORDER BY started LIMIT ?"
-    args.append(limit)
-    from moescope.traces.store import _ints
+    from moescope.traces.store import iter_routed
 
     step_rows: dict[tuple, dict[int, np.ndarray]] = {}
     co: dict[int, np.ndarray] = {}
     n_exp, model = None, None
-    for blob, n_prompt, n_output, layers, k, e, step_blob, steps, model in conn.execute(sql, args):
-        layers, steps = json.loads(layers), json.loads(steps or "[]")
+    for r in iter_routed(conn, since=since, limit=limit):
+        layers, steps, e, k, model = r.layers, r.steps, r.n_experts, r.top_k, r.model
         n_exp = e
-        n = n_prompt + max(0, n_output - 1)
-        ids = np.frombuffer(blob, dtype=np.int16).reshape(n, len(layers), k).astype(np.int64)
-        step_of = _ints(step_blob, n)
+        ids = r.ids.astype(np.int64)
+        step_of = r.step_of
         for s in np.unique(step_of):
             st = steps[int(s)] if steps else {}
             key = (st.get("run", ""), st.get("index", int(s)))

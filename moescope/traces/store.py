@@ -19,8 +19,9 @@ import os
 import sqlite3
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -147,6 +148,87 @@ def _ints(blob, n: int) -> np.ndarray:
     if blob is None or n == 0:
         return np.zeros(n, dtype=np.int64)
     return np.frombuffer(blob, dtype=np.uint16 if len(blob) == 2 * n else np.int32).astype(np.int64)
+
+
+_ROUTED_COLUMNS = ("request_id, started, model, domain, tenant, n_prompt, n_output, layers, top_k, n_experts, "
+                   "ids, tokens, entropy, miss, step, steps")
+
+
+@dataclass
+class Routed:
+    """One stored request's routing, decoded on first use. Rows are its routed tokens: the prompt, then the
+    generated tokens but the last (which no forward routed)."""
+
+    request_id: str
+    started: float
+    model: str
+    domain: str | None
+    tenant: str | None
+    n_prompt: int
+    n_output: int
+    layers_json: str
+    top_k: int
+    n_experts: int
+    ids_blob: bytes
+    tokens_blob: bytes | None
+    entropy_blob: bytes | None
+    miss_blob: bytes | None
+    step_blob: bytes | None
+    steps_json: str | None
+
+    @property
+    def n_routed(self) -> int:
+        return self.n_prompt + max(0, self.n_output - 1)
+
+    @cached_property
+    def layers(self) -> list[int]:
+        return json.loads(self.layers_json)
+
+    @cached_property
+    def ids(self) -> np.ndarray:
+        """[n_routed, layers, k] int16 experts; the sentinel ``n_experts`` marks a dropped slot."""
+        return np.frombuffer(self.ids_blob, dtype=np.int16).reshape(self.n_routed, len(self.layers), self.top_k)
+
+    @cached_property
+    def tokens(self) -> np.ndarray:
+        """[n_routed] token ids of the routed rows."""
+        return _ints(self.tokens_blob, self.n_prompt + self.n_output)[: self.n_routed]
+
+    @cached_property
+    def entropy(self) -> np.ndarray:
+        return _arr(self.entropy_blob, np.float16, (self.n_routed, len(self.layers))).astype(np.float32)
+
+    @cached_property
+    def miss(self) -> np.ndarray:
+        """[n_routed, layers] uint8: bit s set when slot s missed the expert cache."""
+        return _arr(self.miss_blob, np.uint8, (self.n_routed, len(self.layers)))
+
+    @cached_property
+    def step_of(self) -> np.ndarray:
+        """[n_routed] index into ``steps`` of the engine step that routed each row."""
+        return _ints(self.step_blob, self.n_routed)
+
+    @cached_property
+    def steps(self) -> list[dict]:
+        return json.loads(self.steps_json or "[]")
+
+
+def iter_routed(conn, *, since: float | None = None, limit: int | None = None,
+                newest: bool = False) -> Iterator[Routed]:
+    """The stored requests that carry routing, oldest first; ``since``: started at or after; ``limit``: at most
+    that many, the oldest (or with ``newest`` the newest, still yielded oldest first)."""
+    sql = f"SELECT {_ROUTED_COLUMNS} FROM requests WHERE ids IS NOT NULL"
+    args: list = []
+    if since is not None:
+        sql += " AND started >= ?"
+        args.append(since)
+    sql += " ORDER BY started DESC, rowid DESC" if newest else " ORDER BY started, rowid"
+    if limit is not None:
+        sql += " LIMIT ?"
+        args.append(limit)
+    rows = conn.execute(sql, args)
+    for row in (list(rows)[::-1] if newest else rows):
+        yield Routed(*row)
 
 
 def load_request(conn, request_id: str) -> dict[str, Any]:
