@@ -109,6 +109,9 @@ def _print_human(s: dict) -> None:
 @click.option("--traces", "traces_path", default=None,
               help="Trace store (SQLite) for per-token traces [~/.local/share/moescope/traces.sqlite, or "
                    "$MOESCOPE_TRACES]; 'none' to disable.")
+@click.option("--otlp-endpoint", default=None, metavar="URL",
+              help="Also export each kept request's spans over OTLP/HTTP (e.g. http://127.0.0.1:4318, an "
+                   "OpenTelemetry Collector). Needs --traces (the trace recorder makes the spans).")
 @click.option("--trace-sample", type=click.FloatRange(0, 1), default=1.0, show_default=True,
               help="Share of ordinary requests traced (anomalous ones are always kept).")
 @click.option("--scenario", default="healthy", show_default=True,
@@ -149,7 +152,7 @@ def _print_human(s: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
-         metrics_port, metrics_addr, linger, traces_path, trace_sample, scenario, canary_interval, baseline_path,
+         metrics_port, metrics_addr, linger, traces_path, otlp_endpoint, trace_sample, scenario, canary_interval, baseline_path,
          drift_after, save_baseline, load_bound, smoothing_margin, router_impl, decode_mode, world_size, placement_spec, slow_rank, delay_ms,
          timeout, seed, no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
@@ -220,10 +223,22 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
             observers += [a2a, monitor]
         recorder = None
         traces_path = traces_path or os.environ.get("MOESCOPE_TRACES") or str(_default_traces())
+        if otlp_endpoint and traces_path == "none":
+            from moescope.errors import BadInput
+
+            raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
         if traces_path != "none" and (world == 1 or rank == 0):  # lock-step ranks trace identical routing
             from moescope.traces.recorder import TraceRecorder
 
-            recorder = TraceRecorder(traces_path, sample=trace_sample, model=model.cfg.name, rank=rank, seed=seed)
+            tracer = None
+            if otlp_endpoint:
+                from moescope.traces import otlp
+
+                provider = otlp.tracer_provider(otlp_endpoint, attributes={"moescope.model": model.cfg.name})
+                stack.callback(provider.shutdown)  # after the recorder's last spans (the stack unwinds LIFO)
+                tracer = provider.get_tracer("moescope")
+            recorder = TraceRecorder(traces_path, sample=trace_sample, model=model.cfg.name, rank=rank, seed=seed,
+                                     tracer=tracer)
             observers.append(recorder)
         inst = stack.enter_context(moescope.instrument(
             model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))

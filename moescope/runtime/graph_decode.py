@@ -11,7 +11,7 @@ Shapes are fixed: ``batch`` slots, one new token each; a static KV cache [L, B, 
 live mask as device tensors (a free slot computes but is not counted). Attention covers all P positions with a
 mask; the experts run without host-side slice bounds (the eager path's one sync per layer cannot be in a
 graph): ``grouped`` sorts the slots by expert and runs ``torch.nn.functional.grouped_mm`` with device
-offsets (graph-safe where its native CUDA kernel runs: bf16 on sm90+; elsewhere torch's fallback reads the
+offsets (graph-safe where its native CUDA kernel runs: bf16 on sm80+; elsewhere torch's fallback reads the
 offsets on the host, fine on CPU), ``dense`` runs every expert over every token in two batched matmuls and
 gathers the chosen slots (graph-safe everywhere, E/k times the expert FLOPs). Equal to the eager model up to
 float rounding (tests/test_graph_decode.py). Every expert must be resident: no expert cache, no expert
@@ -141,7 +141,7 @@ def _grouped_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether grouped_mm runs its native kernel (device offsets, no host read) here."""
     if device.type == "cpu":
         return True  # torch's fallback reads the offsets on the host: no device to sync with
-    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 9)
+    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 8)
 
 
 class StaticDecoder:
