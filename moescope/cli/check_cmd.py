@@ -16,10 +16,31 @@ def check() -> None:
     """Checks to run before going live (exit 1 when they find a problem)."""
 
 
+def _model_options(fn):
+    """The options every check shares: which model, which weights, where."""
+    for option in reversed((click.option("--model", "model_spec", default="tiny-demo", show_default=True),
+                            click.option("--weights", default="auto", show_default=True),
+                            click.option("--device", default="auto", show_default=True))):
+        fn = option(fn)
+    return fn
+
+
+def _load(model_spec: str, weights: str, device: str):
+    from moescope.runtime import loader
+
+    return loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device)
+
+
+def _flip_rates(report) -> str:
+    return ", ".join(f"L{k} {v:.2%}" for k, v in report.flip_rate.items())
+
+
+def _verdict(report, threshold: float, passed: bool) -> str:
+    return "PASS" if passed else f"FAIL: flip rate {report.worst:.2%} > threshold {threshold:.2%}"
+
+
 @check.command("determinism")
-@click.option("--model", "model_spec", default="tiny-demo", show_default=True)
-@click.option("--weights", default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@_model_options
 @click.option("--scenario", default="healthy", show_default=True, help="Fault scenario(s) to check under.")
 @click.option("--runs", type=click.IntRange(min=2), default=5, show_default=True)
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=8, show_default=True,
@@ -30,31 +51,28 @@ def check() -> None:
 def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshold, as_json) -> int:
     """Route the same inputs RUNS times; report the flip rate per layer and the tokens that flipped."""
     from moescope.analysis.determinism import check as run_check
-    from moescope.runtime import faults, loader
+    from moescope.runtime import faults
     from moescope.runtime.canary import default_prompts
 
-    model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device)
+    model = _load(model_spec, weights, device)
     faults.apply(model, faults.parse(scenario))
     report = run_check(model, default_prompts(n_prompts), runs=runs)
     passed = report.worst <= threshold
     if as_json:
         click.echo(json.dumps(sanitize_tree({**asdict(report), "threshold": threshold, "passed": passed}), indent=1))
     else:
-        click.echo(f"{report.tokens} tokens x {runs} runs; flip rate per layer: "
-                   + ", ".join(f"L{k} {v:.2%}" for k, v in report.flip_rate.items()))
+        click.echo(f"{report.tokens} tokens x {runs} runs; flip rate per layer: {_flip_rates(report)}")
         for f in report.flipped[:10]:
             click.echo(f"  run {f['run']} layer {f['layer']} token {f['position']} ({sanitize_tree(f['text'])}): "
                        f"{f['before']} -> {f['after']}")
-        click.echo("PASS" if passed else f"FAIL: flip rate {report.worst:.2%} > threshold {threshold:.2%}")
+        click.echo(_verdict(report, threshold, passed))
     if not passed:
         raise CheckFailed(f"routing is not deterministic: flip rate {report.worst:.2%} > {threshold:.2%}")
     return 0
 
 
 @check.command("quantization")
-@click.option("--model", "model_spec", default="tiny-demo", show_default=True)
-@click.option("--weights", default="auto", show_default=True)
-@click.option("--device", default="auto", show_default=True)
+@_model_options
 @click.option("--quantize", "variant", type=click.Choice(["experts", "experts+router"]), default="experts",
               show_default=True, help="What gets int8 weights.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=32, show_default=True,
@@ -66,20 +84,18 @@ def quantization(model_spec, weights, device, variant, n_prompts, threshold, as_
     """Route the same inputs at full precision and with int8 weights; report flips, non-finite logits and
     output agreement. Exit 1 when a layer's flip rate exceeds the threshold."""
     from moescope.analysis.quantization import compare
-    from moescope.runtime import loader
     from moescope.runtime.canary import default_prompts
 
-    model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device)
+    model = _load(model_spec, weights, device)
     report = compare(model, default_prompts(n_prompts), variant)
     passed = report.worst <= threshold and not any(report.nonfinite_logits.values())
     if as_json:
         click.echo(json.dumps({**asdict(report), "threshold": threshold, "passed": passed}, indent=1))
     else:
-        click.echo(f"int8 {variant}: {report.tokens} tokens; flip rate per layer: "
-                   + ", ".join(f"L{k} {v:.2%}" for k, v in report.flip_rate.items()))
+        click.echo(f"int8 {variant}: {report.tokens} tokens; flip rate per layer: {_flip_rates(report)}")
         click.echo(f"  non-finite router logits: {sum(report.nonfinite_logits.values())}; greedy next token "
                    f"unchanged {report.next_token_agreement:.2%}; mean KL {report.mean_kl:.2e} nats")
-        click.echo("PASS" if passed else f"FAIL: flip rate {report.worst:.2%} > threshold {threshold:.2%}")
+        click.echo(_verdict(report, threshold, passed))
     if not passed:
         raise CheckFailed(f"int8 {variant} changes routing: flip rate {report.worst:.2%} > {threshold:.2%}")
     return 0
