@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Every CUDA check and GPU figure of the [gpu] issue in one call, for a machine with a CUDA device (and
-# torch with CUDA, triton, the repo installed: pip install -e '.[test,gpu]'). Run from the repo root:
-#   bash benchmarks/device_checks.sh [OUTDIR]
+# Every CUDA check and GPU figure of the [gpu] issue in one call, for a machine with a CUDA device and a Python
+# holding torch (CUDA), triton, numpy, click, pyyaml, safetensors, prometheus-client and pytest (the lent H200's
+# image has them all: no install, the repo runs from PYTHONPATH). Run from the repo root:
+#   bash benchmarks/device_checks.sh [OUTDIR]          (PYTHON=... to choose the interpreter; default python3)
 # 1. pytest -m gpu: the Triton router == the torch reference on CUDA; hooks never sync
 #    (torch.cuda.set_sync_debug_mode("error")); counts inside a replayed CUDA graph == a recomputation;
 #    layer times from CUDA events.
@@ -13,12 +14,13 @@
 set -u -o pipefail
 out=${1:-benchmarks/results}
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+py=${PYTHON:-python3}
 rc=0
-python -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" || exit 2
-timeout 240 python -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.txt" || rc=1
-timeout 120 python benchmarks/router_kernel.py --quick || rc=1
+"$py" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" || exit 2
+timeout 240 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu-tests.txt" || rc=1
+timeout 120 "$py" benchmarks/router_kernel.py --quick || rc=1
 cp benchmarks/results/router_kernel.json "$out/" 2>/dev/null
-timeout 180 python benchmarks/decode_step.py --quick --out "$out/decode_step.json" || rc=1
-timeout 120 python benchmarks/overhead.py --device cuda --rounds 3 --out "$out/overhead-cuda.json" || rc=1
+timeout 180 "$py" benchmarks/decode_step.py --quick --out "$out/decode_step.json" || rc=1
+timeout 120 "$py" benchmarks/overhead.py --device cuda --rounds 3 --out "$out/overhead-cuda.json" || rc=1
 exit $rc

@@ -30,6 +30,7 @@ from moescope.runtime.experts import combine
 from moescope.runtime.model import KVCache, MoETransformer, apply_rope
 
 EXPERT_MODES = ("auto", "grouped", "dense")
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # public from torch 2.9
 # Per-layer sums: forwards, live tokens, entropy, margin, non-finite logits, dropped slots.
 _FORWARDS, _TOKENS, _ENTROPY, _MARGIN, _NONFINITE, _DROPPED = range(6)
 
@@ -139,6 +140,8 @@ def check_supported(model: MoETransformer) -> None:
 
 def _grouped_ok(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether grouped_mm runs its native kernel (device offsets, no host read) here."""
+    if _grouped_mm is None:
+        return False
     if device.type == "cpu":
         return True  # torch's fallback reads the offsets on the host: no device to sync with
     return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 8)
@@ -163,6 +166,8 @@ class StaticDecoder:
         self.count = count  # False: no counters in the step (the bare step benchmarks compare against)
         if experts == "auto":
             experts = "grouped" if _grouped_ok(dev, dtype) else "dense"
+        elif experts == "grouped" and _grouped_mm is None:
+            raise BadInput(f"this torch ({torch.__version__}) has no grouped_mm: use experts='dense'")
         self.experts_mode = experts
         shape = (cfg.n_layers, batch, cfg.max_seq_len, cfg.n_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=dev, dtype=dtype)
@@ -231,8 +236,8 @@ class StaticDecoder:
             0, flat, torch.ones_like(flat, dtype=torch.int32))
         offs = torch.cumsum(counts[:n_exp], 0, dtype=torch.int32)  # end of each expert's rows
         rows = x[order // top_k]  # [B*k, H]
-        gate, up = F.grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-        out = F.grouped_mm(F.silu(gate) * up, experts.down_proj.transpose(1, 2), offs=offs)  # [B*k, H]
+        gate, up = _grouped_mm(rows, experts.gate_up_proj.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+        out = _grouped_mm(F.silu(gate) * up, experts.down_proj.transpose(1, 2), offs=offs)  # [B*k, H]
         out = torch.where((flat[order] < n_exp)[:, None], out, 0)  # rows past the last offset are undefined
         slot_out = torch.empty_like(out)
         slot_out[order] = out
