@@ -126,3 +126,18 @@ def test_a_dead_or_hung_rank_stops_the_others_with_an_error_naming_it(tmp_path, 
         for p in procs:
             if p.poll() is None:
                 p.kill()
+
+
+@pytest.mark.parametrize("scenario,flips", [("healthy", False), ("jitter", True)])
+def test_lock_step_ranks_run_the_canary_at_the_same_step(scenario, flips):
+    """The canary forward is a collective on expert-parallel ranks: run by step count on every rank, it completes
+    (a rank running it alone would hang the exchange) and measures the same flips everywhere."""
+    out = _demo("--world-size", "2", "--requests", "6", "--max-batch", "3", "--scenario", scenario,
+                "--canary-steps", "4")
+    per_rank = [r["canary_flip_ratio"] for r in out["ranks"]]
+    assert all(p is not None for p in per_rank)
+    assert per_rank[0].keys() == per_rank[1].keys() == {"1", "2", "3"}
+    worst = max(max(p.values()) for p in per_rank)
+    assert (worst > 0) == flips, per_rank
+    if not flips:
+        assert per_rank[0] == per_rank[1]

@@ -119,6 +119,9 @@ def _print_human(s: dict) -> None:
                    "switch-jitter, slow-rank, drop, drift, leak (real changes to the engine, never to metrics).")
 @click.option("--canary-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
               help="Seconds between canary routing runs (flip ratio per layer); 0: off.")
+@click.option("--canary-steps", type=click.IntRange(min=1), default=None,
+              help="Run the canary every N engine steps instead (expert-parallel ranks always do: they must run "
+                   "it at the same step) [with --world-size > 1: 32].")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
               help="Routing baseline to measure drift against (moescope_routing_drift_jsd_bits).")
 @click.option("--drift-after", type=click.FloatRange(min=0), default=None,
@@ -152,7 +155,7 @@ def _print_human(s: dict) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON summary (request ids, tokens, load).")
 def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_batch, temperature,
          capacity_factor, cache_size, cache_policy, cache_tier, cache_prefetch, cache_file, record_routing,
-         metrics_port, metrics_addr, linger, traces_path, otlp_endpoint, trace_sample, scenario, canary_interval, baseline_path,
+         metrics_port, metrics_addr, linger, traces_path, otlp_endpoint, trace_sample, scenario, canary_interval, canary_steps, baseline_path,
          drift_after, save_baseline, load_bound, smoothing_margin, router_impl, decode_mode, world_size, placement_spec, slow_rank, delay_ms,
          timeout, seed, no_tui, as_json) -> int:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
@@ -257,10 +260,12 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
                                                       cache_tier or "memory", cache_prefetch, cache_file, seed,
                                                       settings.get("disk_delay_s")))
         canary = None
-        if canary_interval > 0 and world == 1:  # lock-step ranks would need step-aligned canaries: not yet
+        if canary_interval > 0:
             from moescope.runtime.canary import Canary
 
-            canary = Canary(model, interval_s=canary_interval)
+            if world > 1 and canary_steps is None:
+                canary_steps = 32  # lock-step ranks: the canary forward is a collective, run at the same step
+            canary = Canary(model, interval_s=canary_interval, every_steps=canary_steps)
         engine = Engine(model, max_batch=max_batch, seed=seed, canary=canary,  # observed via the instrumentation
                         decode=decode_mode)
         if settings.get("leak_bytes"):
@@ -281,6 +286,8 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
                            n_requests if duration is None else len(records))
         if cache is not None:
             summary["expert_cache"] = _cache_summary(cache)
+        if inst.metrics.flips:
+            summary["canary_flip_ratio"] = {str(layer): round(v, 4) for layer, v in sorted(inst.metrics.flips.items())}
         if inst.exporter is not None:
             summary["metrics_url"] = inst.exporter.url
         if inst.observer.errors:

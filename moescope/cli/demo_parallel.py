@@ -108,7 +108,7 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) ->
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
             "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes, "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
-            "metrics_url": summary.get("metrics_url")}
+            "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio")}
 
 
 def write_summary(summary: dict) -> bool:

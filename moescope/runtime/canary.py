@@ -26,8 +26,14 @@ def default_prompts(n: int = 4, seed: int = 4242) -> list[str]:
 
 class Canary:
     def __init__(self, model: MoETransformer, *, prompts: list[str] | None = None, interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 every_steps: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """Due every ``interval_s`` seconds, or with ``every_steps`` every that many engine steps (the first step
+        included): expert-parallel ranks serve in lock-step, and a canary forward is a collective, so they
+        must all run it at the same step, which no per-rank clock can promise."""
+        if every_steps is not None and every_steps <= 0:
+            raise ValueError(f"every_steps must be positive, got {every_steps}")
         self.model, self.interval_s, self.clock = model, interval_s, clock
+        self.every_steps, self._calls = every_steps, 0
         ids = self._ids = [tokenizer.encode(p) for p in (prompts or default_prompts())]
         self._tokens = torch.tensor([t for seq in ids for t in seq], dtype=torch.long)
         self._segments = [len(seq) for seq in ids]
@@ -72,6 +78,10 @@ class Canary:
         return dict(zip(sets, flips.tolist()))
 
     def due(self) -> bool:
+        """Called once per engine step."""
+        if self.every_steps is not None:
+            self._calls += 1
+            return (self._calls - 1) % self.every_steps == 0
         now = self.clock()
         if self._last is None or now - self._last >= self.interval_s:
             self._last = now
