@@ -299,3 +299,26 @@ def test_baseline_from_the_store_equals_the_runs_own_load(tmp_path, capsys):
     assert baseline.load(a) == baseline.load(b)  # the canary's routing is kept out of both
     (tmp_path / "bad.json").write_text("{}")
     assert main(["demo", "--baseline", str(tmp_path / "bad.json"), "--requests", "1"]) == 2
+
+
+def test_requests_whose_forwards_were_not_all_seen_are_stored_without_routing(tiny_cfg, tmp_path, capsys):
+    """A static/CUDA-graph decode step routes with no per-layer hook (as does a step whose event the full
+    queue dropped): the request is stored whole, without a routing that would not line up with its tokens."""
+    path = tmp_path / "t.sqlite"
+    model = MoETransformer(tiny_cfg).eval()
+    rec = TraceRecorder(path)
+    with moescope.instrument(model, observers=[rec]):
+        records = Engine(model, max_batch=3, decode="static").run(
+            traffic.generate(traffic.TrafficConfig(seed=2, output_tokens_median=4), 5), realtime=False)
+    conn = store.open_store(path)
+    assert rec.unrouted == sum(r.n_output > 1 for r in records) > 0
+    for r in records:
+        doc = store.load_request(conn, r.request_id)
+        assert len(doc["tokens"]) == len(r.prompt_tokens) + r.n_output
+        assert (doc["layers"] == []) == (r.n_output > 1)  # one output token: its only forward was the prefill
+    rid = records[0].request_id
+    conn.execute("UPDATE requests SET ids = ?, layers = '[1, 2]', top_k = 2 WHERE request_id = ?", (b"\0" * 6, rid))
+    conn.commit()
+    assert main(["trace", rid, "--traces", str(path), "--json"]) == 2  # a row no writer of ours makes
+    err = capsys.readouterr().err
+    assert "corrupt row" in err and err.count("\n") == 1

@@ -242,6 +242,9 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
                 tracer = provider.get_tracer("moescope")
             recorder = TraceRecorder(traces_path, sample=trace_sample, model=model.cfg.name, rank=rank, seed=seed,
                                      tracer=tracer)
+            if decode_mode != "eager":
+                click.echo(f"note: --decode {decode_mode} runs no per-layer hook in decode steps: the trace store "
+                           "keeps each request's timings and spans, not its per-token routing", err=True)
             observers.append(recorder)
         inst = stack.enter_context(moescope.instrument(
             model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))

@@ -103,8 +103,8 @@ class Engine:
             shapes, ``max_batch`` slots, routing counted by ops inside the step), or "graph" (the static step
             captured once as a CUDA graph and replayed; CUDA only). Prefill stays eager. With "static"/"graph"
             decode steps call no per-layer hooks (a graph cannot): their routing reaches observers that take
-            summaries (``on_stats``: the metrics) from the in-step counters after each step; per-token traces
-            keep the prefill's routing only.
+            summaries (``on_stats``: the metrics) from the in-step counters after each step; the trace store
+            keeps such requests whole but without per-token routing.
     """
 
     def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,

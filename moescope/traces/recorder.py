@@ -81,6 +81,7 @@ class TraceRecorder(Observer):
         self.tracer, self.model, self.rank = tracer, model, rank
         self.clock_offset = clock_offset if clock_offset is not None else time.time() - time.perf_counter()
         self.dropped = self.written = self.sampled_out = self.errors = 0
+        self.unrouted = 0  # requests stored without routing: some of their forwards were not seen
         self._rng = random.Random(seed)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._pending: list = []
@@ -215,6 +216,13 @@ class TraceRecorder(Observer):
     def _on_request(self, rec) -> None:
         parts = self._live.pop(rec.request_id, [])
         slices = [(self._steps[s], o, n, s) for s, o, n in parts if s in self._steps]
+        if slices and sum(n for _, _, n, _ in slices) != len(rec.prompt_tokens) + max(0, rec.n_output - 1):
+            # Some of its forwards reached no hook (a step event dropped by the full queue, or a static/CUDA-graph
+            # decode step): store the request whole, without a routing that would not line up with its tokens.
+            for _, _, _, s in slices:
+                self._release(s)
+            slices = []
+            self.unrouted += 1
         flags = []
         if slices:
             ids = np.concatenate([st.ids[o:o + n] for st, o, n, _ in slices])

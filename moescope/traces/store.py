@@ -187,7 +187,12 @@ class Routed:
     @cached_property
     def ids(self) -> np.ndarray:
         """[n_routed, layers, k] int16 experts; the sentinel ``n_experts`` marks a dropped slot."""
-        return np.frombuffer(self.ids_blob, dtype=np.int16).reshape(self.n_routed, len(self.layers), self.top_k)
+        try:
+            return np.frombuffer(self.ids_blob, dtype=np.int16).reshape(self.n_routed, len(self.layers),
+                                                                        self.top_k)
+        except ValueError:
+            raise BadInput(f"request {self.request_id!r}: its stored routing does not match its token counts "
+                           "(corrupt row)") from None
 
     @cached_property
     def tokens(self) -> np.ndarray:
@@ -233,8 +238,6 @@ def iter_routed(conn, *, since: float | None = None, limit: int | None = None,
 
 def load_request(conn, request_id: str) -> dict[str, Any]:
     """The whole trace of one request (the `moescope trace --json` document, before sanitising)."""
-    from moescope.runtime import tokenizer
-
     cur = conn.execute("SELECT * FROM requests WHERE request_id = ?", (request_id,))
     row = cur.fetchone()
     if row is None:
@@ -242,6 +245,16 @@ def load_request(conn, request_id: str) -> dict[str, Any]:
         hint = f"; nearest stored ids: {', '.join(near)}" if near else "; the store holds no requests"
         raise BadInput(f"no request {request_id!r} in the trace store{hint}")
     r = dict(zip([d[0] for d in cur.description], row))
+    try:
+        return _document(r)
+    except ValueError:  # arrays whose sizes disagree with the token counts: a row no writer of ours makes
+        raise BadInput(f"request {request_id!r}: its stored arrays do not match its token counts (corrupt row)") \
+            from None
+
+
+def _document(r: dict) -> dict[str, Any]:
+    from moescope.runtime import tokenizer
+
     n_prompt, n_output = r["n_prompt"], r["n_output"]
     tokens = _ints(r["tokens"], n_prompt + n_output).tolist()
     lat = np.frombuffer(r["latencies"], dtype=np.float32).tolist()
