@@ -177,7 +177,8 @@ def test_demo_decode_flag(tmp_path, capsys):
     assert runs["static"]["tokens"] == runs["eager"]["tokens"]
     for args, msg in ((["--decode", "graph"], "needs the model on a CUDA device"),
                       (["--decode", "static", "--cache-size", "3"], "needs every expert resident"),
-                      (["--decode", "static", "--world-size", "2"], "serves on one process")):
+                      (["--decode", "static", "--world-size", "2"], "serves on one process"),
+                      (["--decode", "static", "--record-routing", str(tmp_path / "r.json")], "use --decode eager")):
         assert main(["demo", "--no-tui", "--requests", "2", "--rate", "0", "--metrics-port", "-1",
                      "--traces", "none", *args]) == 2
         err = capsys.readouterr().err.strip().splitlines()

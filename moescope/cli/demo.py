@@ -186,6 +186,11 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
 
         for layer in model.moe_layers():
             layer.router.mitigation = Mitigation(load_bound=load_bound, smoothing_margin=smoothing_margin)
+    if decode_mode != "eager" and record_routing:
+        from moescope.errors import BadInput
+
+        raise BadInput(f"--record-routing logs every forward's routing, which --decode {decode_mode} steps do not "
+                       "hand to hooks: use --decode eager")
     if decode_mode != "eager" and world_size > 1:
         from moescope.errors import BadInput
 
