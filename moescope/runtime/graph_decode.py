@@ -105,14 +105,14 @@ class GraphCollector:
         if self._cuda:
             if self._event is None:
                 self._enqueue()
-            self._event.synchronize()
+            self._event.synchronize()  # flush() waits by contract (shutdown, tests); steps call collect()
             self._event = None
         else:
             self._enqueue()
         return self._emit()
 
     def _emit(self) -> StepStats | None:
-        now = self._host.numpy().copy()
+        now = self._host.numpy().copy()  # the pinned host copy, complete by now: no device access
         delta, self._last = now - self._last, now
         c, n_exp = self.counters, self.counters.n_experts
         steps = int(round(delta[0, n_exp + 2 + _FORWARDS])) if len(c.layers) else 0
