@@ -102,13 +102,11 @@ class GraphCollector:
         return out
 
     def flush(self) -> StepStats | None:
+        """Read the counters as they are after every step enqueued so far, and emit the difference."""
+        self._enqueue()  # a fresh copy: one still in flight holds older counts (deltas stay exact either way)
         if self._cuda:
-            if self._event is None:
-                self._enqueue()
             self._event.synchronize()  # flush() waits by contract (shutdown, tests); steps call collect()
             self._event = None
-        else:
-            self._enqueue()
         return self._emit()
 
     def _emit(self) -> StepStats | None:
