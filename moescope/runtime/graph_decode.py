@@ -160,7 +160,7 @@ class StaticDecoder:
         check_supported(model)
         moe = model.moe_layers()
         cfg, dev, dtype = model.cfg, model.device, model.embed.weight.dtype
-        self.model, self.batch, self.cfg = model, batch, cfg
+        self.model, self.batch = model, batch
         self.count = count  # False: no counters in the step (the bare step benchmarks compare against)
         if experts == "auto":
             experts = "grouped" if _grouped_ok(dev, dtype) else "dense"

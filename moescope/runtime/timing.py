@@ -4,7 +4,8 @@ On CPU the work is synchronous, so host clock readings are the times. On CUDA th
 device and a host clock measures only the launch; there the timer records CUDA events (three per MoE layer
 per forward, from a pool) and ``poll()`` resolves those whose last event has completed (``Event.query()``,
 never a synchronize): a layer's times arrive a forward or two later, in order. At most ``capacity`` layer
-records wait; older ones are dropped and counted (``dropped``) rather than grow without bound.
+records wait; older ones are dropped (counted in ``LayerTimer.dropped``, not exported) rather than grow
+without bound: only a device that stays over 1024 layer-forwards behind the host drops any.
 
 Expert fetches and the all-to-all stay host-timed: a fetch is a host-blocking copy (the stall a token sees),
 and the all-to-all runs on gloo over host tensors.
