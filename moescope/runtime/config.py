@@ -14,6 +14,8 @@ from typing import Any
 
 from moescope.errors import ConfigError
 
+SCORINGS = ("softmax", "sigmoid")
+
 # Byte-level tokenizer: 256 byte values, then the special tokens (see tokenizer.py).
 BYTE_VOCAB = 256
 N_SPECIAL = 4  # BOS, EOS, PAD, one spare
@@ -35,7 +37,20 @@ class MoEConfig:
         dense_ffn_size: hidden size of the dense FFN (default: ``ffn_size * top_k``, the active size).
         capacity_factor: per-expert capacity = ceil(cf * T * k / E) slots per forward; slots beyond it are
             dropped and counted. ``None`` disables capacity (no drops).
-        router_temperature: logits are divided by it before the softmax (> 0).
+        router_temperature: logits are divided by it before scoring (> 0).
+        scoring: ``softmax`` (Mixtral, Qwen-MoE: probabilities over the experts) or ``sigmoid`` (DeepSeek-V3,
+            Kimi K2: an independent affinity per expert).
+        n_group: experts are split into this many equal groups (``n_experts`` divisible by it).
+        topk_group: group-limited routing: only the ``topk_group`` groups with the best group score (sum of
+            each group's two best selection scores) may be chosen from (default: every group).
+        correction_bias: the router holds a per-expert score-correction bias (a buffer, DeepSeek-V3's
+            aux-loss-free balancing): selection uses scores + bias, gate weights the unbiased scores.
+        norm_topk_prob: gate weights are the chosen scores divided by their sum (softmax top-k models
+            renormalise; sigmoid models add 1e-20 to the sum, as HF does).
+        routed_scaling_factor: gate weights are multiplied by it (DeepSeek-V3: 2.5).
+        n_shared_experts: shared experts every token runs (one SwiGLU FFN of ``shared_ffn_size``), added to
+            the routed output; not routed, not counted as experts, counted as dense parameters.
+        shared_ffn_size: hidden size of the shared FFN (default: ``ffn_size * n_shared_experts``, as HF).
         max_seq_len: longest sequence the KV cache holds.
         seed: seed for weight initialisation and the engine's sampling.
     """
@@ -52,6 +67,14 @@ class MoEConfig:
     dense_ffn_size: int | None = None
     capacity_factor: float | None = None
     router_temperature: float = 1.0
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int | None = None
+    correction_bias: bool = False
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_shared_experts: int = 0
+    shared_ffn_size: int | None = None
     max_seq_len: int = 512
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
@@ -83,6 +106,31 @@ class MoEConfig:
             raise ConfigError(f"router_temperature must be > 0, got {self.router_temperature}")
         if not self.rope_theta > 0 or not self.norm_eps > 0:
             raise ConfigError("rope_theta and norm_eps must be > 0")
+        self._check_routing()
+
+    def _check_routing(self) -> None:
+        if self.scoring not in SCORINGS:
+            raise ConfigError(f"scoring must be one of {', '.join(SCORINGS)}, got {self.scoring!r}")
+        for name in ("correction_bias", "norm_topk_prob"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        for name, low in (("n_group", 1), ("topk_group", 1), ("n_shared_experts", 0), ("shared_ffn_size", 1)):
+            value = getattr(self, name)
+            if value is None and name in ("topk_group", "shared_ffn_size"):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"{name} must be an integer >= {low}, got {value!r}")
+        if self.n_experts % self.n_group:
+            raise ConfigError(f"n_experts ({self.n_experts}) must be divisible by n_group ({self.n_group})")
+        if self.topk_group is not None and self.topk_group > self.n_group:
+            raise ConfigError(f"topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+        reachable = self.groups_kept * (self.n_experts // self.n_group)
+        if self.top_k > reachable:
+            raise ConfigError(f"top_k ({self.top_k}) must be <= the experts in the topk_group best groups "
+                              f"({self.groups_kept} x {self.n_experts // self.n_group} = {reachable})")
+        if not (isinstance(self.routed_scaling_factor, (int, float)) and not isinstance(self.routed_scaling_factor, bool)
+                and self.routed_scaling_factor > 0):
+            raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
 
     # -- derived facts ---------------------------------------------------------------------------------
     @property
@@ -97,6 +145,23 @@ class MoEConfig:
     @property
     def dense_ffn(self) -> int:
         return self.dense_ffn_size if self.dense_ffn_size is not None else self.ffn_size * self.top_k
+
+    @property
+    def groups_kept(self) -> int:
+        """Groups a token may choose experts from (``topk_group``, default all)."""
+        return self.n_group if self.topk_group is None else self.topk_group
+
+    @property
+    def shared_ffn(self) -> int:
+        """Hidden size of the shared-expert FFN (0: none)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.shared_ffn_size if self.shared_ffn_size is not None else self.ffn_size * self.n_shared_experts
+
+    @property
+    def plain_topk(self) -> bool:
+        """Softmax top-k without groups or bias: the routing the fused Triton kernel implements."""
+        return self.scoring == "softmax" and self.groups_kept == self.n_group and not self.correction_bias
 
     @property
     def expert_params(self) -> int:
@@ -126,6 +191,17 @@ PRESETS: dict[str, MoEConfig] = {
     # DeepSeek-V3-shaped routing width (256 experts, top-8) at a small hidden size, for router benchmarks.
     "deepseek-v3-block": MoEConfig(name="deepseek-v3-block", hidden_size=1024, n_layers=1, n_heads=8,
                                    n_experts=256, top_k=8, ffn_size=256),
+    # Production shapes at a width that serves on 2 CPU cores (REFERENCE.md, "Production shapes"): every
+    # count that the metrics, alerts and views scale with (layers, experts, k, groups) is the real model's;
+    # only the widths are scaled down (hidden 7168 -> 64, expert ffn 2048 -> 16, dense ffn 9x the expert's).
+    "deepseek-v3-shape": MoEConfig(name="deepseek-v3-shape", hidden_size=64, n_layers=61, n_heads=4,
+                                   n_experts=256, top_k=8, ffn_size=16, dense_layers=(0, 1, 2), dense_ffn_size=144,
+                                   scoring="sigmoid", n_group=8, topk_group=4, correction_bias=True,
+                                   norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=1),
+    # Qwen3-30B-A3B's shape (hidden 2048 -> 64, expert ffn 768 -> 24): 48 MoE layers, softmax top-8 of 128,
+    # normalised, no shared expert.
+    "qwen3-moe-shape": MoEConfig(name="qwen3-moe-shape", hidden_size=64, n_layers=48, n_heads=4, n_experts=128,
+                                 top_k=8, ffn_size=24, scoring="softmax", norm_topk_prob=True),
 }
 
 

@@ -15,6 +15,18 @@ from torch import nn
 
 # (gate_up [2F, H], down [H, F]) of one expert, wherever it currently lives.
 ExpertWeights = tuple[torch.Tensor, torch.Tensor]
+_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # public from torch 2.9
+
+
+def grouped_mm_native(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``grouped_mm`` runs here without a per-expert Python loop: torch's CPU build (any float dtype;
+    bit-equal to one matmul per expert, tests/test_experts.py), or CUDA's kernel (bf16 on sm80+, which also
+    takes the group offsets on the device, so a CUDA graph can hold it)."""
+    if _grouped_mm is None:
+        return False
+    if device.type == "cpu":
+        return True
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 8
 
 
 class WeightSource(Protocol):
@@ -49,11 +61,13 @@ class DenseFFN(nn.Module):
 
 
 class Experts(nn.Module):
-    """E SwiGLU experts stored as stacked tensors, computed grouped: slots sorted by expert, one pair of
-    matmuls per expert over its contiguous slice, each token's slots then combined in slot order.
+    """E SwiGLU experts stored as stacked tensors, computed grouped: slots sorted by expert, each expert over
+    its contiguous slice, each token's slots then combined in slot order.
 
-    ``weight_source`` lets an expert cache decide where each expert's weights come from (resident, CPU
-    tier, disk); by default the module's own parameters are used.
+    Resident experts run as two ``grouped_mm`` calls per layer (every expert in one call, no Python loop per
+    expert) where the torch build has a native grouped GEMM for the device and dtype; otherwise, and when a
+    ``weight_source`` (the expert cache) decides where each expert's weights come from, one pair of matmuls
+    per expert (``compute_loop``, also the reference the grouped path is tested against).
     """
 
     def __init__(self, n_experts: int, hidden_size: int, ffn_size: int) -> None:
@@ -90,6 +104,22 @@ class Experts(nn.Module):
     def compute_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Run each expert over its contiguous slice of ``rows`` [S, H] (grouped by expert, ``counts[e]``
         rows for expert e). Returns [S, H]. Also the expert-parallel path's local computation."""
+        if self.weight_source is None and rows.shape[0] and grouped_mm_native(rows.device, rows.dtype):
+            gate_up, down = self.gate_up_proj, self.down_proj  # [E, 2F, H], [E, H, F]
+            used = [e for e, n in enumerate(counts) if n]
+            if len(used) < len(counts) // 2:
+                # CPU grouped_mm pays ~1 us per group, empty or not: with few experts in use (a decode step
+                # at 256 experts) pass only those. Same layout, same kernel: bit-equal to the full call.
+                idx = torch.tensor(used, device=rows.device)
+                gate_up, down, counts = gate_up.index_select(0, idx), down.index_select(0, idx), [counts[e] for e in used]
+            offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)  # [E] ends
+            gate, up = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, F] each
+            return _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [S, H]
+        return self.compute_loop(rows, counts)
+
+    def compute_loop(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """``compute_grouped`` with one pair of matmuls per expert: the reference, and the path for experts
+        whose weights come from a ``weight_source`` (fetched right before use)."""
         out = torch.empty_like(rows)
         source = self.weight_source
         if source is not None:

@@ -26,11 +26,10 @@ import torch.nn.functional as F
 
 from moescope.capture.routing_probe import LayerStats, StepStats
 from moescope.errors import BadInput
-from moescope.runtime.experts import combine
+from moescope.runtime.experts import _grouped_mm, combine, grouped_mm_native
 from moescope.runtime.model import KVCache, MoETransformer, apply_rope
 
 EXPERT_MODES = ("auto", "grouped", "dense")
-_grouped_mm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)  # public from torch 2.9
 # Per-layer sums: forwards, live tokens, entropy, margin, non-finite logits, dropped slots.
 _FORWARDS, _TOKENS, _ENTROPY, _MARGIN, _NONFINITE, _DROPPED = range(6)
 
@@ -136,15 +135,6 @@ def check_supported(model: MoETransformer) -> None:
                            "(the expert cache, expert parallelism and mitigations keep state on the host)")
 
 
-def _grouped_ok(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether grouped_mm runs its native kernel (device offsets, no host read) here."""
-    if _grouped_mm is None:
-        return False
-    if device.type == "cpu":
-        return True  # torch's fallback reads the offsets on the host: no device to sync with
-    return (device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] >= 8)
-
-
 class StaticDecoder:
     """One decode token for each of ``batch`` sequences per ``step``, with shapes fixed for CUDA graphs.
 
@@ -163,7 +153,7 @@ class StaticDecoder:
         self.model, self.batch = model, batch
         self.count = count  # False: no counters in the step (the bare step benchmarks compare against)
         if experts == "auto":
-            experts = "grouped" if _grouped_ok(dev, dtype) else "dense"
+            experts = "grouped" if grouped_mm_native(dev, dtype) else "dense"
         elif experts == "grouped" and _grouped_mm is None:
             raise BadInput(f"this torch ({torch.__version__}) has no grouped_mm: use experts='dense'")
         self.experts_mode = experts
@@ -204,7 +194,10 @@ class StaticDecoder:
             decision, _ = block.ffn.router(h)
             if self.count:
                 self.counters.add(block.index, decision, self.live)
-            x = x + self._experts(block.ffn.experts, h, decision)
+            y = self._experts(block.ffn.experts, h, decision)
+            if block.ffn.shared_experts is not None:
+                y = y + block.ffn.shared_experts(h)
+            x = x + y
         return model.lm_head(model.norm(x))
 
     def _attention(self, attn, x, layer, cos, sin, mask):

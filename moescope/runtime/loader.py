@@ -37,7 +37,8 @@ def build_model(model: str = "tiny-demo", *, weights: str | None = "auto", devic
     Args:
         model: preset name, ``.json``/``.yaml`` config, or a ``.safetensors`` file (config from its metadata).
         weights: ``"auto"`` (the bundled demo weights for ``tiny-demo``, else the model file itself, else a
-            seeded random init), ``None`` for a random init, or a path to a safetensors file.
+            seeded init whose routing is balanced on calibration traffic: ``runtime.balance``), ``None`` for
+            a plain random init, or a path to a safetensors file.
         overrides: config fields to change (e.g. ``capacity_factor``); shape changes cannot load weights.
     """
     if dtype not in DTYPES:
@@ -47,12 +48,16 @@ def build_model(model: str = "tiny-demo", *, weights: str | None = "auto", devic
         weights = model if weights == "auto" else weights
     else:
         cfg = resolve(model)
-        if weights == "auto":
-            weights = str(weights_io.DEMO_WEIGHTS) if cfg.name == "tiny-demo" else None
+        if weights == "auto" and cfg.name == "tiny-demo":
+            weights = str(weights_io.DEMO_WEIGHTS)
     if overrides:
         cfg = cfg.replace(**overrides)
     net = MoETransformer(cfg)
-    if weights is not None:
+    if weights == "auto":
+        from moescope.runtime.balance import balanced_init
+
+        balanced_init(net, seed=cfg.seed)
+    elif weights is not None:
         if not Path(weights).exists():
             hint = " (train it with `moescope train-demo`)" if Path(weights) == weights_io.DEMO_WEIGHTS else ""
             raise BadInput(f"weights file {weights} does not exist{hint}")

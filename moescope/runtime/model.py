@@ -19,7 +19,7 @@ from torch import nn
 from moescope.capture.observer import NOOP, Observer
 from moescope.runtime.config import MoEConfig
 from moescope.runtime.experts import DenseFFN, Experts
-from moescope.runtime.router import Router, RoutingDecision
+from moescope.runtime.router import Router, RoutingDecision, RoutingRule
 from moescope.runtime.timing import LayerTimer
 
 
@@ -90,6 +90,8 @@ class Attention(nn.Module):
             qb, kb, vb = (t.view(b, n, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
             y = F.scaled_dot_product_attention(qb, kb, vb, is_causal=True)  # [b, nh, n, hd]
             return self.out(y.transpose(1, 2).reshape(n_tok, -1))
+        if all(s.n == 1 and s.cache is not None for s in segments):
+            return self.out(self._decode(q, k, v, segments, layer, cos, sin))
         outs = []
         start = 0
         for seg in segments:
@@ -117,14 +119,38 @@ class Attention(nn.Module):
         return self.out(torch.cat(outs))
 
 
+    def _decode(self, q, k, v, segments: list[Segment], layer: int, cos, sin) -> torch.Tensor:
+        """One new token per sequence: rotary, cache writes, then one attention over the sequences' histories
+        padded to the longest (positions past a sequence's own length are masked). [B, nh*hd]."""
+        b = len(segments)
+        pos = [s.cache.length for s in segments]
+        p_max = max(pos) + 1
+        if p_max > cos.shape[0]:
+            raise ValueError(f"sequence of {p_max} tokens exceeds max_seq_len {cos.shape[0]}")
+        at = torch.tensor(pos, device=q.device)  # [B] host positions: no device round trip
+        q, k = apply_rope(q, cos[at], sin[at]), apply_rope(k, cos[at], sin[at])  # [B, nh, hd]
+        for i, seg in enumerate(segments):
+            seg.cache.k[layer, pos[i]] = k[i]
+            seg.cache.v[layer, pos[i]] = v[i]
+        keys = torch.stack([s.cache.k[layer, :p_max] for s in segments]).transpose(1, 2)  # [B, nh, P, hd]
+        values = torch.stack([s.cache.v[layer, :p_max] for s in segments]).transpose(1, 2)
+        mask = (torch.arange(p_max, device=q.device)[None, :] <= at[:, None])[:, None, None, :]  # [B, 1, 1, P]
+        y = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=mask)  # [B, nh, 1, hd]
+        return y.reshape(b, -1)
+
+
 class MoELayer(nn.Module):
-    """Router + experts. Returns the mixed output and the routing decision (for observers and the loss)."""
+    """Router + routed experts (+ the shared experts every token runs). Returns the mixed output and the
+    routing decision (for observers and the loss)."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.router = Router(cfg.hidden_size, cfg.n_experts, cfg.top_k, temperature=cfg.router_temperature,
-                             capacity_factor=cfg.capacity_factor)
+                             capacity_factor=cfg.capacity_factor, rule=RoutingRule.from_config(cfg),
+                             correction_bias=cfg.correction_bias)
         self.experts = Experts(cfg.n_experts, cfg.hidden_size, cfg.ffn_size)
+        # Not routed, not an expert: its parameters count as dense (every token touches them).
+        self.shared_experts = DenseFFN(cfg.hidden_size, cfg.shared_ffn) if cfg.shared_ffn else None
         self.layer_index = -1  # set by the Block
         # Expert parallelism (moescope.parallel): when set, the experts are computed across ranks.
         self.parallel = None
@@ -140,6 +166,8 @@ class MoELayer(nn.Module):
             y = self.experts(x, decision.active_ids, decision.weights)
         else:
             y = self.parallel(self.layer_index, self.experts, x, decision.active_ids, decision.weights)
+        if self.shared_experts is not None:  # replicated: every rank runs it on every token
+            y = y + self.shared_experts(x)
         if timer is not None:
             timer.add(self.layer_index, t0, t1, timer.mark())
         return y, decision, logits

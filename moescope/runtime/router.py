@@ -89,61 +89,137 @@ def _apply_capacity(ids: torch.Tensor, weights: torch.Tensor, n_experts: int, ca
     return kept, weights * kept, (~kept).sum(), None
 
 
-def topk_canonical(probs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_canonical(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``torch.topk`` with a defined order: larger first, ties to the lower expert id, NaN above everything
     (torch.topk leaves tie order to the implementation: [0.25] * 4 gives experts 2, 3 on CPU). Two topk
     passes and elementwise ops over [T, E], a small stable sort over [T, k]; no host sync.
     Returns (values [T, k], ids [T, k])."""
-    n_experts = probs.shape[-1]
-    key = torch.nan_to_num(probs, nan=2.0)  # probabilities are <= 1: NaN ranks above any of them
+    n_experts = scores.shape[-1]
+    key = torch.where(torch.isnan(scores), float("inf"), scores)  # NaN ranks above any score
     kth = torch.topk(key, k, dim=-1).values[:, -1:]  # [T, 1] the k-th largest key (its value is well defined)
     above = key > kth
     tied = key == kth
     room = k - above.sum(-1, keepdim=True)
     chosen = above | (tied & (torch.cumsum(tied.long(), -1) <= room))  # exactly k per row, lowest ids on ties
-    idx = torch.arange(n_experts, device=probs.device)
+    idx = torch.arange(n_experts, device=scores.device)
     ids = torch.topk(chosen * (n_experts - idx), k, dim=-1).indices  # the chosen ids, ascending
     order = torch.sort(key.gather(1, ids), dim=-1, descending=True, stable=True).indices
     ids = ids.gather(1, order)
-    return probs.gather(1, ids), ids
+    return scores.gather(1, ids), ids
+
+
+@dataclass(frozen=True)
+class RoutingRule:
+    """How router logits become a choice and gate weights (the parts of ``MoEConfig`` routing reads).
+
+    scoring: ``softmax`` (probabilities over experts) or ``sigmoid`` (an independent affinity per expert).
+    n_group / topk_group: group-limited top-k: only the ``topk_group`` groups with the best group score (the
+        sum of the group's two best selection scores) are eligible (DeepSeek-V3); 1 / 1 = no limit.
+    norm_topk_prob: gate weights divided by their sum (sigmoid adds 1e-20 to the sum, as HF does).
+    scale: ``routed_scaling_factor``, multiplied into the gate weights.
+    """
+
+    scoring: str = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = True
+    scale: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> "RoutingRule":
+        return cls(scoring=cfg.scoring, n_group=cfg.n_group, topk_group=cfg.groups_kept,
+                   norm_topk_prob=cfg.norm_topk_prob, scale=float(cfg.routed_scaling_factor))
+
+    @property
+    def grouped(self) -> bool:
+        return self.topk_group < self.n_group
+
+    def scores(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """[T, E] the router's per-expert scores (unbiased): what gate weights are taken from."""
+        z = logits / temperature
+        return torch.softmax(z, dim=-1) if self.scoring == "softmax" else torch.sigmoid(z)
+
+    def group_limit(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` [T, E] with the experts outside each token's ``topk_group`` best groups set to -inf."""
+        n_tokens, n_experts = choice.shape
+        grouped = choice.view(n_tokens, self.n_group, n_experts // self.n_group)  # [T, G, E/G]
+        group_score = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.topk(group_score, self.topk_group, dim=-1).indices  # [T, topk_group]
+        mask = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)  # [T, G]
+        return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(n_tokens, n_experts)
+
+    def choose(self, key: torch.Tensor, top_k: int) -> torch.Tensor:
+        """[T, k] the experts ``key`` [T, E] (scores + bias) selects under the group limit, best first."""
+        return torch.topk(self.group_limit(key) if self.grouped else key, top_k, dim=-1).indices
+
+    def gate_weights(self, top: torch.Tensor) -> torch.Tensor:
+        """[T, k] gate weights from the chosen experts' unbiased scores."""
+        if self.norm_topk_prob:
+            denom = top.sum(dim=-1, keepdim=True)
+            top = top / (denom + 1e-20 if self.scoring == "sigmoid" else denom)
+        return top * self.scale if self.scale != 1.0 else top
+
+
+PLAIN = RoutingRule()
+
+
+def _entropy_margin(scores: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+    """Normalised entropy [T] of the router's score distribution and the top-1 minus top-2 score [T].
+
+    Softmax scores are a distribution already; sigmoid scores are normalised to sum 1 for the entropy (the
+    share of affinity each expert holds). The margin is in the scores' own units (a probability, or an
+    affinity in [0, 1]); both ignore the correction bias and the group limit (the router's own confidence).
+    """
+    n_tokens, n_experts = scores.shape
+    if n_experts == 1:
+        return torch.zeros(n_tokens, device=scores.device), scores[:, 0]
+    p = scores if rule.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
+    # xlogy gives 0*log(0) = 0 for experts with zero probability.
+    entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(n_experts)
+    top2 = torch.topk(scores, 2, dim=-1).values
+    return entropy, top2[:, 0] - top2[:, 1]
 
 
 def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
-          capacity_factor: float | None = None, select=None, canonical_ties: bool = False) -> RoutingDecision:
+          capacity_factor: float | None = None, select=None, canonical_ties: bool = False,
+          rule: RoutingRule = PLAIN, bias: torch.Tensor | None = None) -> RoutingDecision:
     """Turn router logits [T, E] into a decision. Pure function: the reference every router path must match.
+
+    Scores (softmax or sigmoid of logits / temperature) plus the correction ``bias`` [E] give the selection
+    key; the group limit masks the groups a token may not use; top-k of the key gives the ids; gate weights
+    are the chosen experts' unbiased scores (normalised and scaled as ``rule`` says).
 
     ``canonical_ties``: break exact ties toward the lower expert id and rank NaN first (``topk_canonical``),
     the order the fused Triton kernel produces by construction. Off by default on the hot path: it costs
     ~40x a plain ``torch.topk`` at 16 tokens, and exact ties between router probabilities are rare.
 
-    ``select(probs, ids) -> (ids, rerouted)`` lets a mitigation replace the plain top-k choice (gate weights
-    stay the router's own probabilities of the chosen experts, renormalised).
+    ``select(key, ids) -> (ids, rerouted)`` lets a mitigation replace the plain top-k choice (gate weights
+    stay the router's own scores of the chosen experts).
     """
     n_tokens, n_experts = logits.shape
     logits = logits.float()
     nonfinite = (~torch.isfinite(logits)).sum()
-    probs = torch.softmax(logits / temperature, dim=-1)  # [T, E]
-    top_p, ids = topk_canonical(probs, top_k) if canonical_ties else torch.topk(probs, top_k, dim=-1)  # [T, k]
+    scores = rule.scores(logits, temperature)  # [T, E]
+    plain = bias is None and not rule.grouped  # selection key == scores: top-k values are the gate scores
+    key = scores if bias is None else scores + bias
+    if rule.grouped:
+        key = rule.group_limit(key)
+    top_key, ids = topk_canonical(key, top_k) if canonical_ties else torch.topk(key, top_k, dim=-1)  # [T, k]
     rerouted = None
     if select is not None:
-        chosen, rerouted = select(probs, ids)
-        top_p, order = probs.gather(1, chosen).sort(dim=-1, descending=True, stable=True)
+        chosen, rerouted = select(key, ids)
+        order = key.gather(1, chosen).sort(dim=-1, descending=True, stable=True).indices
         ids = chosen.gather(1, order)  # best first, as plain top-k orders them
-    weights = top_p / top_p.sum(dim=-1, keepdim=True)
-    # Normalised entropy; xlogy gives 0*log(0) = 0 for experts with zero probability.
-    entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(n_experts) if n_experts > 1 \
-        else torch.zeros(n_tokens, device=logits.device)
-    if n_experts == 1:
-        margin = top_p[:, 0]
-    elif top_k >= 2:
+        top_key = None
+    top_p = top_key if plain and top_key is not None else scores.gather(1, ids)
+    weights = rule.gate_weights(top_p)
+    if plain and select is None and rule.scoring == "softmax" and top_k >= 2:
+        # the first two chosen probabilities are the top two: no second topk (the tiny-demo hot path)
+        entropy = -torch.special.xlogy(scores, scores).sum(-1) / math.log(n_experts)
         margin = top_p[:, 0] - top_p[:, 1]
     else:
-        top2 = torch.topk(probs, 2, dim=-1).values
-        margin = top2[:, 0] - top2[:, 1]
+        entropy, margin = _entropy_margin(scores, rule)
     kept, weights, dropped, active = _apply_capacity(ids, weights, n_experts, capacity_factor)
-    if select is not None:  # margin stays the router's own confidence, whatever was chosen
-        top2 = torch.topk(probs, min(2, n_experts), dim=-1).values
-        margin = top2[:, 0] - top2[:, -1] if n_experts > 1 else top2[:, 0]
     return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
                            nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active,
                            rerouted=rerouted)
@@ -201,12 +277,23 @@ ROUTER_IMPLS = ("auto", "torch", "triton")
 
 
 class Router(nn.Module):
-    """Linear gate [E, H] computed in float32 whatever the model dtype (routing is precision-sensitive)."""
+    """Linear gate [E, H] computed in float32 whatever the model dtype (routing is precision-sensitive).
+
+    ``rule`` says how logits become a choice (softmax / sigmoid, group limit, normalisation, scaling);
+    ``correction_bias`` adds the ``e_score_correction_bias`` buffer [E] (float32 whatever the model dtype, as
+    HF keeps it), which steers selection but never the gate weights.
+    """
 
     def __init__(self, hidden_size: int, n_experts: int, top_k: int, *, temperature: float = 1.0,
-                 capacity_factor: float | None = None) -> None:
+                 capacity_factor: float | None = None, rule: RoutingRule = PLAIN,
+                 correction_bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, hidden_size))
+        if correction_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(n_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+        self.rule = rule
         self.top_k = top_k
         self.temperature = temperature
         self.capacity_factor = capacity_factor
@@ -217,6 +304,14 @@ class Router(nn.Module):
         self._load: torch.Tensor | None = None  # [E] EMA of each expert's share of tokens
         self.update_load = True  # False while the canary routes: its batch is not serving load
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # smoothing memory: keys [S], ids [S, k]
+
+    def _apply(self, fn, recurse=True):
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None and self._buffers["e_score_correction_bias"].dtype != torch.float32:
+            # routing precision: the bias stays float32 when the model is cast (HF keeps it so too)
+            self._buffers["e_score_correction_bias"] = bias.to(self._buffers["e_score_correction_bias"].device)
+        return self
 
     def _select(self, probs: torch.Tensor, ids: torch.Tensor):
         m, (n_tokens, n_experts), k = self.mitigation, probs.shape, self.top_k
@@ -264,11 +359,19 @@ class Router(nn.Module):
         if self.mitigation is None and self._use_kernel(logits):
             return route_kernel(logits, self.top_k, temperature=self.temperature,
                                 capacity_factor=self.capacity_factor), logits
+        bias = self.e_score_correction_bias
         return route(logits, self.top_k, temperature=self.temperature, capacity_factor=self.capacity_factor,
-                     select=self._select if self.mitigation is not None else None), logits
+                     select=self._select if self.mitigation is not None else None, rule=self.rule,
+                     bias=bias.float() if bias is not None else None), logits
+
+    @property
+    def kernel_supported(self) -> bool:
+        """Whether the fused Triton kernel implements this router's rule (softmax top-k, no groups, no bias,
+        normalised, unscaled); otherwise the torch router runs, whatever ``impl`` says (see ``kernel_notice``)."""
+        return self.rule == PLAIN and self.e_score_correction_bias is None
 
     def _use_kernel(self, logits: torch.Tensor) -> bool:
-        if self.impl == "torch":
+        if self.impl == "torch" or not self.kernel_supported:
             return False
         if self.impl == "triton":
             return True

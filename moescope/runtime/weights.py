@@ -21,7 +21,9 @@ def save(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype = torch
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    # the routers' correction biases stay float32 (they steer selection by small differences)
+    tensors = {k: v.detach().to("cpu", torch.float32 if k.endswith("e_score_correction_bias") else dtype).contiguous()
+               for k, v in model.state_dict().items()}
     meta = {"moescope_config": json.dumps(model.cfg.to_dict()), **(extra or {})}
     save_file(tensors, str(path), metadata=meta)
     return path
