@@ -11,6 +11,7 @@ build the next step). Observers get device tensors during the forward and a ``St
 from __future__ import annotations
 
 import collections
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from moescope.runtime import tokenizer
 from moescope.runtime.model import KVCache, MoETransformer, Segment
 from moescope.runtime.router import extend_prefix_key
 from moescope.runtime.traffic import TrafficRequest
+
+log = logging.getLogger("moescope.runtime")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,9 @@ class RequestRecord:
     ttft_s: float
     token_latencies_s: tuple[float, ...]  # per output token: first = ttft, then gaps between tokens
     total_s: float
-    finish_reason: str  # "length", "eos" or "max_seq_len"
+    # "length", "eos", "max_seq_len", "stop" (a stop string), "cancelled" (``Engine.cancel``) or "timeout"
+    # (``timeout_s``); a request that ends before its first token has ttft_s 0 and no token latencies.
+    finish_reason: str
     domain: str | None = None
     tenant: str | None = None
     truncated_prompt: bool = False
@@ -84,9 +89,17 @@ class _Live:
     prefill_s: float = 0.0
     finish_reason: str = ""
     slot: int = -1  # batch slot in the fixed-shape decode step (decode="static"/"graph")
+    sink: Callable[[int | None, RequestRecord | None], None] | None = None
+    deadline: float | None = None  # engine clock; past it the request finishes as "timeout"
+    stop: tuple[tuple[int, ...], ...] = ()  # stop strings as byte-token sequences
 
 
 DECODE_MODES = ("eager", "static", "graph")
+
+
+def _ends_with_stop(output_ids: list[int], stops: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether the output's bytes end with one of the stop sequences (byte tokens: a tail compare per stop)."""
+    return any(len(output_ids) >= len(s) and tuple(output_ids[-len(s):]) == s for s in stops)
 
 
 class Engine:
@@ -142,12 +155,27 @@ class Engine:
         self._decoder = None  # StaticDecoder, built at the first decode step
         self._collector = None
         self._free_slots = list(range(max_batch - 1, -1, -1))
+        self.sink_errors = 0  # exceptions raised by request sinks (counted, logged once, never raised)
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
                request_id: str | None = None, domain: str | None = None, tenant: str | None = None,
-               arrival: float | None = None) -> str:
-        """Queue a request; returns its id (``request_id`` or a new random one)."""
+               arrival: float | None = None, seed: int | None = None, stop: Iterable[str] = (),
+               timeout_s: float | None = None,
+               sink: Callable[[int | None, RequestRecord | None], None] | None = None) -> str:
+        """Queue a request; returns its id (``request_id`` or a new random one).
+
+        Args:
+            seed: seeds this request's sampler (default: derived from the engine's seed and submission order).
+            stop: strings that end the request (finish_reason "stop") once its output ends with one; the
+                record's output keeps them (it matches the tokens), a server trims them from what it returns.
+            timeout_s: the request finishes as "timeout" once this long has passed since arrival (checked at
+                the start of each step, queued requests included).
+            sink: called on the engine's thread once per step the request takes part in, with the token just
+                made and, on the request's last call, its ``RequestRecord`` (token ``None`` when it ended without
+                one: cancelled or timed out). It must return at once (hand the token to another thread, never
+                wait on a client); an exception in it is counted in ``sink_errors`` and never stops the engine.
+        """
         if max_new_tokens <= 0:
             raise BadInput(f"max_new_tokens must be positive, got {max_new_tokens}")
         if temperature < 0:
@@ -162,12 +190,59 @@ class Engine:
             ids = [ids[0], *ids[len(ids) - limit + 1:]]
         gen = None
         if temperature > 0:
-            gen = torch.Generator(device=self.model.device).manual_seed(self.seed * 1_000_003 + self._submitted)
+            gen = torch.Generator(device=self.model.device).manual_seed(
+                self.seed * 1_000_003 + self._submitted if seed is None else seed)
         rid = request_id or uuid.uuid4().hex[:16]
-        self._waiting.append(_Live(rid, prompt, ids, max_new_tokens, temperature,
-                                   self.clock() if arrival is None else arrival, gen, domain, tenant, truncated))
+        arrival = self.clock() if arrival is None else arrival
+        self._waiting.append(_Live(rid, prompt, ids, max_new_tokens, temperature, arrival, gen, domain, tenant,
+                                   truncated, sink=sink, deadline=None if timeout_s is None else arrival + timeout_s,
+                                   stop=tuple(tuple(s.encode("utf-8")) for s in stop if s)))
         self._submitted += 1
         return rid
+
+    def cancel(self, request_id: str) -> RequestRecord | None:
+        """End a queued or running request now (finish_reason "cancelled"): its KV cache and batch slot are
+        freed before the next step, its record goes to observers like any other. Call it from the thread that
+        steps the engine. Returns the record, or None when no such request is queued or running."""
+        for live in (*self._waiting, *self._running):
+            if live.request_id == request_id:
+                return self._end(live, "cancelled")
+        return None
+
+    def _end(self, live: _Live, reason: str) -> RequestRecord:
+        """Finish a request outside a step's sampling (cancel, timeout)."""
+        if live in self._running:
+            self._running.remove(live)
+        else:
+            self._waiting.remove(live)
+        live.finish_reason = reason
+        record = self._retire(live, end=self.clock())
+        self._emit(live, None, record)
+        return record
+
+    def _retire(self, live: _Live, end: float | None = None) -> RequestRecord:
+        live.cache = None  # free the KV cache now, not when the record is collected
+        if live.slot >= 0:
+            self._free_slots.append(live.slot)
+            live.slot = -1
+        record = self._record(live, end)
+        self.finished.append(record)
+        self.observer.on_request(record)
+        return record
+
+    def _emit(self, live: _Live, token: int | None, record: RequestRecord | None) -> None:
+        if live.sink is None:
+            return
+        try:
+            live.sink(token, record)
+        except Exception:  # a broken consumer must never stop the engine
+            self.sink_errors += 1
+            if self.sink_errors == 1:
+                log.exception("request sink raised (counted in sink_errors; later errors not logged)")
+
+    def _expire(self, now: float) -> None:
+        for live in [r for r in (*self._waiting, *self._running) if r.deadline is not None and now >= r.deadline]:
+            self._end(live, "timeout")
 
     @property
     def has_work(self) -> bool:
@@ -180,6 +255,7 @@ class Engine:
         if self.canary is not None and self.canary.due():
             self.observer.on_canary(self.canary.run())
         now = self.clock()
+        self._expire(now)
         new = []
         while self._waiting and len(self._running) + len(new) < self.max_batch:
             live = self._waiting.popleft()
@@ -230,6 +306,7 @@ class Engine:
             live.output_ids.append(tok)
             live.token_times.append(done_at)
             reason = ("eos" if tok == tokenizer.EOS else
+                      "stop" if live.stop and _ends_with_stop(live.output_ids, live.stop) else
                       "length" if len(live.output_ids) >= live.max_new_tokens else
                       "max_seq_len" if live.cache.length >= live.cache.capacity else "")
             if reason:
@@ -237,16 +314,14 @@ class Engine:
                 finished.append(live)
         self.observer.on_step(StepRecord(self._steps, phase, started, done_at - started, len(flat), seg_info))
         self._steps += 1
+        made = list(zip(batch, next_ids))  # (a decode batch is self._running itself: copy before removing)
         records = []
         for live in finished:
             self._running.remove(live)
-            live.cache = None  # free the KV cache now, not when the record is collected
-            if live.slot >= 0:
-                self._free_slots.append(live.slot)
-            record = self._record(live)
-            records.append(record)
-            self.finished.append(record)
-            self.observer.on_request(record)
+            records.append(self._retire(live))
+        ended = {r.request_id: r for r in records}
+        for live, tok in made:
+            self._emit(live, tok, ended.get(live.request_id))
         return records
 
     def _static(self):
@@ -286,15 +361,18 @@ class Engine:
         return out
 
     @staticmethod
-    def _record(live: _Live) -> RequestRecord:
+    def _record(live: _Live, end: float | None = None) -> RequestRecord:
+        """``end``: when the request ended, if not at its last token (cancelled, timed out)."""
         times = [live.arrival, *live.token_times]
         lat = tuple(b - a for a, b in zip(times, times[1:]))
+        end = live.token_times[-1] if end is None else end
+        admitted = live.admitted_at if live.token_times else end  # never admitted: queued until it ended
         out_ids = [t for t in live.output_ids if t != tokenizer.EOS]
         return RequestRecord(
             request_id=live.request_id, prompt=live.prompt, output=tokenizer.decode(out_ids),
             prompt_tokens=tuple(live.prompt_ids), output_tokens=tuple(live.output_ids), arrival=live.arrival,
-            queue_s=live.admitted_at - live.arrival, prefill_s=live.prefill_s, ttft_s=lat[0],
-            token_latencies_s=lat, total_s=live.token_times[-1] - live.arrival, finish_reason=live.finish_reason,
+            queue_s=admitted - live.arrival, prefill_s=live.prefill_s, ttft_s=lat[0] if lat else 0.0,
+            token_latencies_s=lat, total_s=end - live.arrival, finish_reason=live.finish_reason,
             domain=live.domain, tenant=live.tenant, truncated_prompt=live.truncated)
 
     # -- driving a workload ----------------------------------------------------------------------------
