@@ -71,6 +71,16 @@ def _run_steps(model, n_steps=6, seed=0):
 @pytest.mark.parametrize("tier", ["memory", "disk"])
 @pytest.mark.parametrize("policy,size", [("lru", 1), ("lru", 3), ("lfu", 2), ("static", 2), ("none", 6)])
 def test_outputs_identical_and_counts_match_replay(tiny_cfg, tmp_path, tier, policy, size):
+    _identical_and_replayed(tiny_cfg, tmp_path, tier, policy, size)
+
+
+def test_cache_under_deepseek_routing_is_identical_and_replayed(deepseek_cfg, tmp_path):
+    """Sigmoid group-limited routing + shared expert: the cache path (one matmul pair per expert) equals the
+    resident grouped path bit for bit."""
+    _identical_and_replayed(deepseek_cfg.replace(ffn_size=48), tmp_path, "memory", "lru", 5)
+
+
+def _identical_and_replayed(tiny_cfg, tmp_path, tier, policy, size):
     model = MoETransformer(tiny_cfg).eval()
     reference = _run_steps(model)
     pinned = {layer: [0, 3] for layer in tiny_cfg.moe_layers}
@@ -91,7 +101,7 @@ def test_outputs_identical_and_counts_match_replay(tiny_cfg, tmp_path, tier, pol
             continue
         hits, misses, evictions = naive_replay(seq, policy, size, pinned[layer])
         assert (stats.hits, stats.misses, stats.evictions) == (hits, misses, evictions)
-        assert len(stats.load_seconds) == misses and stats.bytes_loaded == misses * 3 * 32 * 48 * 4
+        assert len(stats.load_seconds) == misses and stats.bytes_loaded == misses * 3 * tiny_cfg.hidden_size * tiny_cfg.ffn_size * 4
         sim = cache_policy.simulate(seq, policy, size, pinned=pinned[layer] if policy == "static" else None)
         assert (sim.hits, sim.evictions) == (hits, evictions)  # cache-sim agrees with the runtime
 

@@ -71,3 +71,24 @@ def test_check_determinism_passes_healthy_and_fails_jitter(capsys):
     # The examples are real flips: before and after differ.
     assert bad["flipped"] and all(f["before"] != f["after"] for f in bad["flipped"])
     assert captured.err.startswith("moescope: error: routing is not deterministic")
+
+
+def test_group_config_that_cannot_split_experts_is_one_line(tmp_path):
+    bad = tmp_path / "g.yaml"
+    bad.write_text("n_experts: 256\ntop_k: 8\nn_group: 3\n")
+    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--model", str(bad)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "moescope: error: n_experts (256) must be divisible by n_group (3)"
+
+
+def test_triton_router_request_on_a_sigmoid_model_is_a_notice(capsys):
+    from moescope.runtime.config import PRESETS
+    from moescope.runtime.model import MoETransformer
+
+    cfg = PRESETS["deepseek-v3-shape"].replace(n_layers=4, dense_layers=(0,))
+    model = MoETransformer(cfg)
+    notice = model.set_router_impl("triton")
+    assert notice.startswith("note: the Triton router implements softmax top-k only") and "\n" not in notice
+    assert all(m.router.impl == "triton" and not m.router.kernel_supported for m in model.moe_layers())
+    assert MoETransformer(PRESETS["qwen3-moe-shape"].replace(n_layers=2)).set_router_impl("triton") is None

@@ -55,3 +55,31 @@ def test_bad_config_files(tmp_path):
     (tmp_path / "k.yaml").write_text("n_experts: 4\ntop_k: 6\n")
     with pytest.raises(ConfigError, match=r"top_k \(6\) must be <= n_experts \(4\)"):
         load(tmp_path / "k.yaml")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"n_experts": 256, "top_k": 8, "n_group": 3}, "n_experts (256) must be divisible by n_group (3)"),
+    ({"n_experts": 16, "n_group": 4, "topk_group": 5}, "topk_group (5) must be <= n_group (4)"),
+    ({"n_experts": 16, "top_k": 6, "n_group": 4, "topk_group": 1}, "top_k (6) must be <= the experts in the topk_group"),
+    ({"scoring": "relu"}, "scoring must be one of softmax, sigmoid"),
+    ({"routed_scaling_factor": 0}, "routed_scaling_factor must be > 0"),
+    ({"n_shared_experts": -1}, "n_shared_experts must be an integer >= 0"),
+    ({"norm_topk_prob": "yes"}, "norm_topk_prob must be true or false"),
+    ({"n_group": 0}, "n_group must be an integer >= 1"),
+])
+def test_invalid_routing_configs_raise_clear_errors(changes, message):
+    with pytest.raises(ConfigError) as err:
+        MoEConfig(**changes)
+    assert message in str(err.value)
+
+
+def test_production_shape_presets():
+    ds = PRESETS["deepseek-v3-shape"]
+    assert (ds.n_layers, len(ds.moe_layers), ds.moe_layers[0], ds.n_experts, ds.top_k) == (61, 58, 3, 256, 8)
+    assert (ds.scoring, ds.n_group, ds.groups_kept, ds.correction_bias, ds.routed_scaling_factor) == \
+        ("sigmoid", 8, 4, True, 2.5)
+    assert ds.shared_ffn == ds.ffn_size and not ds.plain_topk
+    qw = PRESETS["qwen3-moe-shape"]
+    assert (len(qw.moe_layers), qw.n_experts, qw.top_k, qw.scoring, qw.norm_topk_prob) == (48, 128, 8, "softmax", True)
+    assert qw.plain_topk and qw.shared_ffn == 0
+    assert from_dict(ds.to_dict()) == ds

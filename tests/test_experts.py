@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from moescope.runtime.config import MoEConfig
@@ -52,3 +53,40 @@ def test_one_expert_moe_equals_dense_ffn():
         y, decision, *_ = moe(x)
         assert torch.all(decision.weights == 1.0)
         torch.testing.assert_close(y, dense(x), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("n_experts,n_rows", [(8, 64), (64, 24), (256, 40), (256, 3000)])
+def test_grouped_mm_path_is_bit_equal_to_the_per_expert_loop(n_experts, n_rows):
+    """The grouped path (one grouped GEMM per projection, compacted to the experts in use when few are) and
+    the per-expert loop it replaced run the same GEMM per expert: equal bit for bit, which keeps the expert
+    cache (loop) and expert parallelism (grouped on a subset of experts) exactly equal to one process."""
+    from moescope.runtime.experts import grouped_mm_native
+
+    if not grouped_mm_native(torch.device("cpu"), torch.float32):
+        pytest.skip("this torch has no grouped_mm")
+    experts = Experts(n_experts=n_experts, hidden_size=32, ffn_size=16)
+    _init(experts, n_experts)
+    gen = torch.Generator().manual_seed(n_rows)
+    ids = torch.randint(0, n_experts, (n_rows,), generator=gen).sort().values
+    counts = torch.bincount(ids, minlength=n_experts).tolist()
+    rows = torch.randn(n_rows, 32, generator=gen)
+    with torch.no_grad():
+        grouped = experts.compute_grouped(rows, counts)
+        loop = experts.compute_loop(rows, counts)
+    assert torch.equal(grouped, loop)
+    want = naive_moe(rows, ids[:, None], torch.ones(n_rows, 1), experts.gate_up_proj.detach(),
+                     experts.down_proj.detach())
+    assert (grouped - want).abs().max().item() <= 1e-5
+
+
+def test_shared_expert_is_added_for_every_token(deepseek_cfg):
+    moe = MoELayer(deepseek_cfg)
+    _init(moe, 6)
+    x = torch.randn(20, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        y, decision, _ = moe(x)
+        routed = naive_moe(x, decision.active_ids, decision.weights, moe.experts.gate_up_proj,
+                           moe.experts.down_proj)
+        shared = moe.shared_experts(x)
+    torch.testing.assert_close(y, routed + shared, atol=1e-5, rtol=1e-5)
+    assert moe.shared_experts.gate_up_proj.shape == (2 * deepseek_cfg.ffn_size, 32)

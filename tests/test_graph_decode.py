@@ -32,8 +32,11 @@ def _prefill(model):
     return caches, out.logits.argmax(-1)
 
 
+@pytest.mark.parametrize("kind", ["tiny_cfg", "deepseek_cfg"])
 @pytest.mark.parametrize("mode", ["grouped", "dense"])
-def test_static_decode_equals_the_eager_model_and_counts_exactly(tiny_cfg, mode):
+def test_static_decode_equals_the_eager_model_and_counts_exactly(request, kind, mode):
+    """deepseek_cfg: sigmoid group-limited routing with a correction bias and a shared expert."""
+    tiny_cfg = request.getfixturevalue(kind)
     model = _model(tiny_cfg)
     caches, nxt = _prefill(model)
     batch = len(PROMPTS) + 1  # one free slot: it computes but must not be counted

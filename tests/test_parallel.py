@@ -21,11 +21,14 @@ from servers import free_port
 pytestmark = pytest.mark.integration
 
 
-@pytest.mark.parametrize("world,layout", [(2, "round-robin"), (2, "contiguous"), (4, "round-robin")])
-def test_outputs_equal_the_single_process_model_exactly(tiny_cfg, tmp_path, world, layout):
+@pytest.mark.parametrize("world,layout,kind", [(2, "round-robin", "tiny"), (2, "contiguous", "tiny"),
+                                               (4, "round-robin", "tiny"), (2, "contiguous", "deepseek")])
+def test_outputs_equal_the_single_process_model_exactly(tiny_cfg, deepseek_cfg, tmp_path, world, layout, kind):
+    """deepseek: sigmoid group-limited routing with a correction bias and a shared expert (replicated on
+    every rank); a random bias so that it changes the choice."""
     import parallel_worker
 
-    cfg = tiny_cfg.replace(n_experts=8)
+    cfg = tiny_cfg.replace(n_experts=8) if kind == "tiny" else deepseek_cfg
     mp.spawn(parallel_worker.run, args=(world, free_port(), cfg.to_dict(), layout, str(tmp_path)), nprocs=world)
     model = MoETransformer(cfg).eval()
     tokens = torch.randint(0, 256, (37,), generator=torch.Generator().manual_seed(11))

@@ -124,8 +124,9 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
     model = loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device,
                                dtype=dtype, **overrides)
     faults.apply(model, scenarios)
-    for layer in model.moe_layers():
-        layer.router.impl = router_impl
+    notice = model.set_router_impl(router_impl)
+    if notice:
+        click.echo(notice, err=True)
     if load_bound is not None or smoothing_margin is not None:
         from moescope.runtime.router import Mitigation
 

@@ -226,6 +226,9 @@ class MoETransformer(nn.Module):
                 continue
             std = resid_std if name.endswith(("out.weight", "down_proj")) else 0.02
             p.copy_(torch.randn(p.shape, generator=gen) * std)
+        for m in self.moe_layers():  # a trained checkpoint's bias is not zero: let it steer selection here too
+            if m.router.e_score_correction_bias is not None:  # (about the spread of the sigmoid scores)
+                m.router.e_score_correction_bias.copy_(torch.randn(self.cfg.n_experts, generator=gen) * 0.01)
 
     @property
     def device(self) -> torch.device:
@@ -236,6 +239,23 @@ class MoETransformer(nn.Module):
 
     def new_cache(self) -> KVCache:
         return KVCache(self.cfg, self.device, self.embed.weight.dtype)
+
+    def set_router_impl(self, impl: str) -> str | None:
+        """Choose every router's path (``auto``, ``torch`` or ``triton``). Returns a one-line notice when the
+        fused Triton kernel would be asked for but does not implement this model's routing rule (sigmoid,
+        groups, correction bias, scaling): the torch router runs then, never a silently different routing."""
+        from moescope.runtime.router import ROUTER_IMPLS
+
+        if impl not in ROUTER_IMPLS:
+            raise ValueError(f"router impl must be one of {', '.join(ROUTER_IMPLS)}, got {impl!r}")
+        for m in self.moe_layers():
+            m.router.impl = impl
+        wanted = impl == "triton" or (impl == "auto" and self.device.type == "cuda")
+        if wanted and not all(m.router.kernel_supported for m in self.moe_layers()):
+            return (f"note: the Triton router implements softmax top-k only; {self.cfg.name} routes with "
+                    f"{self.cfg.scoring} scores{', groups' if self.cfg.n_group > 1 else ''}"
+                    f"{', a correction bias' if self.cfg.correction_bias else ''}: the torch router runs")
+        return None
 
     @property
     def smoothing(self) -> bool:

@@ -368,7 +368,9 @@ class Router(nn.Module):
     def kernel_supported(self) -> bool:
         """Whether the fused Triton kernel implements this router's rule (softmax top-k, no groups, no bias,
         normalised, unscaled); otherwise the torch router runs, whatever ``impl`` says (see ``kernel_notice``)."""
-        return self.rule == PLAIN and self.e_score_correction_bias is None
+        r = self.rule
+        return (r.scoring == "softmax" and not r.grouped and r.norm_topk_prob and r.scale == 1.0
+                and self.e_score_correction_bias is None)
 
     def _use_kernel(self, logits: torch.Tensor) -> bool:
         if self.impl == "torch" or not self.kernel_supported:

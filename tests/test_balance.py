@@ -1,0 +1,96 @@
+"""`--weights auto` for models without weights: a seeded init whose routing is balanced on calibration traffic,
+judged on other traffic than it was calibrated on; cached, deterministic; faults still bite on top of it."""
+
+import math
+
+import pytest
+import torch
+
+from moescope import stats
+from moescope.runtime import balance, faults, loader, tokenizer, traffic
+from moescope.runtime.config import PRESETS
+from moescope.runtime.model import MoETransformer, Segment
+
+# deepseek-v3-shape's routing (256 experts, top-8, 8 groups top-4, sigmoid + bias, shared expert) at 6 layers
+SHAPE = PRESETS["deepseek-v3-shape"].replace(name="ds-test", n_layers=4, dense_layers=(0,))
+
+
+def _served_load(model, n_requests=40):
+    """Per MoE layer, the expert load of a batch of served traffic (seed 1, never the calibration's)."""
+    reqs = traffic.generate(traffic.TrafficConfig(seed=1), n_requests)
+    ids = [tokenizer.encode(r.prompt) for r in reqs]
+    with torch.inference_mode():
+        out = model(torch.tensor([t for s in ids for t in s]), [Segment(len(s)) for s in ids])
+    return {layer: torch.bincount(d.ids.reshape(-1), minlength=d.n_experts).tolist()
+            for layer, d in out.decisions.items()}, sum(map(len, ids))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        root = tmp_path_factory.mktemp("cache")
+        mp.setenv("MOESCOPE_CACHE", str(root))
+        yield root / "balanced-routers"
+
+
+@pytest.fixture(scope="module")
+def balanced(cache_dir):
+    """The balanced model (computed once for the module, which also fills the cache)."""
+    model = MoETransformer(SHAPE).eval()
+    balance.balanced_init(model, seed=SHAPE.seed)
+    return model
+
+
+def test_balanced_init_is_far_more_balanced_than_random_on_other_traffic(balanced):
+    raw, tuned = MoETransformer(SHAPE).eval(), balanced
+    raw_load, n_tokens = _served_load(raw)
+    tuned_load, _ = _served_load(tuned)
+    floor = math.sqrt((SHAPE.n_experts - 1) / (n_tokens * SHAPE.top_k))  # multinomial sampling noise
+    raw_cv = [stats.load_cv(v) for v in raw_load.values()]
+    tuned_cv = [stats.load_cv(v) for v in tuned_load.values()]
+    assert min(raw_cv) > 0.8  # a random router favours a few experts for every token
+    assert max(tuned_cv) < 0.5 and max(tuned_cv) < min(raw_cv) / 2
+    assert min(tuned_cv) > floor  # what is left is structural, never below sampling noise
+    assert max(stats.dead_experts(v) for v in tuned_load.values()) <= 2
+    # the correction bias does the balancing it does in DeepSeek-V3: non-zero after calibration
+    assert all(float(m.router.e_score_correction_bias.abs().max()) > 0.01 for m in tuned.moe_layers())
+
+
+def test_balanced_init_is_cached_and_deterministic(cache_dir, balanced):
+    a = balanced
+    files = list(cache_dir.glob("ds-test-*.safetensors"))
+    assert len(files) == 1 and files[0].stat().st_size < 2_000_000  # routers only
+    b = MoETransformer(SHAPE).eval()
+    b.blocks[1].ffn.router.weight.data.zero_()  # proof that the cached values, not leftovers, are used
+    balance.balanced_init(b, seed=SHAPE.seed)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    files[0].write_bytes(b"garbage")  # an unreadable cache is only a slower start
+    c = MoETransformer(SHAPE).eval()
+    balance.balanced_init(c, seed=SHAPE.seed)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
+
+
+def test_loader_auto_balances_and_random_does_not(balanced, tmp_path):
+    path = tmp_path / "ds.yaml"
+    path.write_text("preset: deepseek-v3-shape\nname: ds-test\nn_layers: 4\ndense_layers: [0]\n")
+    auto = loader.build_model(str(path))  # the same config and seed: the cached routers
+    raw = loader.build_model(str(path), weights=None)
+    assert torch.equal(auto.blocks[1].ffn.router.weight, balanced.blocks[1].ffn.router.weight)
+    assert not torch.equal(auto.blocks[1].ffn.router.weight, raw.blocks[1].ffn.router.weight)
+    assert torch.equal(auto.blocks[1].ffn.experts.gate_up_proj, raw.blocks[1].ffn.experts.gate_up_proj)
+
+
+@pytest.mark.parametrize("scenario", ["collapse", "imbalance"])
+def test_router_faults_bite_on_the_balanced_deepseek_shape(balanced, scenario):
+    model = MoETransformer(SHAPE).eval()
+    model.load_state_dict(balanced.state_dict())
+    healthy, n_tokens = _served_load(model)
+    faults.apply(model, [scenario])
+    faulty, _ = _served_load(model)
+    for layer in healthy:
+        if scenario == "collapse":  # expert 0 in (nearly) every token's top-8; a token whose other groups
+            # hold two experts scoring higher than expert 0's group pair still routes around it
+            assert stats.top_share(faulty[layer], n_tokens) > 0.9 > 5 * stats.top_share(healthy[layer], n_tokens)
+            assert max(range(SHAPE.n_experts), key=faulty[layer].__getitem__) == 0
+        else:
+            assert stats.load_cv(faulty[layer]) > 2 * stats.load_cv(healthy[layer])
