@@ -81,3 +81,40 @@ def test_unsupported_model_is_a_clear_error():
                                num_attention_heads=4, vocab_size=100)
     with pytest.raises(BadInput, match="no MoE layers found in llama: looked for modules with an 'experts'"):
         moescope.instrument(AutoModelForCausalLM.from_config(cfg))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
+def test_entropy_and_margin_follow_the_runtime_definitions(family):
+    """Sigmoid routers (DeepSeek-V3): entropy of the sigmoid scores normalised to sum 1, margin of the two best
+    sigmoid scores; softmax routers: of the softmax. Recomputed here from the router inputs in float64."""
+    from moescope.capture.observer import Observer
+
+    model = build(family)
+    seen, handles = _router_spy(model)
+    got = []
+
+    class Spy(Observer):
+        def on_routing(self, layer, decision):
+            got.append((decision.entropy.clone(), decision.margin.clone()))
+
+    from moescope.hf.adapter import HFAdapter
+
+    adapter = HFAdapter(model)
+    adapter.attach(Spy())
+    with torch.no_grad():
+        model(torch.randint(3, 100, (2, 7)))
+    adapter.detach()
+    for h in handles:
+        h.remove()
+    want = []
+    for name, _, router, _ in find_moe_blocks(model):
+        x = seen[name][0]
+        logits = x.reshape(-1, x.shape[-1]).double() @ router.weight.double().t()
+        s = logits.sigmoid() if family == "deepseek_v3" else logits.softmax(-1)
+        p = s / s.sum(-1, keepdim=True)
+        top2 = s.topk(2, dim=-1).values
+        want.append((-(p * p.log()).sum(-1) / torch.log(torch.tensor(float(s.shape[-1]))), top2[:, 0] - top2[:, 1]))
+    assert len(got) == len(want) > 0
+    for (e, m), (we, wm) in zip(got, want):
+        torch.testing.assert_close(e.double(), we, atol=1e-5, rtol=0)
+        torch.testing.assert_close(m.double(), wm, atol=1e-5, rtol=0)

@@ -17,7 +17,6 @@ Nothing here syncs with the device: ids and logits stay device tensors until the
 
 from __future__ import annotations
 
-import math
 import re
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ import torch
 
 from moescope.errors import BadInput
 from moescope.metrics.state import ModelInfo
-from moescope.runtime.router import RoutingDecision
+from moescope.runtime.router import RoutingDecision, RoutingRule, entropy_margin
 
 ROUTER_NAMES = ("gate", "router")
 
@@ -53,6 +52,7 @@ class _Layer:
     experts: torch.nn.Module
     n_experts: int
     top_k: int
+    scoring: str = "softmax"  # "sigmoid" for DeepSeek-V3-style routers (entropy/margin as the runtime defines them)
     logits: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     weights: torch.Tensor | None = None
@@ -112,8 +112,10 @@ class HFAdapter:
         self.layers: list[_Layer] = []
         for i, (name, block, router, experts) in enumerate(blocks):
             m = re.search(r"layers\.(\d+)\.", name + ".")
+            sigmoid = hasattr(router, "e_score_correction_bias") or getattr(config, "scoring_func", None) == "sigmoid"
             self.layers.append(_Layer(int(m.group(1)) if m else i, name, block, router, experts,
-                                      _n_experts(block, router, experts, config), _top_k(block, router, config)))
+                                      _n_experts(block, router, experts, config), _top_k(block, router, config),
+                                      "sigmoid" if sigmoid else "softmax"))
         self.observer = None
         self._top_handles: list = []
         self._step = 0
@@ -207,9 +209,10 @@ class HFAdapter:
             weights = torch.full(ids.shape, 1.0 / ids.shape[1], device=ids.device)
         n = ids.shape[0]
         if probs is not None and probs.shape[0] == n:
-            entropy = -torch.special.xlogy(probs, probs).sum(-1) / math.log(layer.n_experts)
-            top2 = torch.topk(probs, min(2, layer.n_experts), dim=-1).values
-            margin = top2[:, 0] - top2[:, -1]
+            # the runtime's definitions (docs/metrics.md): entropy of the router's scores normalised to sum 1,
+            # margin of the two best scores; sigmoid routers score with the sigmoid, the others the softmax
+            scores = probs if layer.scoring == "softmax" else torch.sigmoid(logits.float())
+            entropy, margin = entropy_margin(scores, RoutingRule(scoring=layer.scoring))
             nonfinite = (~torch.isfinite(logits)).sum()
         else:  # no logits to judge certainty by: report NaN (unknown), never a made-up number
             entropy = margin = torch.full((n,), float("nan"), device=ids.device)

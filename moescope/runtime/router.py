@@ -163,7 +163,7 @@ class RoutingRule:
 PLAIN = RoutingRule()
 
 
-def _entropy_margin(scores: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
+def entropy_margin(scores: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
     """Normalised entropy [T] of the router's score distribution and the top-1 minus top-2 score [T].
 
     Softmax scores are a distribution already; sigmoid scores are normalised to sum 1 for the entropy (the
@@ -218,7 +218,7 @@ def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
         entropy = -torch.special.xlogy(scores, scores).sum(-1) / math.log(n_experts)
         margin = top_p[:, 0] - top_p[:, 1]
     else:
-        entropy, margin = _entropy_margin(scores, rule)
+        entropy, margin = entropy_margin(scores, rule)
     kept, weights, dropped, active = _apply_capacity(ids, weights, n_experts, capacity_factor)
     return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
                            nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active,
