@@ -18,7 +18,7 @@ def cli() -> None:
 
 def _register() -> None:
     from moescope.cli import (alerts_cmd, baseline_cmd, cache_sim, check_cmd, dashboards_cmd, demo, diagnose_cmd,
-                              plan_cmd, report_cmd, requests_cmd, top_cmd, trace_cmd,
+                              plan_cmd, report_cmd, requests_cmd, serve_cmd, top_cmd, trace_cmd,
                               train_demo)
 
     cli.add_command(alerts_cmd.alerts)
@@ -34,6 +34,7 @@ def _register() -> None:
     cli.add_command(report_cmd.report_cmd)
     cli.add_command(top_cmd.top_cmd)
     cli.add_command(train_demo.train_demo)
+    cli.add_command(serve_cmd.serve)
 
 
 _register()

@@ -1,0 +1,292 @@
+"""The engine loop: one thread owns the model and steps continuously; handlers talk to it through bounded,
+thread-safe structures and never touch the engine.
+
+- ``Admission``: the waiting room, a bounded FIFO. ``offer`` answers False when it is full (the handler then
+  answers 429). The loop moves jobs into the engine only while the engine has a free batch slot, so the
+  engine's own queue stays empty and this bound is the real one.
+- ``TokenStream``: one request's tokens, appended by the engine thread (the engine's per-request sink; a
+  deque append, never a wait) and read by the request's handler on the asyncio thread. It holds at most
+  ``max_tokens + 1`` items: bounded by the request. The loop wakes the asyncio side once per step for all
+  streams that got a token (one ``call_soon_threadsafe``), not once per token.
+- Cancellation (a client that went away, a server shutting down) is a request id on a deque; the loop applies
+  it between steps with ``Engine.cancel``, which frees the slot and records the request as "cancelled". A job
+  cancelled while still waiting here is submitted and cancelled at once, so it reaches the trace store too.
+
+Continuous batching is the engine's: each ``step()`` prefills whatever was admitted since the last one, else
+decodes one token for every running request, so a new request joins at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Callable
+
+from moescope.runtime.engine import Engine, RequestRecord
+from moescope.serve.protocol import Params
+
+log = logging.getLogger("moescope.serve")
+
+
+class TokenStream:
+    """Tokens of one request from the engine thread to its handler. ``record`` is set with the last token."""
+
+    def __init__(self) -> None:
+        self._items: collections.deque[int] = collections.deque()
+        self.record: RequestRecord | None = None
+        self.failed = False  # the engine lost the request (a failed step): no record will come
+        self._event = asyncio.Event()
+
+    def push(self, token: int | None, record: RequestRecord | None) -> None:
+        """Engine thread: never blocks."""
+        if token is not None:
+            self._items.append(token)
+        if record is not None:
+            self.record = record
+
+    @property
+    def ended(self) -> bool:
+        return self.record is not None or self.failed
+
+    def wake(self) -> None:
+        """Asyncio thread (scheduled by the loop after a step)."""
+        self._event.set()
+
+    async def next(self) -> tuple[list[int], RequestRecord | None]:
+        """The tokens made since the last call (waits for at least one, or for the end) and, at the end, the
+        record. Returns ([], record) once ended and drained."""
+        while True:
+            self._event.clear()  # before draining: a token pushed after the drain sets it again
+            record = self.record  # read before draining: tokens pushed before the record are then drained too
+            items = []
+            while self._items:
+                items.append(self._items.popleft())
+            if items or record is not None or self.failed:
+                return items, record
+            await self._event.wait()
+
+    async def done(self) -> RequestRecord | None:
+        """Wait for the end; the record (None when the request failed)."""
+        while not self.ended:
+            await self.next()
+        return self.record
+
+
+@dataclass
+class Job:
+    request_id: str
+    params: Params
+    arrival: float  # time.perf_counter() when the handler got the request (the engine's clock)
+    stream: TokenStream = field(default_factory=TokenStream)
+
+
+class Admission:
+    """A bounded FIFO of jobs between handlers and the engine loop."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._jobs: collections.OrderedDict[str, Job] = collections.OrderedDict()
+        self._cond = threading.Condition()
+        self.rejected = 0  # offers refused because it was full
+
+    def offer(self, job: Job) -> bool:
+        with self._cond:
+            if len(self._jobs) >= self.capacity:
+                self.rejected += 1
+                return False
+            self._jobs[job.request_id] = job
+            self._cond.notify()
+            return True
+
+    def take(self, n: int) -> list[Job]:
+        with self._cond:
+            return [self._jobs.popitem(last=False)[1] for _ in range(min(n, len(self._jobs)))]
+
+    def remove(self, request_id: str) -> Job | None:
+        with self._cond:
+            return self._jobs.pop(request_id, None)
+
+    def __contains__(self, request_id: str) -> bool:
+        with self._cond:
+            return request_id in self._jobs
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def wait(self, timeout: float) -> None:
+        with self._cond:
+            if not self._jobs:
+                self._cond.wait(timeout)
+
+    def poke(self) -> None:
+        with self._cond:
+            self._cond.notify()
+
+
+class EngineLoop:
+    """Runs ``engine`` on its own thread.
+
+    Args:
+        engine: the engine (only this loop's thread touches it once ``start`` ran).
+        max_queue: the admission bound (jobs waiting for a batch slot).
+        request_timeout_s: per-request timeout from arrival (None: none); such requests end as "timeout".
+    """
+
+    def __init__(self, engine: Engine, *, max_queue: int, request_timeout_s: float | None = None) -> None:
+        self.engine = engine
+        self.admission = Admission(max_queue)
+        self.request_timeout_s = request_timeout_s
+        self._wake: Callable[[list[TokenStream]], None] = lambda streams: None
+        self._ids: set[str] = set()  # queued or in the engine: an id is never served twice at once
+        self._ids_lock = threading.Lock()
+        self._cancels: collections.deque[str] = collections.deque()
+        self._live: dict[str, Job] = {}  # in the engine (engine thread only)
+        self._touched: list[TokenStream] = []
+        self._closing = threading.Event()
+        self._drain_at: float | None = None  # time.monotonic() after which everything left is cancelled
+        self._thread = threading.Thread(target=self._run, name="moescope-engine", daemon=True)
+        self.step_errors = 0
+        self.served = 0  # requests that ended, any reason (engine thread)
+        self._mean_total_s = 1.0  # running mean of request time: the Retry-After estimate
+
+    @property
+    def running(self) -> int:
+        return len(self._live)
+
+    def start(self, wake: Callable[[list[TokenStream]], None]) -> "EngineLoop":
+        """Start the thread. ``wake`` is called on it after a step with the streams that got tokens; it must
+        hand them to the handlers' thread without waiting (``asyncio_waker`` builds it)."""
+        self._wake = wake
+        self._thread.start()
+        return self
+
+    def offer(self, job: Job) -> str:
+        """Any thread: queue a job. Returns "ok", "full" (the admission queue is) or "duplicate" (a request with
+        this id is queued or running)."""
+        with self._ids_lock:
+            if job.request_id in self._ids:
+                return "duplicate"
+            if not self.admission.offer(job):
+                return "full"
+            self._ids.add(job.request_id)
+        return "ok"
+
+    def cancel(self, request_id: str) -> None:
+        """Any thread: end the request (if it has not ended yet) at the loop's next turn."""
+        self._cancels.append(request_id)
+        self.admission.poke()
+
+    def drain(self, deadline_s: float) -> None:
+        """Any thread (a signal handler too): requests still queued or running ``deadline_s`` from now are
+        cancelled then (stored as "cancelled"; their clients get 503 or an error event)."""
+        self._drain_at = time.monotonic() + deadline_s
+        self.admission.poke()
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: about the time the queue ahead takes to clear."""
+        batches = len(self.admission) / max(1, self.engine.max_batch) + 1
+        return max(1, min(60, round(self._mean_total_s * batches)))
+
+    # -- engine thread ---------------------------------------------------------------------------------
+    def _sink(self, job: Job, token: int | None, record: RequestRecord | None) -> None:
+        job.stream.push(token, record)
+        self._touched.append(job.stream)
+        if record is not None:
+            self._forget(job)
+            self.served += 1
+            self._mean_total_s += 0.1 * (record.total_s - self._mean_total_s)
+
+    def _forget(self, job: Job) -> None:
+        self._live.pop(job.request_id, None)
+        with self._ids_lock:
+            self._ids.discard(job.request_id)
+
+    def _fail(self, job: Job) -> None:
+        self._forget(job)
+        job.stream.failed = True
+        self._touched.append(job.stream)
+
+    def _submit(self, job: Job) -> None:
+        p = job.params
+        self._live[job.request_id] = job
+        try:
+            self.engine.submit(p.prompt, max_new_tokens=p.max_tokens, temperature=p.temperature,
+                               request_id=job.request_id, tenant=p.tenant, arrival=job.arrival, seed=p.seed,
+                               stop=p.stop, timeout_s=self.request_timeout_s, sink=partial(self._sink, job))
+        except Exception:  # validated before it was queued: a bug if it happens, but never a hung client
+            log.exception("engine refused request %s", job.request_id)
+            self._fail(job)
+
+    def _apply_cancels(self) -> None:
+        while self._cancels:
+            rid = self._cancels.popleft()
+            queued = self.admission.remove(rid)
+            if queued is not None:  # never reached the engine: record it there all the same
+                self._submit(queued)
+            self.engine.cancel(rid)
+
+    def _flush(self) -> None:
+        if self._touched:
+            touched, self._touched = self._touched, []
+            try:
+                self._wake(touched)
+            except Exception:  # the event loop is gone (shutdown): nothing is waiting any more
+                log.debug("waking handlers failed", exc_info=True)
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            self._apply_cancels()
+            if self._drain_at is not None and time.monotonic() >= self._drain_at:
+                self._cancel_all()
+            if self._closing.is_set():
+                self._cancel_all()
+                self._flush()
+                return
+            for job in self.admission.take(engine.max_batch - len(self._live)):
+                self._submit(job)
+            if engine.has_work:
+                try:
+                    engine.step()
+                except Exception:  # a bug or a broken device: fail what is in flight, keep serving
+                    self.step_errors += 1
+                    log.exception("engine step failed: cancelling the %d requests in flight", len(self._live))
+                    for rid, job in list(self._live.items()):
+                        if engine.cancel(rid) is None:  # lost inside the failed step
+                            self._fail(job)
+            else:
+                self.admission.wait(0.05)
+            self._flush()
+
+    def _cancel_all(self) -> None:
+        for job in self.admission.take(len(self.admission)):
+            self._submit(job)
+        for rid in list(self._live):
+            self.engine.cancel(rid)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Cancel whatever is still queued or running (recorded as "cancelled") and stop the thread."""
+        self._closing.set()
+        self.admission.poke()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+
+def asyncio_waker(loop: asyncio.AbstractEventLoop) -> Callable[[list[TokenStream]], None]:
+    """The loop's ``wake`` for handlers on ``loop``: one ``call_soon_threadsafe`` per step."""
+
+    def wake_all(streams: list[TokenStream]) -> None:
+        for s in streams:
+            s.wake()
+
+    return lambda streams: loop.call_soon_threadsafe(wake_all, streams)
+
+
+def now() -> float:
+    """The engine's clock (``time.perf_counter``): job arrival times are taken on it."""
+    return time.perf_counter()

@@ -1,0 +1,433 @@
+"""``moescope serve`` against real clients: the official ``openai`` SDK (sync and async, streamed and whole), curl
+and httpx, on a real server subprocess on loopback. What the server answered is checked against references:
+a greedy run of the same model in this process, the trace store (``moescope requests`` / ``moescope trace``),
+the OTLP spans a real exporter posted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import in_ci
+from moescope.traces import store
+from servers import free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+MODEL = "tiny-demo"
+
+
+class Serve:
+    """A ``moescope serve`` subprocess; its log and trace store in ``tmp``."""
+
+    def __init__(self, tmp: Path, *args: str, name: str = "serve") -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.traces = tmp / f"{name}.sqlite"
+        self.log_path = tmp / f"{name}.log"
+        self._log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port", "-1",
+             "--traces", str(self.traces), "--canary-interval", "0", *args],
+            stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240  # deepseek-v3-shape builds its balanced init once (~30 s, then cached)
+        while True:
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=2).read()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError("serve did not start:\n" + self.log())
+                time.sleep(0.2)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=10).json()
+
+    def wait_health(self, pred, timeout: float = 20.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            h = self.health()
+            if pred(h):
+                return h
+            assert time.monotonic() < deadline, h
+            time.sleep(0.05)
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def stored(self, rid: str, timeout: float = 10.0) -> dict:
+        """The request's trace document, once the recorder committed it (it commits every 0.5 s)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.traces.exists():
+                conn = store.open_store(self.traces)
+                try:
+                    return store.load_request(conn, rid)
+                except Exception:
+                    if time.monotonic() > deadline:
+                        raise
+                finally:
+                    conn.close()
+            time.sleep(0.1)
+
+
+def _n_output(doc: dict) -> int:
+    return sum(t["phase"] == "decode" for t in doc["tokens"])
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "moescope", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = Serve(tmp_path_factory.mktemp("serve"))
+    yield s
+    assert s.stop() == 0
+    assert "Traceback" not in s.log(), s.log()
+
+
+@pytest.fixture(scope="module")
+def greedy():
+    """The reference: the same model run greedily by a plain engine in this process."""
+    from moescope.runtime import loader
+    from moescope.runtime.engine import Engine
+
+    model = loader.build_model(MODEL)
+
+    def run(prompt: str, max_tokens: int):
+        engine = Engine(model, max_batch=1)
+        engine.submit(prompt, max_new_tokens=max_tokens)
+        while engine.has_work:
+            engine.step()
+        return engine.finished[0]
+
+    return run
+
+
+def test_curl_health_completion_and_trace(server, greedy):
+    curl = shutil.which("curl")
+    if curl is None:
+        (pytest.fail if in_ci() else pytest.skip)("curl not installed")
+    health = json.loads(subprocess.run([curl, "-sf", server.url + "/health"], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert health["status"] == "ok" and health["model"] == MODEL
+    out = subprocess.run([curl, "-s", "-i", server.url + "/v1/completions", "-H", "content-type: application/json",
+                          "-d", json.dumps({"model": MODEL, "prompt": "def add(a, b):", "max_tokens": 12,
+                                            "temperature": 0})], capture_output=True, text=True, check=True).stdout
+    head, _, payload = out.replace("\r\n", "\n").partition("\n\n")
+    assert head.startswith("HTTP/1.1 200")
+    headers = dict(line.split(": ", 1) for line in head.splitlines()[1:])
+    body = json.loads(payload)
+    rid = headers["x-request-id"]
+    assert body["id"] == rid and body["object"] == "text_completion" and body["model"] == MODEL
+    ref = greedy("def add(a, b):", 12)
+    from moescope.runtime import tokenizer
+
+    assert body["choices"][0]["text"] == tokenizer.decode(list(ref.output_tokens))
+    assert body["usage"] == {"prompt_tokens": len(ref.prompt_tokens), "completion_tokens": ref.n_output,
+                             "total_tokens": len(ref.prompt_tokens) + ref.n_output}
+    server.stored(rid)
+    shown = _cli("trace", rid, "--traces", str(server.traces), "--json")
+    assert shown.returncode == 0, shown.stderr
+    doc = json.loads(shown.stdout)
+    assert doc["request_id"] == rid and doc["prompt"] == "def add(a, b):" and doc["finish_reason"] == "length"
+    assert _n_output(doc) == ref.n_output and len(doc["tokens"][0]["layers"]) == len(doc["layers"]) > 0
+
+
+def test_sdk_sync_whole_and_streamed(server):
+    client = server.client()
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The river", max_tokens=8, seed=3)
+    comp = raw.parse()
+    assert raw.headers["x-request-id"] == comp.id
+    assert comp.usage.completion_tokens == 8 and comp.choices[0].finish_reason == "length"
+    doc = server.stored(comp.id)
+    assert comp.choices[0].text == doc["output"] and doc["finish_reason"] == "length"
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "be brief"},
+                                                                 {"role": "user", "content": "hello"}],
+                                          max_tokens=6, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    doc = server.stored(chat.id)
+    assert doc["prompt"] == "<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n"
+    assert chat.choices[0].message.content == doc["output"]
+    assert chat.usage.prompt_tokens == len(doc["prompt"].encode()) + 1  # bytes + BOS
+
+    pieces, finish, usage, ids = [], None, None, set()
+    for chunk in client.completions.create(model=MODEL, prompt="12 + 7 =", max_tokens=10, stream=True,
+                                           stream_options={"include_usage": True}):
+        ids.add(chunk.id)
+        if chunk.choices:
+            pieces.append(chunk.choices[0].text)
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage:
+            usage = chunk.usage
+    (rid,) = ids
+    doc = server.stored(rid)
+    assert "".join(pieces) == doc["output"] and finish == "length" and usage.completion_tokens == 10
+
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=5, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == server.stored(chunks[0].id)["output"]
+
+
+def test_stop_string_trims_the_answer_and_the_store_keeps_it(server, greedy):
+    ref = greedy("import os", 30)
+    from moescope.runtime import tokenizer
+
+    text = tokenizer.decode(list(ref.output_tokens))
+    stop = text[4:6]
+    assert stop and len(stop.encode()) == 2
+    client = server.client()
+    comp = client.completions.create(model=MODEL, prompt="import os", max_tokens=30, temperature=0, stop=[stop])
+    assert comp.choices[0].finish_reason == "stop"
+    assert comp.choices[0].text == text[:text.index(stop)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="import os", max_tokens=30, temperature=0, stop=stop, stream=True) if c.choices)
+    assert streamed == comp.choices[0].text  # held back while streaming: never a piece of the stop string
+    doc = server.stored(comp.id)
+    assert doc["finish_reason"] == "stop" and doc["output"] == text[:text.index(stop)] + stop
+
+
+def test_sdk_async_whole_and_streamed(server):
+    async def main():
+        client = server.async_client()
+        whole = await client.completions.create(model=MODEL, prompt="Once upon", max_tokens=6)
+        stream = await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                                      max_tokens=6, stream=True)
+        chunks = [c async for c in stream]
+        await client.close()
+        return whole, chunks
+
+    whole, chunks = asyncio.run(main())
+    assert server.stored(whole.id)["output"] == whole.choices[0].text
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert server.stored(chunks[0].id)["output"] == text
+
+
+def test_32_concurrent_clients_all_answered_and_traceable(server):
+    prompts = [f"request {i}: " + "abc" * (i % 5) for i in range(32)]
+
+    async def one(client, i):
+        if i % 2:
+            stream = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=4 + i % 7,
+                                                     stream=True, stream_options={"include_usage": True})
+            rid, usage = None, None
+            async for c in stream:
+                rid, usage = c.id, c.usage or usage
+            return rid, usage.prompt_tokens, usage.completion_tokens
+        r = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=4 + i % 7, user=f"tenant-{i % 3}")
+        return r.id, r.usage.prompt_tokens, r.usage.completion_tokens
+
+    async def main():
+        client = server.async_client()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    answers = asyncio.run(main())
+    assert len({rid for rid, _, _ in answers}) == 32
+    for i, (_, n_prompt, n_out) in enumerate(answers):
+        assert n_prompt == len(prompts[i].encode()) + 1 and n_out == 4 + i % 7  # greedy/none stop early? see below
+    server.stored(answers[-1][0])
+    time.sleep(0.6)  # one more commit interval: every row is in
+    listed = _cli("requests", "--traces", str(server.traces), "--json", "--limit", "1000")
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["request_id"]: r for r in json.loads(listed.stdout)}
+    for rid, n_prompt, n_out in answers:
+        assert (rows[rid]["prompt_tokens"], rows[rid]["output_tokens"]) == (n_prompt, n_out)
+    tenants = {rows[rid]["tenant"] for rid, _, _ in answers[::2]}
+    assert tenants == {"tenant-0", "tenant-1", "tenant-2"}
+    from moescope.cli import main
+
+    for rid, _, n_out in answers:  # `moescope trace --json` on every id, in this process (32 interpreters: slow)
+        doc = store.load_request(store.open_store(server.traces), rid)
+        assert doc["request_id"] == rid and _n_output(doc) == n_out
+        assert main(["trace", rid, "--json", "--traces", str(server.traces)]) == 0
+    assert server.health()["running"] == 0
+
+
+BAD = [
+    (b"{bad json", 400, "invalid_json", None),
+    (b"[1, 2]", 400, "invalid_json", None),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": "5"}).encode(), 400, "invalid_type", "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(), 400, "invalid_value", "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100000}).encode(), 400, "context_length_exceeded",
+     "max_tokens"),
+    (json.dumps({"model": MODEL, "prompt": "x" * 600}).encode(), 400, "context_length_exceeded", "prompt"),
+    (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "model_not_found", "model"),
+    (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "unsupported_value", "n"),
+    (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 2}).encode(), 400, "unsupported_parameter", "logprobs"),
+    (json.dumps({"model": MODEL, "prompt": "x", "user": "a b\x1b"}).encode(), 400, "invalid_user", "user"),
+    (json.dumps({"model": MODEL, "prompt": "x", "temperature": 3}).encode(), 400, "invalid_value", "temperature"),
+    (json.dumps({"model": MODEL}).encode(), 400, "missing", "prompt"),
+]
+
+
+@pytest.mark.parametrize("payload,status,code,param", BAD)
+def test_bad_input_is_a_4xx_with_an_openai_error_object(server, payload, status, code, param):
+    r = httpx.post(server.url + "/v1/completions", content=payload, headers={"content-type": "application/json"},
+                   timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["code"], err["param"]) == (code, param)
+
+
+def test_chat_bad_input_and_request_ids(server):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "tool"}]},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].role"
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                   headers={"x-request-id": "client-chosen.id:42"}, timeout=30)
+    assert r.headers["x-request-id"] == r.json()["id"] == "client-chosen.id:42"
+    assert _n_output(server.stored("client-chosen.id:42")) == 2
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                   headers={"x-request-id": "no spaces or \x7f; " + "x" * 80}, timeout=30)
+    rid = r.headers["x-request-id"]
+    assert r.status_code == 200 and rid == r.json()["id"] and len(rid) == 16 and rid.isalnum()
+    assert httpx.get(server.url + "/nope", timeout=10).json()["error"]["code"] == "not_found"
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """One batch slot, one queue place: deterministic queueing, 429 and cancellation."""
+    s = Serve(tmp_path_factory.mktemp("small"), "--max-batch", "1", "--max-queue", "1", name="small")
+    yield s
+    assert s.stop() == 0
+    assert "Traceback" not in s.log(), s.log()
+
+
+def test_full_queue_answers_429_with_retry_after(small):
+    async def main():
+        async with httpx.AsyncClient(base_url=small.url, timeout=120) as c:
+            body = {"model": MODEL, "prompt": "long", "max_tokens": 120, "temperature": 0}
+            running = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.to_thread(small.wait_health, lambda h: h["running"] == 1)
+            queued = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 2}))
+            await asyncio.to_thread(small.wait_health, lambda h: h["queued"] == 1)
+            refused = await c.post("/v1/completions", json={**body, "max_tokens": 2})
+            sdk = openai.AsyncOpenAI(base_url=small.url + "/v1", api_key="x", max_retries=0)
+            with pytest.raises(openai.RateLimitError) as sdk_refused:
+                await sdk.completions.create(model=MODEL, prompt="y", max_tokens=2)
+            await sdk.close()
+            return await running, await queued, refused, sdk_refused.value
+
+    running, queued, refused, sdk_err = asyncio.run(main())
+    assert running.status_code == queued.status_code == 200
+    assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert refused.json()["error"]["type"] == "rate_limit_error" and refused.json()["error"]["code"] == "queue_full"
+    assert sdk_err.status_code == 429
+    assert small.health()["rejected"] == 2
+    assert small.stored(queued.json()["id"])["timings"]["queue_s"] > 0.1  # it waited for the one slot
+
+
+def test_dropped_stream_and_dropped_request_free_the_slot_and_are_stored_cancelled(small):
+    body = {"model": MODEL, "prompt": "drop me", "max_tokens": 400, "temperature": 0}
+    with httpx.Client(base_url=small.url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            rid = r.headers["x-request-id"]
+            lines = r.iter_lines()
+            got = [next(lines) for _ in range(3)]
+        assert got[0].startswith("data: ")
+    small.wait_health(lambda h: h["running"] == 0)  # freed long before 400 tokens
+    doc = small.stored(rid)
+    assert doc["finish_reason"] == "cancelled" and 1 <= _n_output(doc) < 400
+
+    with pytest.raises(httpx.ReadTimeout):  # a whole response the client stops waiting for
+        httpx.post(small.url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0),
+                   headers={"x-request-id": "gave-up"})
+    small.wait_health(lambda h: h["running"] == 0)
+    doc = small.stored("gave-up")
+    assert doc["finish_reason"] == "cancelled" and _n_output(doc) < 400
+    ok = small.client().completions.create(model=MODEL, prompt="next", max_tokens=3)  # the one slot serves again
+    assert ok.usage.completion_tokens == 3
+
+
+def test_sigterm_finishes_or_cancels_in_flight_and_flushes_the_store(tmp_path):
+    from test_otlp import Receiver, _attrs
+
+    receiver = Receiver()
+    s = Serve(tmp_path, "--max-batch", "1", "--shutdown-timeout", "2",
+              "--otlp-endpoint", f"http://127.0.0.1:{receiver.port}", name="term")
+    try:
+        async def main():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as c:
+                body = {"model": MODEL, "prompt": "p", "temperature": 0}
+                short = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 4},
+                                                     headers={"x-request-id": "short-one"}))
+                await short
+                long = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 480},
+                                                    headers={"x-request-id": "long-one"}))
+                await asyncio.to_thread(s.wait_health, lambda h: h["running"] == 1)
+                s.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.5)
+                with pytest.raises(httpx.ConnectError):  # the listener is closed at once
+                    await c.post("/v1/completions", json={**body, "max_tokens": 2})
+                return short.result(), await long
+
+        short, long = asyncio.run(main())
+        assert s.proc.wait(60) == 0
+    finally:
+        s.stop()
+        receiver.stop()
+    assert short.status_code == 200
+    assert long.status_code == 503 and long.json()["error"]["code"] == "cancelled"  # 480 tokens take > 2 s here
+    conn = store.open_store(s.traces)
+    rows = {r.request_id: r for r in store.list_requests(conn, limit=10)}
+    assert set(rows) == {"short-one", "long-one"}
+    assert store.load_request(conn, "long-one")["finish_reason"] == "cancelled"
+    assert "traces flushed" in s.log() and "Traceback" not in s.log()
+    spans = {_attrs(sp).get("moescope.request_id"): sp for _, sp in receiver.spans() if sp.name == "moescope.request"}
+    assert set(spans) == {"short-one", "long-one"}  # the request id is on the span; the store links the trace id
+    assert store.load_request(conn, "short-one")["trace_id"] == spans["short-one"].trace_id.hex()
+
+
+def test_deepseek_v3_shape_answers_a_completion(tmp_path):
+    s = Serve(tmp_path, "--model", "deepseek-v3-shape", "--max-batch", "4", name="dsv3")
+    try:
+        comp = s.client().completions.create(model="deepseek-v3-shape", prompt="hello", max_tokens=3)
+        assert comp.usage.completion_tokens == 3 or comp.choices[0].finish_reason == "stop"
+        doc = s.stored(comp.id)
+        assert doc["model"] == "deepseek-v3-shape" and len(doc["layers"]) == 58 and doc["top_k"] == 8
+    finally:
+        assert s.stop() == 0
+    assert "Traceback" not in s.log()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="signals")
+def test_port_in_use_is_one_line_exit_2(server):
+    r = _cli("serve", "--port", str(server.port), "--metrics-port", "-1", "--traces", "none")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot listen" in r.stderr

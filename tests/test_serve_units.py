@@ -1,0 +1,167 @@
+"""``moescope.serve`` without HTTP: request validation, the chat template, request ids, text assembly (against
+``tokenizer.decode`` and a naive stop search) and the engine loop (against a plain engine run)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moescope.runtime import tokenizer
+from moescope.runtime.engine import Engine
+from moescope.runtime.model import MoETransformer
+from moescope.serve import chat, ids
+from moescope.serve.errors import APIError
+from moescope.serve.loop import EngineLoop, Job, asyncio_waker, now
+from moescope.serve.protocol import ModelLimits, parse_chat, parse_completion
+from moescope.serve.text import TextAssembler, whole_text
+
+LIMITS = ModelLimits("m", 64)
+
+
+def test_chat_template_and_chat_defaults():
+    p = parse_chat({"model": "m", "messages": [{"role": "developer", "content": "rules"},
+                                               {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                            {"type": "text", "text": "b"}]},
+                                               {"role": "assistant", "content": None}], "logprobs": False}, LIMITS)
+    assert p.prompt == "<|system|>\nrules\n<|user|>\nab\n<|assistant|>\n\n<|assistant|>\n"
+    assert p.prompt == chat.render([("system", "rules"), ("user", "ab"), ("assistant", ""), ])
+    assert p.prompt_tokens == len(p.prompt.encode()) + 1 and p.max_tokens == 64 - p.prompt_tokens  # rest of context
+    assert p.temperature == 1.0 and not p.stream  # OpenAI's defaults
+
+
+def test_completion_limits_and_neutral_values_of_unsupported_fields():
+    p = parse_completion({"model": "m", "prompt": ["x" * 45], "top_p": 1, "echo": False, "stop": "\n"}, LIMITS)
+    assert (p.prompt_tokens, p.max_tokens, p.stop) == (46, 16, ("\n",))
+    assert parse_completion({"model": "m", "prompt": "x" * 61, "max_tokens": 2}, LIMITS).max_tokens == 2
+    with pytest.raises(APIError) as e:  # 62 prompt tokens + 3 > 64
+        parse_completion({"model": "m", "prompt": "x" * 61, "max_tokens": 3}, LIMITS)
+    assert e.value.code == "context_length_exceeded" and e.value.param == "max_tokens"
+    with pytest.raises(APIError) as e:  # no room for even one token
+        parse_completion({"model": "m", "prompt": "x" * 63}, LIMITS)
+    assert e.value.param == "prompt"
+    for field, value in (("top_p", 0.5), ("echo", True), ("stop", ["a"] * 5), ("prompt", ["a", "b"]),
+                         ("temperature", "1"), ("seed", 1.5), ("stream", 1)):
+        with pytest.raises(APIError) as e:
+            parse_completion({"model": "m", "prompt": "x", field: value}, LIMITS)
+        assert e.value.status == 400 and e.value.param == field, (field, e.value.body())
+
+
+def test_request_ids_and_tenants():
+    assert ids.request_id("abc-1.2:3") == "abc-1.2:3"
+    for bad in (None, "", " x", "x y", "é", "x" * 65, "-lead", "a\x1bb"):
+        new = ids.request_id(bad)
+        assert new != bad and len(new) == 16 and int(new, 16) >= 0
+    assert ids.tenant("team-a@corp") == "team-a@corp" and ids.tenant(None) is None
+    with pytest.raises(APIError):
+        ids.tenant("x" * 65)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 255), max_size=40))
+def test_streamed_text_equals_decode(tokens):
+    asm = TextAssembler()
+    streamed = "".join(asm.feed(t) for t in tokens) + asm.finish("length")
+    assert streamed == tokenizer.decode(tokens) == whole_text(tuple(tokens + [tokenizer.EOS]), (), "eos")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([ord(c) for c in "ab\n"] + [0xC3, 0xA9]), max_size=30),
+       st.lists(st.sampled_from(["a", "b\n", "ab", "\né", "bb"]), min_size=1, max_size=3))
+def test_stop_strings_never_stream_and_are_trimmed(tokens, stops):
+    # reference: the engine ends at the first token after which the output ends with a stop (bytes)
+    end, hit = len(tokens), None
+    for i in range(1, len(tokens) + 1):
+        hit = next((s for s in stops if bytes(tokens[:i]).endswith(s.encode())), None)
+        if hit:
+            end = i
+            break
+    made = tokens[:end]
+    reason = "stop" if hit else "length"
+    asm = TextAssembler(tuple(stops))
+    sent = ""
+    for t in made:
+        sent += asm.feed(t)
+    answer = sent + asm.finish(reason)
+    expect = tokenizer.decode(made)
+    if hit:
+        expect = expect[:len(expect) - len(hit)]
+    assert answer == expect == whole_text(tuple(made), tuple(stops), reason)
+    assert expect.startswith(sent)  # nothing sent while streaming was taken back
+
+
+def _jobs(prompts, max_tokens=6, **kw):
+    from moescope.serve.protocol import Params
+
+    return [Job(f"j{i}", Params("completion", p, len(p) + 1, max_tokens, 0.0, None, (), None, False, False), now())
+            for i, p in enumerate(prompts)]
+
+
+PROMPTS = ["alpha", "beta gamma", "delta", "epsilon zeta eta", "theta", "iota"]
+
+
+def test_engine_loop_serves_like_a_plain_engine_and_bounds_its_queue(tiny_cfg):
+    model = MoETransformer(tiny_cfg)
+    plain = Engine(model, max_batch=2)
+    for i, p in enumerate(PROMPTS):
+        plain.submit(p, max_new_tokens=6, request_id=f"j{i}")
+    while plain.has_work:
+        plain.step()
+    ref = {r.request_id: r.output_tokens for r in plain.finished}
+
+    async def main():
+        loop = EngineLoop(Engine(model, max_batch=2), max_queue=3)
+        jobs = _jobs(PROMPTS)
+        # before the thread runs, the queue bound is exact: 3 accepted, then full; a repeated id is refused
+        offers = [loop.offer(j) for j in jobs]
+        assert offers == ["ok"] * 3 + ["full"] * 3 and loop.admission.rejected == 3
+        assert loop.offer(_jobs(["again"])[0]) == "duplicate"
+        loop.start(asyncio_waker(asyncio.get_running_loop()))
+        streamed = {}
+        for j in jobs[:3]:
+            toks = []
+            while True:
+                got, rec = await j.stream.next()
+                toks += got
+                if rec is not None:
+                    break
+            streamed[j.request_id] = (tuple(toks), rec)
+        for j in jobs[3:]:
+            assert loop.offer(j) == "ok"
+        records = [await j.stream.done() for j in jobs[3:]]
+        loop.close()
+        return streamed, records
+
+    streamed, records = asyncio.run(main())
+    for rid, (toks, rec) in streamed.items():
+        assert toks == rec.output_tokens == ref[rid]
+    assert all(r.output_tokens == ref[r.request_id] for r in records)
+
+
+def test_engine_loop_cancels_queued_and_running_and_drains(tiny_cfg):
+    model = MoETransformer(tiny_cfg)
+
+    async def main():
+        loop = EngineLoop(Engine(model, max_batch=1), max_queue=8)
+        loop.start(asyncio_waker(asyncio.get_running_loop()))
+        long, queued, late = _jobs(["long one", "queued", "late"], max_tokens=50)
+        for j in (long, queued):
+            assert loop.offer(j) == "ok"
+        await long.stream.next()  # running
+        loop.cancel(queued.request_id)  # still waiting for the one slot: recorded all the same
+        rq = await queued.stream.done()
+        loop.drain(0.0)  # the deadline is now: everything left is cancelled at the loop's next turn
+        assert loop.offer(late) == "ok"
+        t0 = time.monotonic()
+        rl, rlate = await long.stream.done(), await late.stream.done()
+        waited = time.monotonic() - t0
+        loop.close()
+        return rq, rl, rlate, waited, loop
+
+    rq, rl, rlate, waited, loop = asyncio.run(main())
+    assert rq.finish_reason == "cancelled" and rq.n_output == 0
+    assert rl.finish_reason == rlate.finish_reason == "cancelled" and 0 < rl.n_output < 50
+    assert waited < 5 and loop.running == 0 and not loop._thread.is_alive()
