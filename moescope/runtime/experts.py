@@ -76,6 +76,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * ffn_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(n_experts, hidden_size, ffn_size))
         self.weight_source: WeightSource | None = None
+        self.use_grouped_mm = True  # False: always the per-expert loop (the reference; benchmarks compare)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 counts: list[int] | None = None) -> torch.Tensor:
@@ -104,7 +105,8 @@ class Experts(nn.Module):
     def compute_grouped(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Run each expert over its contiguous slice of ``rows`` [S, H] (grouped by expert, ``counts[e]``
         rows for expert e). Returns [S, H]. Also the expert-parallel path's local computation."""
-        if self.weight_source is None and rows.shape[0] and grouped_mm_native(rows.device, rows.dtype):
+        if (self.use_grouped_mm and self.weight_source is None and rows.shape[0]
+                and grouped_mm_native(rows.device, rows.dtype)):
             gate_up, down = self.gate_up_proj, self.down_proj  # [E, 2F, H], [E, H, F]
             used = [e for e, n in enumerate(counts) if n]
             if len(used) < len(counts) // 2:
