@@ -166,7 +166,7 @@ def test_curl_health_completion_and_trace(server, greedy):
 
 def test_sdk_sync_whole_and_streamed(server):
     client = server.client()
-    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The river", max_tokens=8, seed=3)
+    raw = client.completions.with_raw_response.create(model=MODEL, prompt="The river", max_tokens=8, temperature=0)
     comp = raw.parse()
     assert raw.headers["x-request-id"] == comp.id
     assert comp.usage.completion_tokens == 8 and comp.choices[0].finish_reason == "length"
@@ -175,7 +175,7 @@ def test_sdk_sync_whole_and_streamed(server):
 
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "be brief"},
                                                                  {"role": "user", "content": "hello"}],
-                                          max_tokens=6, temperature=0)
+                                          max_tokens=6, temperature=0, seed=1)
     assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
     doc = server.stored(chat.id)
     assert doc["prompt"] == "<|system|>\nbe brief\n<|user|>\nhello\n<|assistant|>\n"
@@ -183,7 +183,7 @@ def test_sdk_sync_whole_and_streamed(server):
     assert chat.usage.prompt_tokens == len(doc["prompt"].encode()) + 1  # bytes + BOS
 
     pieces, finish, usage, ids = [], None, None, set()
-    for chunk in client.completions.create(model=MODEL, prompt="12 + 7 =", max_tokens=10, stream=True,
+    for chunk in client.completions.create(model=MODEL, prompt="12 + 7 =", max_tokens=10, stream=True, temperature=0,
                                            stream_options={"include_usage": True}):
         ids.add(chunk.id)
         if chunk.choices:
@@ -196,7 +196,7 @@ def test_sdk_sync_whole_and_streamed(server):
     assert "".join(pieces) == doc["output"] and finish == "length" and usage.completion_tokens == 10
 
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=5, stream=True)
+                                            max_tokens=5, stream=True, temperature=0)
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == server.stored(chunks[0].id)["output"]
@@ -259,8 +259,8 @@ def test_32_concurrent_clients_all_answered_and_traceable(server):
 
     answers = asyncio.run(main())
     assert len({rid for rid, _, _ in answers}) == 32
-    for i, (_, n_prompt, n_out) in enumerate(answers):
-        assert n_prompt == len(prompts[i].encode()) + 1 and n_out == 4 + i % 7  # greedy/none stop early? see below
+    for i, (_, n_prompt, n_out) in enumerate(answers):  # sampled at temperature 1: an EOS may end one early
+        assert n_prompt == len(prompts[i].encode()) + 1 and 1 <= n_out <= 4 + i % 7
     server.stored(answers[-1][0])
     time.sleep(0.6)  # one more commit interval: every row is in
     listed = _cli("requests", "--traces", str(server.traces), "--json", "--limit", "1000")
@@ -431,3 +431,20 @@ def test_deepseek_v3_shape_answers_a_completion(tmp_path):
 def test_port_in_use_is_one_line_exit_2(server):
     r = _cli("serve", "--port", str(server.port), "--metrics-port", "-1", "--traces", "none")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot listen" in r.stderr
+
+
+def test_load_benchmark_quick_runs(tmp_path):
+    from conftest import ROOT
+
+    out = tmp_path / "serve.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--quick", "--out", str(out)],
+                   check=True, timeout=600, capture_output=True)
+    report = json.loads(out.read_text())
+    assert [r["concurrency"] for r in report["rows"]] == [1, 8]
+    for row in report["rows"]:
+        for v in ("capture_on", "capture_off"):
+            s = row[v]
+            assert s["errors"] == 0 and s["requests"] == report["requests_per_load"][str(row["concurrency"])]
+            assert s["tokens_per_s"] > 0 and 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]
+        assert row["throughput_off_over_on"] == pytest.approx(
+            row["capture_off"]["tokens_per_s"] / row["capture_on"]["tokens_per_s"])  # one round: its own ratio

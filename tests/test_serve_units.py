@@ -165,3 +165,29 @@ def test_engine_loop_cancels_queued_and_running_and_drains(tiny_cfg):
     assert rq.finish_reason == "cancelled" and rq.n_output == 0
     assert rl.finish_reason == rlate.finish_reason == "cancelled" and 0 < rl.n_output < 50
     assert waited < 5 and loop.running == 0 and not loop._thread.is_alive()
+
+
+def test_served_connections_have_tcp_nodelay():
+    """The listening socket says IPPROTO_TCP, so asyncio sets TCP_NODELAY on every accepted connection (else a
+    response written as headers + body waits ~40 ms for the client's delayed ACK: every keep-alive request)."""
+    import socket
+
+    from moescope.serve.server import bind
+
+    sock = bind("127.0.0.1", 0)
+
+    async def main():
+        accepted = asyncio.get_running_loop().create_future()
+
+        def on_connect(reader, writer):
+            accepted.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        _, writer = await asyncio.open_connection(*sock.getsockname())
+        nodelay = await accepted
+        writer.close()
+        server.close()
+        return nodelay
+
+    assert asyncio.run(main()) != 0

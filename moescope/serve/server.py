@@ -27,7 +27,9 @@ if TYPE_CHECKING:  # the app imports the engine (torch): binding the port must n
 def bind(host: str, port: int) -> socket.socket:
     """The listening socket, bound before anything slow starts (port 0: any free port). Raises BadInput."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on accepted sockets whose proto says TCP; without
+    # it every response written in two parts (headers, body) waits ~40 ms for the client's delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
