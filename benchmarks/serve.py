@@ -1,0 +1,190 @@
+"""``moescope serve`` under load: 1, 8 and 32 concurrent async OpenAI clients (the official SDK, streaming), with
+capture on (the default: metrics exporter + trace store) and off (``--metrics-port -1 --traces none``).
+
+Both servers run side by side; each round runs every (concurrency, capture) load once, the capture order
+alternating between rounds, and the report takes medians over rounds. A load is closed-loop: ``c`` clients
+each send their share of the requests one after another. Per load: output tokens/s (usage counts over the
+load's wall time), TTFT (request sent -> first streamed chunk) and inter-token gaps (between chunks) at p50
+and p99, and errors. The capture overhead is the per-round ratio of throughputs off / on, median over rounds.
+The clients run on the same machine as the server (they take CPU from it, as a load generator on the host
+would).
+
+    python benchmarks/serve.py [--quick] [--rounds 7] [--concurrency 1 8 32] [--model tiny-demo]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from _results import save
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = {"capture_on": [], "capture_off": ["--metrics-port", "-1", "--traces", "none"]}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(model: str, extra: list[str], tmp: Path, name: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    args = [sys.executable, "-m", "moescope", "serve", "--model", model, "--port", str(port), "--max-batch",
+            str(max_batch), "--log-level", "warning", *extra]
+    if "--traces" not in extra:
+        args += ["--traces", str(tmp / f"{name}.sqlite"), "--metrics-port", "0"]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2).read()
+            return
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"server at {url} did not start (exit {proc.poll()})")
+            time.sleep(0.2)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+async def load(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> dict:
+    """One closed-loop load: ``concurrency`` clients share ``n_requests`` streamed completions."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    ttft, gaps, tokens, errors = [], [], 0, 0
+    queue = list(range(n_requests))
+
+    async def worker() -> None:
+        nonlocal tokens, errors
+        while queue:
+            i = queue.pop()
+            t0 = time.perf_counter()
+            last = None
+            try:
+                stream = await client.completions.create(
+                    model=model, prompt=f"request {seed}-{i}: the quick brown fox", max_tokens=max_tokens,
+                    temperature=0, stream=True, stream_options={"include_usage": True})
+                async for chunk in stream:
+                    now = time.perf_counter()
+                    if chunk.choices:
+                        if last is None:
+                            ttft.append(now - t0)
+                        else:
+                            gaps.append(now - last)
+                        last = now
+                    if chunk.usage:
+                        tokens += chunk.usage.completion_tokens
+            except openai.OpenAIError:
+                errors += 1
+
+    t = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - t
+    await client.close()
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "requests": n_requests,
+            "errors": errors, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
+            "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99)}
+
+
+def summarise(runs: dict, concurrency: list[int]) -> list[dict]:
+    rows = []
+    for c in concurrency:
+        row = {"concurrency": c}
+        for v in VARIANTS:
+            rs = runs[(v, c)]
+            row[v] = {k: statistics.median(r[k] for r in rs) for k in
+                      ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s") if
+                      all(r[k] is not None for r in rs)}
+            row[v]["errors"] = sum(r["errors"] for r in rs)
+            row[v]["requests"] = sum(r["requests"] for r in rs)
+        ratios = [off["tokens_per_s"] / on["tokens_per_s"]
+                  for on, off in zip(runs[("capture_on", c)], runs[("capture_off", c)])]
+        row["throughput_off_over_on"] = statistics.median(ratios)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one small round at 1 and 8 clients (CI: the script runs)")
+    ap.add_argument("--rounds", type=int, default=None, help="[7; --quick: 1]")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="[1 8 32; --quick: 1 8]")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per request [32; --quick: 4]")
+    ap.add_argument("--model", default="tiny-demo")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--out", type=Path, default=None,
+                    help="[benchmarks/results/serve.json; --quick: serve-quick.json]")
+    args = ap.parse_args(argv)
+    rounds = args.rounds or (1 if args.quick else 7)
+    concurrency = args.concurrency or ([1, 8] if args.quick else [1, 8, 32])
+    max_tokens = args.max_tokens or (4 if args.quick else 32)
+    out = args.out or HERE / "results" / ("serve-quick.json" if args.quick else "serve.json")
+    per_load = {c: (max(4, c) if args.quick else max(8, 2 * c)) for c in concurrency}
+
+    with tempfile.TemporaryDirectory(prefix="moescope-bench-serve-") as tmp:
+        servers = {v: start(args.model, extra, Path(tmp), v, args.max_batch) for v, extra in VARIANTS.items()}
+        try:
+            for proc, url in servers.values():
+                wait_ready(proc, url)
+            for v, (_, url) in servers.items():  # warm-up: first forwards, connection pools
+                asyncio.run(load(url, args.model, 2, 4, max_tokens, seed=-1))
+            runs: dict = {(v, c): [] for v in VARIANTS for c in concurrency}
+            for r in range(rounds):
+                order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+                for c in concurrency:
+                    for v in order:
+                        res = asyncio.run(load(servers[v][1], args.model, c, per_load[c], max_tokens, seed=r))
+                        runs[(v, c)].append(res)
+                        print(f"round {r} c={c:<3} {v:<11} {res['tokens_per_s']:8.1f} tok/s  ttft p50 "
+                              f"{(res['ttft_p50_s'] or 0) * 1e3:7.1f} ms  errors {res['errors']}", flush=True)
+        finally:
+            for proc, _ in servers.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in servers.values():
+                proc.wait(60)
+    rows = summarise(runs, concurrency)
+    print(f"\nmoescope serve, {args.model}, max batch {args.max_batch}, {max_tokens} tokens per request, streamed; "
+          f"medians of {rounds} interleaved round(s); {os.cpu_count()} CPUs (shared machine)")
+    print(f"{'clients':>7} {'capture':>8} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
+          f"{'errors':>6}")
+    for row in rows:
+        for v in VARIANTS:
+            s = row[v]
+            print(f"{row['concurrency']:>7} {v.split('_')[1]:>8} {s['tokens_per_s']:>8.1f} "
+                  f"{s['ttft_p50_s'] * 1e3:>7.1f}ms {s['ttft_p99_s'] * 1e3:>6.1f}ms "
+                  f"{s.get('itl_p50_s', 0) * 1e3:>6.1f}ms {s.get('itl_p99_s', 0) * 1e3:>6.1f}ms {s['errors']:>6}")
+        print(f"{'':>7} throughput off/on: {row['throughput_off_over_on']:.3f}")
+    import torch
+
+    save({"model": args.model, "max_batch": args.max_batch, "max_tokens": max_tokens, "rounds": rounds,
+          "requests_per_load": per_load, "cpus": os.cpu_count(), "torch": torch.__version__,
+          "note": "shared 2-core machine: clients and server share the CPUs; ratios matter more than absolutes",
+          "rows": rows}, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
