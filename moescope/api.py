@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from moescope.capture.observer import FanOut, Observer
-from moescope.metrics.state import MetricsObserver, ModelInfo
+from moescope.metrics.state import EXPERT_SERIES_BUDGET, MetricsObserver, ModelInfo
 
 
 def _name(observer) -> str:
@@ -22,15 +22,18 @@ class Instrumentation:
         port: serve Prometheus metrics on this port (0: any free port; None: no server).
         addr: bind address (loopback unless you say otherwise).
         window_s: window of the ratio gauges (load CV, dead experts, entropy, activation ratio).
-        expert_series_budget: per-(layer, expert) series only while layers x experts fits.
+        expert_series_budget: the full tier (per-(layer, expert) counters) while layers x experts fits
+            (default 64 x 256); beyond it the reduced tier (docs/metrics.md, "Cardinality").
+        export_routing: False on a rank routing the same tokens as another exporting rank (lock-step expert
+            parallelism): routing series are exported once.
         observers: more observers to fan out to (trace writer, your own).
     Raises:
         BadInput: the port cannot be bound, or the model is not a supported MoE model.
     """
 
     def __init__(self, model, *, model_name: str | None = None, rank: int = 0, port: int | None = None,
-                 addr: str = "127.0.0.1", window_s: float = 60.0, expert_series_budget: int = 4096,
-                 observers: Iterable[Observer] = ()) -> None:
+                 addr: str = "127.0.0.1", window_s: float = 60.0, expert_series_budget: int = EXPERT_SERIES_BUDGET,
+                 export_routing: bool = True, observers: Iterable[Observer] = ()) -> None:
         from moescope.runtime.model import MoETransformer
 
         self.model = model
@@ -43,7 +46,7 @@ class Instrumentation:
             self._hf = adapter.HFAdapter(model)
             info = self._hf.model_info(model_name)
         self.metrics = MetricsObserver(info, rank=rank, window_s=window_s,
-                                       expert_series_budget=expert_series_budget)
+                                       expert_series_budget=expert_series_budget, export_routing=export_routing)
         observers = list(observers)
         self.observer = FanOut([self.metrics, *observers])
         # Observers with their own queue (QueuedObserver, TraceRecorder) report drops and errors.

@@ -197,8 +197,10 @@ def demo(model_spec, weights, device, dtype, n_requests, duration, rate, max_bat
                 click.echo(f"note: --decode {decode_mode} runs no per-layer hook in decode steps: the trace store "
                            "keeps each request's timings and spans, not its per-token routing", err=True)
             observers.append(recorder)
+        # Lock-step ranks route the same tokens: rank 0 alone exports routing (sums over ranks count it once).
         inst = stack.enter_context(moescope.instrument(
-            model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers))
+            model, port=None if metrics_port < 0 else metrics_port, addr=metrics_addr, observers=observers,
+            rank=rank, export_routing=rank == 0))
         if inst.exporter is not None:
             click.echo(f"metrics: {inst.exporter.url}", err=True)
         if baseline_path:

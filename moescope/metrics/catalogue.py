@@ -18,13 +18,20 @@ FAST_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.00
                 0.1, 0.25)
 
 
+# Experts by load relative to the layer's mean (1 = fair share; le="0": dead), a gauge histogram per layer.
+RELATIVE_LOAD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
+
+
 @dataclass(frozen=True)
 class MetricSpec:
     name: str  # full exposed name (counters with _total)
-    kind: str  # counter | gauge | histogram | info
+    kind: str  # counter | gauge | histogram | gaugehistogram
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
+    # A function of the routed tokens: lock-step expert-parallel ranks route the same tokens, so only one of
+    # them exports these (summing over ranks then counts every token once in either deployment).
+    routing: bool = False
 
     @property
     def family(self) -> str:
@@ -44,36 +51,56 @@ def _g(name, help_, *labels):
     return MetricSpec(name, "gauge", help_, tuple(labels))
 
 
+def _routing(spec: MetricSpec) -> MetricSpec:
+    return MetricSpec(spec.name, spec.kind, spec.help, spec.labels, spec.buckets, routing=True)
+
+
 def _h(name, help_, buckets, *labels):
     return MetricSpec(name, "histogram", help_, tuple(labels), buckets)
 
 
 CATALOGUE: tuple[MetricSpec, ...] = (
-    # routing (counters; rates and shares are derived in PromQL)
-    _c("moescope_expert_tokens_total", "Slots (token, expert pairs) computed by each expert.", "layer", "expert"),
-    _c("moescope_router_tokens_total", "Tokens routed by the layer's router.", "layer"),
-    _c("moescope_tokens_dropped_total", "Slots dropped by the capacity limit.", "layer"),
-    _c("moescope_rerouted_slots_total", "Slots a routing mitigation gave to another expert than the router's "
-       "top-k (reason: load = load-aware routing, smoothing = hysteresis); only while one is on.", "layer",
-       "reason"),
-    _c("moescope_router_nonfinite_logits_total", "NaN or Inf router logits.", "layer"),
-    # routing health over the recent window (gauges)
-    _g("moescope_activation_ratio", "Parameters touched per token / total parameters, over the window."),
-    _g("moescope_expert_load_cv_ratio", "Coefficient of variation of expert load over the window.", "layer"),
-    _g("moescope_expert_load_max_over_mean_ratio", "Busiest expert's load / mean load over the window.", "layer"),
-    _g("moescope_expert_load_top_share_ratio", "Share of the routed tokens that chose the busiest expert, over the "
-       "window (k/E balanced, 1 = collapsed).",
-       "layer"),
-    _g("moescope_dead_experts", "Experts with no slot over the window.", "layer"),
-    _g("moescope_router_entropy_ratio", "Mean normalised router entropy over the window (1 = uniform).", "layer"),
-    _g("moescope_router_margin_ratio", "Mean top-1 minus top-2 router probability over the window.", "layer"),
-    _g("moescope_routing_flip_ratio", "Share of the canary batch's tokens whose expert set differs from its "
-       "baseline routing (last canary run).", "layer"),
-    _g("moescope_routing_drift_jsd_bits", "Jensen-Shannon divergence (bits) of the window's load distribution "
-       "against the saved baseline.", "layer"),
+    # routing (counters; rates and shares are derived in PromQL). The per-(layer, expert) counter is the full
+    # tier: exported while layers x experts fits the cardinality budget (docs/metrics.md, "Cardinality").
+    *map(_routing, (
+        _c("moescope_expert_tokens_total", "Slots (token, expert pairs) computed by each expert (full tier).",
+           "layer", "expert"),
+        _c("moescope_router_tokens_total", "Tokens routed by the layer's router.", "layer"),
+        _c("moescope_tokens_dropped_total", "Slots dropped by the capacity limit.", "layer"),
+        _c("moescope_rerouted_slots_total", "Slots a routing mitigation gave to another expert than the router's "
+           "top-k (reason: load = load-aware routing, smoothing = hysteresis); only while one is on.", "layer",
+           "reason"),
+        _c("moescope_router_nonfinite_logits_total", "NaN or Inf router logits.", "layer"),
+        # routing health over the recent window (gauges)
+        _g("moescope_activation_ratio", "Parameters touched per token / total parameters, over the window."),
+        _g("moescope_activation_expected_ratio", "Parameters a token touches / total parameters when every layer "
+           "computes its top-k: the model config's own activation ratio."),
+        _g("moescope_expert_load_cv_ratio", "Coefficient of variation of expert load over the window.", "layer"),
+        _g("moescope_expert_load_cv_noise_ratio", "The load CV that multinomial sampling noise alone stays under "
+           "(3 standard deviations) for uniform routing of the window's slots.", "layer"),
+        _g("moescope_expert_load_max_over_mean_ratio", "Busiest expert's load / mean load over the window.",
+           "layer"),
+        _g("moescope_expert_load_top_share_ratio", "Share of the routed tokens that chose the busiest expert, over "
+           "the window (k/E balanced, 1 = collapsed).", "layer"),
+        _g("moescope_dead_experts", "Experts with no slot over the window.", "layer"),
+        _g("moescope_window_slots_per_expert", "Slots computed over the window / experts: what uniform routing "
+           "would have sent each expert.", "layer"),
+        MetricSpec("moescope_expert_load_relative", "gaugehistogram", "Experts by their load over the window "
+                   "relative to the layer's mean load (1 = fair share; le=0: no slot).", ("layer",),
+                   RELATIVE_LOAD_BUCKETS),
+        _g("moescope_expert_window_slots", "Slots over the window of the K hottest and K coldest experts of each "
+           "layer (every tier; ties go to the lower id).", "layer", "expert"),
+        _g("moescope_router_entropy_ratio", "Mean normalised router entropy over the window (1 = uniform).",
+           "layer"),
+        _g("moescope_router_margin_ratio", "Mean top-1 minus top-2 router probability over the window.", "layer"),
+        _g("moescope_routing_flip_ratio", "Share of the canary batch's tokens whose expert set differs from its "
+           "baseline routing (last canary run).", "layer"),
+        _g("moescope_routing_drift_jsd_bits", "Jensen-Shannon divergence (bits) of the window's load distribution "
+           "against the saved baseline.", "layer"),
+    )),
     _g("moescope_window_seconds", "Length of the window the ratio gauges are computed over."),
-    _g("moescope_expert_series_per_expert", "1 when per-(layer, expert) series are exported, 0 when the "
-       "cardinality budget forced per-layer aggregates."),
+    _g("moescope_expert_series_per_expert", "1 when the full tier (per-(layer, expert) counters) is exported, 0 "
+       "when the cardinality budget left the reduced tier (hottest/coldest experts, load distribution)."),
     # expert cache
     _c("moescope_expert_cache_lookups_total", "Expert lookups (one per expert per forward).", "layer"),
     _c("moescope_expert_cache_hits_total", "Lookups that found the expert resident.", "layer"),
@@ -106,6 +133,7 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("moescope_steps_total", "Engine steps.", "phase"),
     # memory
     _g("moescope_process_resident_memory_bytes", "Resident set size of the serving process."),
+    _c("moescope_process_cpu_seconds_total", "User and system CPU time of the serving process."),
     _g("moescope_gpu_memory_used_bytes", "GPU memory used (NVML), labelled like DCGM's exporter.", "gpu", "UUID"),
     _g("moescope_gpu_memory_total_bytes", "GPU memory capacity (NVML).", "gpu", "UUID"),
     # moescope's own health
@@ -123,11 +151,13 @@ def names() -> set[str]:
 
 
 def exposed_sample_names() -> set[str]:
-    """Every sample name that may appear in an exposition (histogram _bucket/_sum/_count included)."""
+    """Every sample name that may appear in an exposition (histogram _bucket/_sum/_count/_created included)."""
     out = set()
     for m in CATALOGUE:
         if m.kind == "histogram":
-            out |= {m.name + "_bucket", m.name + "_sum", m.name + "_count"}
+            out |= {m.name + "_bucket", m.name + "_sum", m.name + "_count", m.name + "_created"}
+        elif m.kind == "gaugehistogram":
+            out |= {m.name + "_bucket", m.name + "_gsum", m.name + "_gcount"}
         else:
             out.add(m.name)
     return out

@@ -1,54 +1,38 @@
-"""Host-side metric state: cumulative counters, classic histograms with exemplars, and a sliding window for
-the ratio gauges. Fed by ``MetricsObserver`` once per step; read by the exporter at scrape time.
+"""Host-side metric state: cumulative counters, classic histograms with exemplars (prometheus_client's
+``Histogram``), and the routing window behind the ratio gauges. Fed by ``MetricsObserver`` once per step; read
+by the exporter at scrape time.
 
 Updates happen on the engine thread, reads on the HTTP thread: one lock, held for microseconds.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
-from moescope import stats
+from moescope import thresholds
 from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import RoutingProbe, StepStats
 from moescope.metrics import catalogue
+from moescope.metrics.window import LayerGauges, RoutingWindow, jensen_shannon_rows
+
+# Per-(layer, expert) counters up to 64 MoE layers x 256 experts per replica: DeepSeek-V3's shape and a little
+# beyond (docs/metrics.md, "Cardinality", has the arithmetic).
+EXPERT_SERIES_BUDGET = 64 * 256
+EXTREMES_K = 8  # the hottest and coldest experts per layer every tier exports
 
 
-class Histogram:
-    """A classic histogram: per-bucket counts, sum, and the last exemplar seen in each bucket."""
+def _histogram(spec: catalogue.MetricSpec):
+    """An unregistered prometheus_client Histogram for a catalogue spec (the exporter's collector yields it)."""
+    from prometheus_client import Histogram
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # last = +Inf
-        self.sum = 0.0
-        self.exemplars: dict[int, tuple[dict[str, str], float, float]] = {}
-
-    def observe(self, value: float, exemplar: dict[str, str] | None = None) -> None:
-        i = bisect.bisect_left(self.bounds, value)
-        self.counts[i] += 1
-        self.sum += value
-        if exemplar:
-            self.exemplars[i] = (exemplar, value, time.time())
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int, Any]]:
-        """[(le, cumulative count, exemplar or None)] including +Inf."""
-        out, acc = [], 0
-        les = [repr(float(b)) for b in self.bounds] + ["+Inf"]
-        for i, (le, c) in enumerate(zip(les, self.counts)):
-            acc += c
-            out.append((le, acc, self.exemplars.get(i)))
-        return out
+    return Histogram(spec.family, spec.help, labelnames=list(spec.all_labels), buckets=spec.buckets,
+                     registry=None)
 
 
 @dataclass(frozen=True)
@@ -67,6 +51,12 @@ class ModelInfo:
     def total_params(self) -> int:
         return self.dense_params + len(self.moe_layers) * self.n_experts * self.expert_params
 
+    @property
+    def expected_activation(self) -> float:
+        """The config's activation ratio: every MoE layer computes its top-k."""
+        return thresholds.expected_activation(self.dense_params, self.expert_params, len(self.moe_layers),
+                                              self.top_k, self.total_params)
+
     @classmethod
     def from_runtime(cls, model, name: str | None = None) -> "ModelInfo":
         cfg = model.cfg
@@ -77,15 +67,6 @@ class ModelInfo:
                    device=str(model.device))
 
 
-@dataclass
-class _Bin:
-    second: int
-    slots: dict[int, np.ndarray] = field(default_factory=dict)
-    tokens: dict[int, int] = field(default_factory=dict)
-    entropy: dict[int, float] = field(default_factory=dict)
-    margin: dict[int, float] = field(default_factory=dict)
-
-
 class MetricsObserver(Observer):
     """Accumulates everything the exporter shows. Attach it to the model (``moescope.instrument`` does).
 
@@ -93,17 +74,22 @@ class MetricsObserver(Observer):
         info: model facts (experts, params) for the ratios.
         rank: the ``rank`` label.
         window_s: length of the sliding window the ratio gauges use.
-        expert_series_budget: export per-(layer, expert) series only while layers x experts <= this.
+        expert_series_budget: export the full tier (per-(layer, expert) counters) while layers x experts <= this;
+            beyond it the reduced tier only (every layer's hottest and coldest experts, its load distribution).
+        export_routing: False on a rank that routes the same tokens as another exporting rank (lock-step
+            expert parallelism): its routing series would repeat that rank's, and sums over ranks would count
+            every token twice. The rank still exports timings, all-to-all, cache and memory.
         flush_interval_s: how often the routing probe summarises pending decisions (reads call ``flush()``
             first, so a scrape always sees everything routed so far).
         clock: monotonic seconds (tests inject a fake one).
     """
 
     def __init__(self, info: ModelInfo, *, rank: int = 0, window_s: float = 60.0,
-                 expert_series_budget: int = 4096, flush_interval_s: float = 0.25,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 expert_series_budget: int = EXPERT_SERIES_BUDGET, export_routing: bool = True,
+                 flush_interval_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
         self.info, self.rank, self.window_s, self.clock = info, rank, window_s, clock
         self.per_expert = len(info.moe_layers) * info.n_experts <= expert_series_budget
+        self.export_routing = export_routing
         self.lock = threading.Lock()
         self.probe = RoutingProbe(self._on_stats, interval_s=flush_interval_s)
         # The per-layer hot-path hooks go straight to the probe (one Python call less per layer).
@@ -113,21 +99,23 @@ class MetricsObserver(Observer):
         self.expert_tokens: dict[int, np.ndarray] = {}  # layer -> cumulative slots per expert
         self.layer_counters: dict[str, dict[int, float]] = collections.defaultdict(
             lambda: collections.defaultdict(float))
-        self.hists: dict[tuple[str, tuple[str, ...]], Histogram] = {}
-        self._bounds = {m.name: m.buckets for m in c.values() if m.kind == "histogram"}
+        # prometheus_client Histograms (exemplars included), one per catalogue histogram; children per label set
+        self.histograms = {m.name: _histogram(m) for m in c.values() if m.kind == "histogram"}
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
-        self._bins: collections.deque[_Bin] = collections.deque()
+        self.routing_window = RoutingWindow(info.moe_layers, info.n_experts, window_s)
         self.flips: dict[int, float] = {}  # last canary run's flip ratio per layer
         self.baseline: dict[int, list[float]] | None = None  # layer -> baseline load (drift reference)
         self.errors_source: Callable[[], dict[str, int]] | None = None  # observer -> errors raised
         self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
 
     # -- helpers ---------------------------------------------------------------------------------------
-    def hist(self, name: str, *label_values: str) -> Histogram:
+    def hist(self, name: str, *label_values: str):
+        """The prometheus_client Histogram child of ``name`` for these labels (besides model and rank)."""
         key = (name, label_values)
-        h = self.hists.get(key)
+        h = self._children.get(key)
         if h is None:
-            h = self.hists[key] = Histogram(self._bounds[name])
+            h = self._children[key] = self.histograms[name].labels(self.info.name, str(self.rank), *label_values)
         return h
 
     # -- observer hooks (engine thread) ----------------------------------------------------------------
@@ -202,11 +190,8 @@ class MetricsObserver(Observer):
     def _on_stats(self, st: StepStats) -> None:
         second = int(self.clock())
         with self.lock:
-            if not self._bins or self._bins[-1].second != second:
-                self._bins.append(_Bin(second))
-                self._prune(second)
-            b = self._bins[-1]
             lc = self.layer_counters
+            win = self.routing_window
             for ls in st.layers:
                 layer = ls.layer
                 tot = self.expert_tokens.get(layer)
@@ -219,62 +204,68 @@ class MetricsObserver(Observer):
                 lc["moescope_router_nonfinite_logits_total"][layer] += ls.nonfinite
                 for reason, n in (ls.rerouted or {}).items():
                     self.counters[("moescope_rerouted_slots_total", (str(layer), reason))] += n
-                win = b.slots.get(layer)
-                if win is None:
-                    b.slots[layer] = ls.slots.copy()
-                    b.tokens[layer], b.entropy[layer], b.margin[layer] = ls.tokens, ls.entropy_sum, ls.margin_sum
-                else:
-                    win += ls.slots
-                    b.tokens[layer] += ls.tokens
-                    b.entropy[layer] += ls.entropy_sum
-                    b.margin[layer] += ls.margin_sum
+                win.add(second, layer, ls.slots, ls.tokens, ls.entropy_sum, ls.margin_sum)
                 if ls.router_s is not None:
                     self.hist("moescope_router_seconds").observe(ls.router_s)
                     self.hist("moescope_expert_compute_seconds").observe(ls.experts_s)
 
-    def _prune(self, now_second: int) -> None:
-        while self._bins and self._bins[0].second <= now_second - self.window_s:
-            self._bins.popleft()
-
     # -- reads (scrape thread) -------------------------------------------------------------------------
+    def layer_gauges(self) -> LayerGauges:
+        """The window gauges of every routed layer (flushes pending routing first)."""
+        self.flush()
+        with self.lock:
+            self.routing_window.prune(int(self.clock()))
+            return self.routing_window.gauges()
+
+    def drift(self, g: LayerGauges) -> dict[int, float]:
+        """layer -> JS divergence (bits) of the window's load against the baseline, where one is set."""
+        base = self.baseline
+        rows = [j for j, layer in enumerate(g.layers) if base and layer in base]
+        if not rows:
+            return {}
+        ref = np.array([base[g.layers[j]] for j in rows], dtype=np.float64)
+        jsd = jensen_shannon_rows(g.slots[rows], ref)
+        return {g.layers[j]: float(v) for j, v in zip(rows, jsd.tolist())}
+
+    def activation_ratio(self, g: LayerGauges) -> float | None:
+        """Parameters touched per token / total over the window, ``k_eff`` = computed slots / routed tokens
+        per layer (None without traffic)."""
+        if not len(g.layers):
+            return None
+        info = self.info
+        k_eff_sum = float((g.slots.sum(1) / g.tokens).sum())
+        return (info.dense_params + k_eff_sum * info.expert_params) / info.total_params
+
     def window(self) -> dict[int, dict[str, Any]]:
         """Per layer over the window: summed slots per expert, tokens, entropy and margin sums."""
         self.flush()
         with self.lock:
-            self._prune(int(self.clock()))
-            out: dict[int, dict[str, Any]] = {}
-            for b in self._bins:
-                for layer, slots in b.slots.items():
-                    w = out.setdefault(layer, {"slots": np.zeros_like(slots), "tokens": 0, "entropy": 0.0,
-                                               "margin": 0.0})
-                    w["slots"] = w["slots"] + slots
-                    w["tokens"] += b.tokens[layer]
-                    w["entropy"] += b.entropy[layer]
-                    w["margin"] += b.margin[layer]
-            return out
+            w = self.routing_window
+            w.prune(int(self.clock()))
+            return {layer: {"slots": w.slots[i].copy(), "tokens": int(w.tokens[i]), "entropy": float(w.entropy[i]),
+                            "margin": float(w.margin[i])} for i, layer in enumerate(w.layers) if w.tokens[i]}
 
     def window_gauges(self) -> dict[str, Any]:
-        """The ratio gauges: per layer, and the model's activation ratio (None without traffic)."""
-        win = self.window()
+        """The ratio gauges by catalogue name, per layer, and the model's activation ratio (None without
+        traffic)."""
+        g = self.layer_gauges()
+        drift = self.drift(g)
         per_layer = {}
-        k_eff_sum, any_tokens = 0.0, False
-        for layer, w in win.items():
-            if not w["tokens"]:
-                continue
-            any_tokens = True
-            load = w["slots"].tolist()
-            k_eff_sum += sum(load) / w["tokens"]
-            per_layer[layer] = {
-                "moescope_expert_load_cv_ratio": stats.load_cv(load),
-                "moescope_expert_load_max_over_mean_ratio": stats.max_over_mean(load),
-                "moescope_expert_load_top_share_ratio": stats.top_share(load, w["tokens"]),
-                "moescope_dead_experts": float(stats.dead_experts(load)),
-                "moescope_router_entropy_ratio": w["entropy"] / w["tokens"],
-                "moescope_router_margin_ratio": w["margin"] / w["tokens"],
-            }
-            if self.baseline and layer in self.baseline:
-                per_layer[layer]["moescope_routing_drift_jsd_bits"] = stats.jensen_shannon(load, self.baseline[layer])
-        info = self.info
-        ratio = stats.activation_ratio(info.dense_params, info.expert_params, info.total_params,
-                                       k_eff_sum) if any_tokens else None
-        return {"layers": per_layer, "activation_ratio": ratio}
+        for j, layer in enumerate(g.layers):
+            per_layer[layer] = {name: float(getattr(g, attr)[j]) for name, attr in LAYER_GAUGES}
+            if layer in drift:
+                per_layer[layer]["moescope_routing_drift_jsd_bits"] = drift[layer]
+        return {"layers": per_layer, "activation_ratio": self.activation_ratio(g)}
+
+
+# (catalogue name, LayerGauges field) of the per-layer window gauges
+LAYER_GAUGES = (
+    ("moescope_expert_load_cv_ratio", "cv"),
+    ("moescope_expert_load_cv_noise_ratio", "noise_cv"),
+    ("moescope_expert_load_max_over_mean_ratio", "max_over_mean"),
+    ("moescope_expert_load_top_share_ratio", "top_share"),
+    ("moescope_dead_experts", "dead"),
+    ("moescope_window_slots_per_expert", "slots_per_expert"),
+    ("moescope_router_entropy_ratio", "entropy"),
+    ("moescope_router_margin_ratio", "margin"),
+)
