@@ -64,6 +64,8 @@ def test_cache_sim_from_the_trace_store_equals_the_routing_log(tmp_path, capsys)
     assert cache_sim.load_lookups_from_store(store.open_store(traces)) == cache_sim.load_lookups(log)
     assert main(["cache-sim", "--traces", str(traces), "--json"]) == 0
     from_store = json.loads(capsys.readouterr().out)
+    assert from_store.pop("corrupt_rows") == 0
     assert main(["cache-sim", str(log), "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == from_store
-    assert main(["cache-sim"]) == 2
+    assert main(["cache-sim", "--traces", str(tmp_path / "missing.sqlite")]) == 2  # the store is the default source
+    assert main(["cache-sim", str(log), "--import", str(log)]) == 2

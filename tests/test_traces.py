@@ -79,7 +79,10 @@ def test_escape_sequences_are_shown_inert_in_every_output(tiny_cfg, tmp_path, ca
         assert main(["trace", rid, "--traces", str(path), mode]) == 0
         out = capsys.readouterr().out
         assert "\x1b" not in out and "\x07" not in out and "\x9b" not in out
-        assert "\\x1b]0;pwned\\x07" in out or "\\\\x1b]0;pwned\\\\x07" in out
+        if mode == "--plain":  # a terminal sees the escapes spelled out
+            assert "\\x1b]0;pwned\\x07" in out
+        else:  # JSON escapes them itself (the CLI's one JSON rule): a parser gets the original text back
+            assert "\\u001b]0;pwned\\u0007" in out and EVIL in json.loads(out)["prompt"]
     from moescope.tui.trace_app import header_text
 
     doc = store.load_request(store.open_store(path), rid)

@@ -35,17 +35,19 @@ def load(path: str | Path) -> dict[int, list[float]]:
         raise BadInput(f"baseline {path}: layers must map layer numbers to lists of loads") from None
 
 
-def from_store(conn, since: float | None = None) -> tuple[dict[int, list[float]], str | None]:
-    """Load per layer summed over the stored requests' routed tokens (dropped slots excluded)."""
-    from moescope.traces.store import iter_routed
+def from_store(conn, since: float | None = None, corrupt=None) -> tuple[dict[int, list[float]], str | None]:
+    """Load per layer summed over the stored requests' routed tokens (dropped slots excluded); corrupt rows
+    are skipped into ``corrupt`` (``store.CorruptRows``)."""
+    from moescope.traces.store import CorruptRows, iter_routed
 
+    corrupt = CorruptRows() if corrupt is None else corrupt
     totals: dict[int, np.ndarray] = {}
     model = None
-    for r in iter_routed(conn, since=since):
+    for r in iter_routed(conn, since=since, corrupt=corrupt):
         model = r.model
         for j, layer in enumerate(r.layers):
             counts = np.bincount(r.ids[:, j].ravel(), minlength=r.n_experts + 1)[: r.n_experts]
             totals[layer] = totals.get(layer, 0) + counts
     if not totals:
-        raise BadInput("the trace store holds no routed tokens to make a baseline from")
+        raise corrupt.nothing_left("the trace store holds no routed tokens to make a baseline from")
     return {layer: v.tolist() for layer, v in sorted(totals.items())}, model

@@ -34,15 +34,17 @@ def load_lookups(path: str | Path) -> tuple[int, dict[int, list[int]]]:
     return n_experts, seqs
 
 
-def load_lookups_from_store(conn) -> tuple[int, dict[int, list[int]]]:
+def load_lookups_from_store(conn, corrupt=None) -> tuple[int, dict[int, list[int]]]:
     """The same lookup sequences from a trace store: each engine step's experts per layer (the union over
     the stored requests that took part in it), steps in order. With sampling below 1 only kept requests
-    contribute, so the replay sees a subset of each step's experts."""
-    from moescope.traces.store import iter_routed
+    contribute, so the replay sees a subset of each step's experts. Corrupt rows are skipped into
+    ``corrupt`` (``store.CorruptRows``)."""
+    from moescope.traces.store import CorruptRows, iter_routed
 
+    corrupt = CorruptRows() if corrupt is None else corrupt
     used: dict[tuple[str, int], dict[int, set[int]]] = {}
     n_experts = None
-    for r in iter_routed(conn):
+    for r in iter_routed(conn, corrupt=corrupt):
         n_experts, steps, ids, step_of = r.n_experts, r.steps, r.ids, r.step_of
         for i in range(r.n_routed):
             st = steps[int(step_of[i])]
@@ -52,7 +54,7 @@ def load_lookups_from_store(conn) -> tuple[int, dict[int, list[int]]]:
             for j, layer in enumerate(r.layers):
                 per_layer.setdefault(layer, set()).update(int(e) for e in ids[i, j] if e < n_experts)
     if not used:
-        raise BadInput("the trace store holds no routed tokens")
+        raise corrupt.nothing_left("the trace store holds no routed tokens")
     seqs: dict[int, list[int]] = {}
     for key in sorted(used):
         for layer, experts in used[key].items():

@@ -1,8 +1,11 @@
 """``moescope diagnose``: ranked findings from the trace store (and, when given, a Prometheus server).
 
 Each check reads what the store really holds and names one cause, with evidence (numbers, layers, experts,
-ranks, example request ids) and the playbook to follow. Thresholds are the alert rules' (``Thresholds``),
-so a finding here and an alert there mean the same thing. Checks, in the store's terms:
+ranks, example request ids) and the playbook to follow. Every bar is the model's in the thresholds object the
+alert rules are generated from (``moescope.thresholds``), and each check judges what its alert judges (the
+load CV beyond sampling noise, dead experts only where uniform routing would have sent enough slots, a slow
+peer by its share of the wait and its wait per dispatch), so a finding here and an alert there mean the same
+thing. Checks, in the store's terms:
 
 - non-finite router output: token-layers whose stored entropy is NaN/Inf; the token that triggered it;
 - collapse / imbalance: per layer, the share of tokens choosing the top expert, and the load CV;
@@ -27,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from moescope import stats
-from moescope.alerts.rules import Thresholds
+from moescope.thresholds import Thresholds
 from moescope.errors import BadInput
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -69,13 +72,15 @@ class Window:
     n_prompt: list[int] = field(default_factory=list)
 
 
-def load_window(conn, *, since: float | None = None, limit: int = 5000) -> Window:
-    from moescope.traces.store import iter_routed
+def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=None) -> Window:
+    """The newest ``limit`` routed requests (one model); corrupt rows are skipped into ``corrupt``."""
+    from moescope.traces.store import CorruptRows, iter_routed
 
-    rows = list(iter_routed(conn, since=since, limit=limit, newest=True))
+    corrupt = CorruptRows() if corrupt is None else corrupt
+    rows = list(iter_routed(conn, since=since, limit=limit, newest=True, corrupt=corrupt))
     if not rows:
-        raise BadInput("the trace store holds no routed requests in this window (run `moescope demo`, or widen "
-                       "--since)")
+        raise corrupt.nothing_left("the trace store holds no routed requests in this window (run `moescope demo`, "
+                                   "or widen --since)")
     keys: dict[tuple, int] = {}
     steps: list[dict] = []
     started: list[float] = []
@@ -104,10 +109,6 @@ def load_window(conn, *, since: float | None = None, limit: int = 5000) -> Windo
         w.step_of.append(np.array(index, dtype=np.int64)[r.step_of] if index else np.zeros(r.n_routed, np.int64))
     w.started = np.array(started)
     return w
-
-
-def _threshold(by_model: dict, default: float, model: str | None) -> float:
-    return by_model.get(model, default)
 
 
 def _request_counts(w: Window) -> np.ndarray:
@@ -164,38 +165,48 @@ def _check_nonfinite(w: Window) -> list[Finding]:
 
 
 def _check_load(w: Window, t: Thresholds, drift_found: bool, per_request: np.ndarray) -> list[Finding]:
+    b = t.for_model(w.model)
     counts = per_request.sum(0)
     tokens = counts.sum(1) / max(1, w.top_k)
+    slots = counts.sum(1)  # [L] computed slots per layer: the sample the sampling noise depends on
     out = []
-    cv_bar = _threshold(t.load_cv_by_model, t.load_cv, w.model)
+    cv_bar = b.load_cv
     share = counts.max(1) / np.maximum(tokens, 1)
-    collapsed = [j for j in range(len(w.layers)) if share[j] > t.collapse_top_share]
+    collapsed = [j for j in range(len(w.layers)) if share[j] > b.collapse_top_share]
     if collapsed:
         out.append(Finding(
             "collapse", "critical", "Routing collapsed onto one expert", 5.0 + float(share.max()),
             {"layers": {w.layers[j]: {"expert": int(counts[j].argmax()), "top_share": round(float(share[j]), 3)}
-                        for j in collapsed}, "threshold": t.collapse_top_share},
+                        for j in collapsed}, "threshold": b.collapse_top_share},
             [], "MoEExpertCollapse"))
     cvs = [stats.load_cv(c.tolist()) for c in counts]
-    # A few dozen requests of a skewed domain mix make a noisy CV: call it imbalance only when the CV stays
-    # above the bar in 90% of bootstrap resamples of the requests.
+    # As the alert: the CV beyond the multinomial noise of the window's slots (a 256-expert layer with a few
+    # thousand slots has a CV of ~0.3 from chance alone).
+    noise = np.array([b.noise_cv(w.n_experts, n) for n in slots.tolist()])
+    excess = [b.excess_cv(cv, w.n_experts, n) for cv, n in zip(cvs, slots.tolist())]
+    # A few dozen requests of a skewed domain mix make a noisy CV too: call it imbalance only when the excess
+    # CV stays above the bar in 90% of bootstrap resamples of the requests.
     rng = np.random.default_rng(RNG_SEED)
     boot = np.stack([_cv(per_request[rng.integers(0, len(per_request), len(per_request))].sum(0))
                      for _ in range(200)])  # [200, L]
-    low = np.percentile(boot, 10, axis=0)
-    over = [j for j, cv in enumerate(cvs) if low[j] > cv_bar and j not in collapsed]
+    with np.errstate(invalid="ignore"):
+        low = np.percentile(np.sqrt(np.clip(boot ** 2 - noise ** 2, 0, None)), 10, axis=0)
+    over = [j for j in range(len(cvs)) if low[j] > cv_bar and j not in collapsed]
     if over and not drift_found:
         out.append(Finding(
-            "imbalance", "warning", "Expert load is imbalanced", max(cvs[j] for j in over) / cv_bar,
-            {"layers": {w.layers[j]: {"cv": round(cvs[j], 3), "cv_p10": round(float(low[j]), 3), "hot": [int(e) for e in np.argsort(-counts[j])[:2]],
+            "imbalance", "warning", "Expert load is imbalanced", max(excess[j] for j in over) / cv_bar,
+            {"layers": {w.layers[j]: {"cv": round(cvs[j], 3), "noise_cv": round(float(noise[j]), 3),
+                                      "excess_cv": round(excess[j], 3), "excess_cv_p10": round(float(low[j]), 3),
+                                      "hot": [int(e) for e in np.argsort(-counts[j])[:2]],
                                       "cold": [int(e) for e in np.argsort(counts[j])[:2]]} for j in over},
              "threshold": cv_bar, "stationary": True},
             [], "MoEExpertLoadImbalance"))
+    # As the alert: an empty expert is dead only where uniform routing would have sent it enough slots.
     dead = {w.layers[j]: [int(e) for e in np.nonzero(counts[j] == 0)[0]] for j in range(len(w.layers))
-            if (counts[j] == 0).any() and counts[j].sum() > 10 * w.n_experts}
+            if (counts[j] == 0).any() and b.judges_dead(w.n_experts, float(slots[j]))}
     if dead and not collapsed:
         out.append(Finding("dead-experts", "warning", "Experts receive no tokens", 1.0 + len(dead),
-                           {"layers": dead}, [], "MoEDeadExperts"))
+                           {"layers": dead, "min_expected_slots": b.dead_min_expected_slots}, [], "MoEDeadExperts"))
     return out
 
 
@@ -206,7 +217,7 @@ def _mix(labels: list[str | None], idx: np.ndarray) -> dict[str, float]:
 
 
 def _check_drift(w: Window, t: Thresholds, baseline: dict | None, per_request: np.ndarray) -> list[Finding]:
-    bar = _threshold(t.drift_jsd_bits_by_model, t.drift_jsd_bits, w.model)
+    bar = t.for_model(w.model).drift_jsd_bits
     n = len(w.ids)
     order = np.argsort(w.started, kind="stable")
     early, late = order[: n // 2], order[n // 2:]
@@ -286,13 +297,14 @@ def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
     if compared < 50:
         return []
     ratio = flipped / compared
-    if ratio <= t.flip_ratio:
+    bar = t.for_model(w.model).flip_ratio
+    if ratio <= bar:
         return [Finding("jitter", "info", "Routing is deterministic on shared prefixes", 0.0,
                         {"positions_compared": compared, "flipped": flipped, "flip_ratio": round(ratio, 4)})]
     return [Finding("jitter", "warning", "Routing is not deterministic: identical prefixes route differently",
-                    ratio / t.flip_ratio,
+                    ratio / bar,
                     {"positions_compared": compared, "flipped": flipped, "flip_ratio": round(ratio, 4),
-                     "by_layer": {w.layers[j]: int(v) for j, v in enumerate(by_layer)}, "threshold": t.flip_ratio},
+                     "by_layer": {w.layers[j]: int(v) for j, v in enumerate(by_layer)}, "threshold": bar},
                     examples, "MoERoutingFlips")]
 
 
@@ -309,11 +321,12 @@ def _check_drop(w: Window, t: Thresholds) -> list[Finding]:
     if total == 0:
         return []
     ratio = dropped / total  # slots dropped per routed token, as the alert computes it
-    over = {w.layers[j]: round(float(v), 4) for j, v in enumerate(ratio) if v > t.drop_ratio}
+    bar = t.for_model(w.model).drop_ratio
+    over = {w.layers[j]: round(float(v), 4) for j, v in enumerate(ratio) if v > bar}
     if not over:
         return []
-    return [Finding("drop", "warning", "The capacity limit drops tokens", max(over.values()) / t.drop_ratio,
-                    {"dropped_per_token": over, "threshold": t.drop_ratio, "slots_dropped": int(dropped.sum())},
+    return [Finding("drop", "warning", "The capacity limit drops tokens", max(over.values()) / bar,
+                    {"dropped_per_token": over, "threshold": bar, "slots_dropped": int(dropped.sum())},
                     examples, "MoETokensDropped")]
 
 
@@ -346,7 +359,8 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
         lookups[j] += len(experts)
         misses[j] += len(missed.get((key, j), ()))
     hit_rate = 1 - misses / np.maximum(lookups, 1)
-    bar = _threshold(t.cache_hit_rate_by_model, t.cache_hit_rate, w.model)
+    b = t.for_model(w.model)
+    bar = b.cache_hit_rate
     low = {w.layers[j]: round(float(h), 3) for j, h in enumerate(hit_rate) if h < bar}
     examples = [rid for rid, m in zip(w.ids, w.miss) if m.any()][:5]
     if low:
@@ -371,17 +385,21 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
             per_miss += [(s - base) / n for s, n in costly]
     if len(per_miss) >= 5:
         med, p90 = float(np.median(per_miss)), float(np.percentile(per_miss, 90))
-        slow_bar = 0.02  # a page-cache-cold read of a demo expert from local disk costs ~8 ms here
-        if med > slow_bar:
-            out.append(Finding("switch-jitter", "warning", "Expert fetches are slow", med / slow_bar,
+        # As the alert (p99 of the fetch time above the bar, i.e. over 1% of fetches slower than it), on the
+        # store's per-miss estimate: the share of forwards whose misses cost more than the bar each.
+        slow_bar = b.fetch_p99_s
+        over = float(np.mean(np.array(per_miss) > slow_bar))
+        if over > 0.01:
+            out.append(Finding("switch-jitter", "warning", "Expert fetches are slow", over / 0.01,
                                {"seconds_per_miss_p50": round(med, 4), "seconds_per_miss_p90": round(p90, 4),
+                                "share_over_threshold": round(over, 3),
                                 "threshold_s": slow_bar, "forwards_with_misses": len(per_miss),
                                 "note": "expert time of forwards with misses minus the median without, per miss"},
                                examples, "MoEExpertSwitchJitter"))
     return out
 
 
-def _check_ranks(w: Window) -> list[Finding]:
+def _check_ranks(w: Window, t: Thresholds) -> list[Finding]:
     waits: dict[int, list[float]] = defaultdict(list)
     a2a_share = []
     for st in w.steps:
@@ -398,15 +416,22 @@ def _check_ranks(w: Window) -> list[Finding]:
             a2a_share.append(a2a / st["seconds"])
     if not waits:
         return []
+    # As the alert: a slow peer takes over its share of all the wait on peers and makes a rank wait longer than
+    # the bar per dispatch (the store holds the recording rank's waits).
+    b = t.for_model(w.model)
     med = {peer: float(np.median(v)) for peer, v in waits.items()}
-    slow_bar = 0.005
-    peer = max(med, key=med.get)
-    if med[peer] <= slow_bar:
+    mean = {peer: float(np.mean(v)) for peer, v in waits.items()}
+    total = sum(mean.values())
+    peer = max(mean, key=mean.get)
+    share = mean[peer] / total if total > 0 else 0.0
+    if not (share > b.slow_rank_share and mean[peer] > b.slow_rank_wait_s):
         return []
     return [Finding("slow-rank", "warning", f"Rank {peer} makes its peers wait in the all-to-all",
-                    med[peer] / slow_bar,
+                    mean[peer] / b.slow_rank_wait_s,
                     {"peer": peer, "wait_per_dispatch_p50_s": {p: round(v, 5) for p, v in sorted(med.items())},
-                     "threshold_s": slow_bar,
+                     "wait_per_dispatch_mean_s": {p: round(v, 5) for p, v in sorted(mean.items())},
+                     "share_of_wait": round(share, 3), "threshold_share": b.slow_rank_share,
+                     "threshold_s": b.slow_rank_wait_s,
                      "all_to_all_share_of_step": round(float(np.median(a2a_share)), 3) if a2a_share else None},
                     [], "MoESlowRank")]
 
@@ -414,7 +439,7 @@ def _check_ranks(w: Window) -> list[Finding]:
 MEMORY_MIN_SPAN_S = 10.0
 
 
-def _check_memory(w: Window) -> list[Finding]:
+def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     pts = sorted((st["t"], st["rss"]) for st in w.steps if st.get("t") and st.get("rss"))
     if len(pts) < 30:
         return []
@@ -434,22 +459,24 @@ def _check_memory(w: Window) -> list[Finding]:
     # traffic: steadily (r near 1), by real amounts, and still in the second half.
     if not (r > 0.9 and growth > 16 * 2**20 and per_step > 64 * 2**10 and second / (len(rss) - half) > 32 * 2**10):
         return []
-    hours_to_24g = (24 * 2**30 - rss[-1]) / slope / 3600 if slope > 0 else math.inf
+    capacity = t.for_model(w.model).memory_capacity_bytes
+    hours_left = (capacity - rss[-1]) / slope / 3600 if slope > 0 else math.inf
     return [Finding("leak", "warning", "Memory grows with traffic", slope / (1 * 2**20),
                     {"rss_bytes_per_s": int(slope), "bytes_per_step": int(per_step), "correlation": round(r, 3),
                      "grew_bytes": int(growth), "first_half_bytes": int(first), "second_half_bytes": int(second),
                      "over_s": round(float(t[-1] - t[0]), 1),
-                     "hours_to_24GiB": round(hours_to_24g, 2)}, [], "MoEMemoryGrowth")]
+                     "capacity_bytes": capacity, "hours_to_capacity": round(hours_left, 2)}, [],
+                    "MoEMemoryGrowth")]
 
 
 def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline: dict | None = None,
-             thresholds: Thresholds = Thresholds(), prometheus: str | None = None) -> dict:
-    w = load_window(conn, since=since, limit=limit)
+             thresholds: Thresholds = Thresholds(), prometheus: str | None = None, corrupt=None) -> dict:
+    w = load_window(conn, since=since, limit=limit, corrupt=corrupt)
     per_request = _request_counts(w)
     drift = _check_drift(w, thresholds, baseline, per_request)
     findings = [*_check_nonfinite(w), *_check_load(w, thresholds, bool(drift), per_request), *drift,
                 *_check_jitter(w, thresholds), *_check_drop(w, thresholds), *_check_cache(w, thresholds),
-                *_check_ranks(w), *_check_memory(w)]
+                *_check_ranks(w, thresholds), *_check_memory(w, thresholds)]
     if prometheus:
         from moescope.analysis import prom_evidence
 

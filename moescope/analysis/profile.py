@@ -44,14 +44,17 @@ class LoadProfile:
         return {layer: [int(e) for row in p for e in np.nonzero(row)[0]] for layer, p in self.passes.items()}
 
 
-def from_store(conn, *, since: float | None = None, limit: int = 100000) -> LoadProfile:
-    """Passes are the engine's steps (run, index) in order; co-activation counts token-level expert pairs."""
-    from moescope.traces.store import iter_routed
+def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt=None) -> LoadProfile:
+    """Passes are the engine's steps (run, index) in order; co-activation counts token-level expert pairs.
+    Corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``)."""
+    from moescope.traces.store import CorruptRows, iter_routed
+
+    corrupt = CorruptRows() if corrupt is None else corrupt
 
     step_rows: dict[tuple, dict[int, np.ndarray]] = {}
     co: dict[int, np.ndarray] = {}
     n_exp, model = None, None
-    for r in iter_routed(conn, since=since, limit=limit):
+    for r in iter_routed(conn, since=since, limit=limit, corrupt=corrupt):
         layers, steps, e, k, model = r.layers, r.steps, r.n_experts, r.top_k, r.model
         n_exp = e
         ids = r.ids.astype(np.int64)
@@ -73,7 +76,7 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000) -> Load
                     np.add.at(m, (sel[ok, a], sel[ok, b]), 1)
                     np.add.at(m, (sel[ok, b], sel[ok, a]), 1)
     if not step_rows:
-        raise BadInput("the trace store holds no routed requests (run `moescope demo` first)")
+        raise corrupt.nothing_left("the trace store holds no routed requests (run `moescope demo` first)")
     layers = sorted({layer for v in step_rows.values() for layer in v})
     passes = {layer: np.stack([step_rows[key].get(layer, np.zeros(n_exp, np.int64)) for key in sorted(step_rows)])
               for layer in layers}
@@ -138,9 +141,10 @@ def from_megatron(path: str | Path) -> LoadProfile:
     return LoadProfile(f"megatron:{path.name}", n_exp, passes)
 
 
-def load(traces_path: str | None = None, import_path: str | None = None, *, since: float | None = None
-         ) -> LoadProfile:
-    """From ``--import FILE`` (``.pt``: SGLang; ``.jsonl``/``.json``: Megatron-style) or the trace store."""
+def load(traces_path: str | None = None, import_path: str | None = None, *, since: float | None = None,
+         corrupt=None) -> LoadProfile:
+    """From ``--import FILE`` (``.pt``: SGLang; ``.jsonl``/``.json``: Megatron-style) or the trace store
+    (corrupt rows skipped into ``corrupt``)."""
     if import_path:
         suffix = Path(import_path).suffix.lower()
         if suffix == ".pt":
@@ -152,6 +156,6 @@ def load(traces_path: str | None = None, import_path: str | None = None, *, sinc
 
     conn = store.open_store(traces_path)
     try:
-        return from_store(conn, since=since)
+        return from_store(conn, since=since, corrupt=corrupt)
     finally:
         conn.close()

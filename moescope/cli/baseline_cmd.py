@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from moescope.cli.requests_cmd import TRACES_OPTION, parse_since
+from moescope.cli.options import echo, read_store, since_option, traces_option
 
 
 @click.group("baseline")
@@ -13,15 +13,15 @@ def baseline() -> None:
 
 
 @baseline.command("save")
-@TRACES_OPTION
+@traces_option()
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Baseline file to write (JSON).")
-@click.option("--since", default=None, help="Only requests since: 30s, 5m, 2h, 1d or an ISO timestamp.")
-def save(traces_path: str, out: str, since: str | None) -> int:
+@since_option
+def save(traces_path: str, out: str, since: float | None) -> None:
     """Save the expert load per layer of the stored requests as the baseline."""
     from moescope.analysis import baseline as bl
-    from moescope.traces import store
 
-    load, model = bl.from_store(store.open_store(traces_path), parse_since(since) if since else None)
+    with read_store(traces_path) as (conn, corrupt):
+        load, model = bl.from_store(conn, since, corrupt=corrupt)
     bl.save(out, load, model)
-    click.echo(f"wrote {out}: {len(load)} layers, {int(sum(sum(v) for v in load.values()))} slots")
-    return 0
+    skipped = f"; skipped {corrupt.count} corrupt rows" if corrupt.count else ""
+    echo(f"wrote {out}: {len(load)} layers, {int(sum(sum(v) for v in load.values()))} slots{skipped}")

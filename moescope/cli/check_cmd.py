@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict
 
 import click
 
+from moescope.cli.options import echo, emit_json, json_option
 from moescope.errors import CheckFailed
-from moescope.traces.sanitize import sanitize_tree
 
 
 @click.group("check")
@@ -47,8 +46,8 @@ def _verdict(report, threshold: float, passed: bool) -> str:
               help="Held-out prompts of every domain to route.")
 @click.option("--threshold", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Largest flip rate per layer that still passes.")
-@click.option("--json", "as_json", is_flag=True)
-def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshold, as_json) -> int:
+@json_option
+def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshold, as_json) -> None:
     """Route the same inputs RUNS times; report the flip rate per layer and the tokens that flipped."""
     from moescope.analysis.determinism import check as run_check
     from moescope.runtime import faults
@@ -59,16 +58,15 @@ def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshol
     report = run_check(model, default_prompts(n_prompts), runs=runs)
     passed = report.worst <= threshold
     if as_json:
-        click.echo(json.dumps(sanitize_tree({**asdict(report), "threshold": threshold, "passed": passed}), indent=1))
+        emit_json({**asdict(report), "threshold": threshold, "passed": passed})
     else:
-        click.echo(f"{report.tokens} tokens x {runs} runs; flip rate per layer: {_flip_rates(report)}")
+        echo(f"{report.tokens} tokens x {runs} runs; flip rate per layer: {_flip_rates(report)}")
         for f in report.flipped[:10]:
-            click.echo(f"  run {f['run']} layer {f['layer']} token {f['position']} ({sanitize_tree(f['text'])}): "
-                       f"{f['before']} -> {f['after']}")
-        click.echo(_verdict(report, threshold, passed))
+            echo(f"  run {f['run']} layer {f['layer']} token {f['position']} ({f['text']}): "
+                 f"{f['before']} -> {f['after']}")
+        echo(_verdict(report, threshold, passed))
     if not passed:
         raise CheckFailed(f"routing is not deterministic: flip rate {report.worst:.2%} > {threshold:.2%}")
-    return 0
 
 
 @check.command("quantization")
@@ -79,8 +77,8 @@ def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshol
               help="Held-out prompts of every domain to route.")
 @click.option("--threshold", type=click.FloatRange(min=0), default=0.005, show_default=True,
               help="Largest flip rate per layer that still passes.")
-@click.option("--json", "as_json", is_flag=True)
-def quantization(model_spec, weights, device, variant, n_prompts, threshold, as_json) -> int:
+@json_option
+def quantization(model_spec, weights, device, variant, n_prompts, threshold, as_json) -> None:
     """Route the same inputs at full precision and with int8 weights; report flips, non-finite logits and
     output agreement. Exit 1 when a layer's flip rate exceeds the threshold."""
     from moescope.analysis.quantization import compare
@@ -90,12 +88,11 @@ def quantization(model_spec, weights, device, variant, n_prompts, threshold, as_
     report = compare(model, default_prompts(n_prompts), variant)
     passed = report.worst <= threshold and not any(report.nonfinite_logits.values())
     if as_json:
-        click.echo(json.dumps({**asdict(report), "threshold": threshold, "passed": passed}, indent=1))
+        emit_json({**asdict(report), "threshold": threshold, "passed": passed})
     else:
-        click.echo(f"int8 {variant}: {report.tokens} tokens; flip rate per layer: {_flip_rates(report)}")
-        click.echo(f"  non-finite router logits: {sum(report.nonfinite_logits.values())}; greedy next token "
-                   f"unchanged {report.next_token_agreement:.2%}; mean KL {report.mean_kl:.2e} nats")
-        click.echo(_verdict(report, threshold, passed))
+        echo(f"int8 {variant}: {report.tokens} tokens; flip rate per layer: {_flip_rates(report)}")
+        echo(f"  non-finite router logits: {sum(report.nonfinite_logits.values())}; greedy next token "
+             f"unchanged {report.next_token_agreement:.2%}; mean KL {report.mean_kl:.2e} nats")
+        echo(_verdict(report, threshold, passed))
     if not passed:
         raise CheckFailed(f"int8 {variant} changes routing: flip rate {report.worst:.2%} > {threshold:.2%}")
-    return 0

@@ -6,9 +6,8 @@ import json
 
 import click
 
-from moescope.cli.requests_cmd import TRACES_OPTION, parse_since
-from moescope.traces import store
-from moescope.traces.sanitize import sanitize
+from moescope.cli.options import echo, emit_json, json_option, read_store, since_option, traces_option
+from moescope.errors import CheckFailed
 
 MARK = {"critical": "CRIT", "warning": "WARN", "info": "ok  "}
 
@@ -20,41 +19,40 @@ def _brief(evidence: dict) -> str:
             continue
         text = json.dumps(v, separators=(",", ":")) if isinstance(v, (dict, list)) else str(v)
         parts.append(f"{k}={text}")
-    return sanitize("; ".join(parts))
+    return "; ".join(parts)
 
 
 @click.command("diagnose")
-@TRACES_OPTION
-@click.option("--since", default=None, help="Only requests since: 30s, 5m, 2h, 1d or an ISO timestamp.")
+@traces_option()
+@since_option
 @click.option("--limit", type=click.IntRange(min=1), default=5000, show_default=True,
               help="Most recent requests read.")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
               help="Measure drift against this baseline (else: the window's earlier half).")
 @click.option("--prometheus", default=None, help="Prometheus URL: add its firing moescope alerts as evidence.")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable findings.")
-def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, as_json) -> int:
+@json_option
+def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, as_json) -> None:
     """Name what is wrong, with evidence and the playbook to follow. Exit 1 when something is."""
     from moescope.analysis import baseline as bl
     from moescope.analysis.diagnose import diagnose
 
-    conn = store.open_store(traces_path)
-    try:
-        report = diagnose(conn, since=parse_since(since) if since else None, limit=limit,
-                          baseline=bl.load(baseline_path) if baseline_path else None, prometheus=prometheus)
-    finally:
-        conn.close()
+    baseline = bl.load(baseline_path) if baseline_path else None
+    with read_store(traces_path) as (conn, corrupt):
+        report = diagnose(conn, since=since, limit=limit, baseline=baseline, prometheus=prometheus, corrupt=corrupt)
+    report["corrupt_rows"] = corrupt.count
     if as_json:
-        click.echo(json.dumps(report, indent=1))
+        emit_json(report)
     else:
-        click.echo(f"{report['model']}: {report['requests']} requests, {report['routed_tokens']} routed tokens, "
-                   f"layers {','.join(map(str, report['layers']))}")
+        echo(f"{report['model']}: {report['requests']} requests, {report['routed_tokens']} routed tokens, "
+             f"layers {','.join(map(str, report['layers']))}")
         if not report["alarming"]:
-            click.echo("nothing alarming found")
+            echo("nothing alarming found")
         for i, f in enumerate(report["findings"], 1):
-            click.echo(f"{i:2d}. [{MARK[f['severity']]}] {f['title']}")
-            click.echo(f"      {_brief(f['evidence'])}")
+            echo(f"{i:2d}. [{MARK[f['severity']]}] {f['title']}")
+            echo(f"      {_brief(f['evidence'])}")
             if f["examples"]:
-                click.echo(f"      requests: {', '.join(sanitize(x) for x in f['examples'])}")
+                echo(f"      requests: {', '.join(f['examples'])}")
             if f["playbook"]:
-                click.echo(f"      playbook: {f['playbook']}")
-    return 1 if report["alarming"] else 0
+                echo(f"      playbook: {f['playbook']}")
+    if report["alarming"]:
+        raise CheckFailed(f"diagnose: {report['alarming']} finding(s) need attention")

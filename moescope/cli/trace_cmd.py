@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
-from moescope.cli.requests_cmd import TRACES_OPTION
+from moescope.cli.options import echo, emit_json, json_option, traces_option
 from moescope.traces import store
-from moescope.traces.sanitize import sanitize, sanitize_tree
+from moescope.traces.sanitize import sanitize
 
 
 def plain_lines(doc: dict) -> list[str]:
@@ -35,19 +33,19 @@ def plain_lines(doc: dict) -> list[str]:
 
 @click.command("trace")
 @click.argument("request_id")
-@TRACES_OPTION
-@click.option("--json", "as_json", is_flag=True, help="The whole trace as JSON.")
+@traces_option()
+@json_option
 @click.option("--plain", is_flag=True, help="Plain text, one line per token (no TUI).")
 def trace_cmd(request_id, traces_path, as_json, plain) -> int:
     """Show REQUEST_ID's prompt, output, timings, flags and each token's routing through every layer."""
     conn = store.open_store(traces_path)
     doc = store.load_request(conn, request_id)
     if as_json:
-        click.echo(json.dumps(sanitize_tree(doc), indent=1))
+        emit_json(doc)
         return 0
     if plain:
         for line in plain_lines(doc):
-            click.echo(line)
+            echo(line)
         return 0
     from moescope.tui.trace_app import TraceApp
 

@@ -10,18 +10,25 @@ own overhead.
 
 Schema versioned in ``meta``; a store written by another schema version is refused with a clear message.
 Retention by size: past ``max_bytes`` the oldest requests are deleted and the space reclaimed.
+
+Corrupt rows (one request's columns holding what no writer of ours makes: blobs whose sizes disagree with the
+token counts, expert ids out of range, JSON that does not parse) are checked when read: the readers that walk
+many requests (``list_requests``, ``iter_routed``) skip such a row, warn about it on one line and count it in
+a ``CorruptRows``; ``load_request`` (one request) raises ``BadInput``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sqlite3
+import sys
 import time
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -93,6 +100,91 @@ def open_store(path: str | Path, *, create: bool = False) -> sqlite3.Connection:
     return conn
 
 
+class CorruptRow(BadInput):
+    """One stored request's columns hold what no writer of ours makes; the message says which column."""
+
+
+def _stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class CorruptRows:
+    """The corrupt rows a read skipped, counted; each warned about on one line (the first ``max_warnings``,
+    then one line saying the rest are counted, not shown). A row skipped twice (a command reading the store
+    twice) counts and warns once.
+
+    Args:
+        warn: where the warning lines go (default: stderr); ``None``-returning callable of one string.
+        max_warnings: warning lines before going quiet.
+    """
+
+    def __init__(self, warn: Callable[[str], None] | None = _stderr, max_warnings: int = 10) -> None:
+        self.rows: dict[str, str] = {}  # request id (or rowid) -> why
+        self._warn = warn
+        self._max = max_warnings
+        self._noted_shapes = False
+
+    @property
+    def count(self) -> int:
+        return len(self.rows)
+
+    def add(self, key: str, reason: str) -> None:
+        if key in self.rows:
+            return
+        self.rows[key] = reason
+        if self._warn is None or self.count > self._max + 1:
+            return
+        if self.count == self._max + 1:
+            self._warn("moescope: warning: more corrupt rows skipped (counted, not shown)")
+        else:
+            self._warn(f"moescope: warning: skipped corrupt row {self.count} ({key}): {reason}")
+
+    def other_shapes(self, n: int, read: "Routed") -> None:
+        """Note (once) that ``n`` requests of other model shapes were left out of a read of ``read``'s shape."""
+        if self._warn is None or self._noted_shapes:
+            return
+        self._noted_shapes = True
+        self._warn(f"moescope: note: read the requests of one model shape ({read.model}: {len(read.layers)} MoE "
+                   f"layers, {read.n_experts} experts, top-{read.top_k}); {n} of other shapes left out")
+
+    def nothing_left(self, message: str) -> BadInput:
+        """The error for a read that found nothing usable: ``message``, plus the skipped count if any."""
+        if self.count:
+            message += f" ({self.count} corrupt row{'s' if self.count > 1 else ''} skipped, nothing readable left)"
+        return BadInput(message)
+
+
+def _row_key(rowid, request_id) -> str:
+    from moescope.traces.sanitize import sanitize
+
+    name = sanitize(request_id, keep_newlines=False)[:60] if isinstance(request_id, str) else None
+    return f"request {name!r}" if name else f"row {rowid}"
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise CorruptRow(what)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _is_time(x) -> bool:
+    """Unix seconds a calendar can show (year 1970 to 5000)."""
+    return _is_num(x) and 0 <= x < 9.5e10
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _is_blob(x, sizes: tuple[int, ...], nullable: bool = True) -> bool:
+    if x is None:
+        return nullable
+    return isinstance(x, bytes) and len(x) in sizes
+
+
 @dataclass(frozen=True)
 class RequestRow:
     request_id: str
@@ -110,11 +202,22 @@ LIST_COLUMNS = "request_id, started, n_prompt, n_output, total_s, ttft_s, flags,
 
 
 def _row(r) -> RequestRow:
-    return RequestRow(r[0], r[1], r[2], r[3], r[4], r[5], tuple(f for f in (r[6] or "").split(",") if f), r[7], r[8])
+    rid, started, n_prompt, n_output, total_s, ttft_s, flags, domain, tenant = r
+    _check(isinstance(rid, str), "request_id is not text")
+    _check(_is_time(started), "started is not a time")
+    _check(_is_count(n_prompt) and _is_count(n_output), "token counts are not counts")
+    _check(_is_num(total_s) and _is_num(ttft_s), "timings are not numbers")
+    _check(flags is None or isinstance(flags, str), "flags are not text")
+    _check(all(x is None or isinstance(x, str) for x in (domain, tenant)), "domain/tenant are not text")
+    return RequestRow(rid, started, n_prompt, n_output, total_s, ttft_s,
+                      tuple(f for f in (flags or "").split(",") if f), domain, tenant)
 
 
 def list_requests(conn, *, flag: list[str] | None = None, since: float | None = None, slowest: int | None = None,
-                  limit: int = 50) -> list[RequestRow]:
+                  limit: int = 50, corrupt: CorruptRows | None = None) -> list[RequestRow]:
+    """The newest (or with ``slowest`` the slowest) stored requests; corrupt rows are skipped into ``corrupt``
+    (a fresh ``CorruptRows`` warning on stderr when not given)."""
+    corrupt = CorruptRows() if corrupt is None else corrupt
     where, args = [], []
     for f in flag or []:
         where.append("(',' || flags || ',') LIKE ?")
@@ -122,20 +225,35 @@ def list_requests(conn, *, flag: list[str] | None = None, since: float | None = 
     if since is not None:
         where.append("started >= ?")
         args.append(since)
-    sql = f"SELECT {LIST_COLUMNS} FROM requests"
+    sql = f"SELECT rowid, {LIST_COLUMNS} FROM requests"
     if where:
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY total_s DESC" if slowest else " ORDER BY started DESC"
     sql += " LIMIT ?"
     args.append(slowest or limit)
-    return [_row(r) for r in conn.execute(sql, args)]
+    out = []
+    for r in _rows(conn, sql, args):
+        try:
+            out.append(_row(r[1:]))
+        except CorruptRow as exc:
+            corrupt.add(_row_key(r[0], r[1]), str(exc))
+    return out
+
+
+def _rows(conn, sql: str, args) -> Iterator[tuple]:
+    """The rows of a query; a store damaged below the row level (SQLite's own pages) is one clear error."""
+    try:
+        yield from conn.execute(sql, args)
+    except sqlite3.DatabaseError as exc:
+        raise BadInput(f"the trace store is not readable: {exc}") from None
 
 
 def nearest_ids(conn, request_id: str, n: int = 3) -> list[str]:
     """Stored ids closest to ``request_id`` (shared prefix first, then edit similarity)."""
     import difflib
 
-    ids = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY started DESC LIMIT 5000")]
+    ids = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY started DESC LIMIT 5000")
+           if isinstance(r[0], str)]
     return difflib.get_close_matches(request_id, ids, n=n, cutoff=0.0)[:n]
 
 
@@ -187,12 +305,7 @@ class Routed:
     @cached_property
     def ids(self) -> np.ndarray:
         """[n_routed, layers, k] int16 experts; the sentinel ``n_experts`` marks a dropped slot."""
-        try:
-            return np.frombuffer(self.ids_blob, dtype=np.int16).reshape(self.n_routed, len(self.layers),
-                                                                        self.top_k)
-        except ValueError:
-            raise BadInput(f"request {self.request_id!r}: its stored routing does not match its token counts "
-                           "(corrupt row)") from None
+        return np.frombuffer(self.ids_blob, dtype=np.int16).reshape(self.n_routed, len(self.layers), self.top_k)
 
     @cached_property
     def tokens(self) -> np.ndarray:
@@ -218,22 +331,108 @@ class Routed:
         return json.loads(self.steps_json or "[]")
 
 
-def iter_routed(conn, *, since: float | None = None, limit: int | None = None,
-                newest: bool = False) -> Iterator[Routed]:
+    def check(self) -> None:
+        """Raise ``CorruptRow`` unless every column decodes and agrees with the token counts: what the readers
+        index with (expert ids, step indices, step records) is checked, so a reader never meets garbage."""
+        _check(isinstance(self.request_id, str), "request_id is not text")
+        _check(_is_time(self.started), "started is not a time")
+        _check(_is_count(self.n_prompt) and _is_count(self.n_output), "token counts are not counts")
+        _check(all(x is None or isinstance(x, str) for x in (self.model, self.domain, self.tenant)),
+               "model/domain/tenant are not text")
+        _check(_valid_shape(self.layers_json, self.top_k, self.n_experts), "layers, top_k or n_experts are not "
+               "sizes")
+        layers = json.loads(self.layers_json)
+        try:
+            steps = json.loads(self.steps_json) if isinstance(self.steps_json, str) else [] if self.steps_json \
+                is None else None
+        except ValueError:
+            raise CorruptRow("steps are not JSON") from None
+        n, cells = self.n_routed, self.n_routed * len(layers)
+        _check(_is_blob(self.ids_blob, (2 * cells * self.top_k,), nullable=False),
+               "routing (ids) does not match the token counts")
+        n_tokens = self.n_prompt + self.n_output
+        _check(_is_blob(self.tokens_blob, (2 * n_tokens, 4 * n_tokens)), "tokens do not match the token counts")
+        _check(_is_blob(self.entropy_blob, (2 * cells,)), "entropy does not match the token counts")
+        _check(_is_blob(self.miss_blob, (cells,)), "cache misses do not match the token counts")
+        _check(_is_blob(self.step_blob, (2 * n, 4 * n)), "step indices do not match the token counts")
+        _check(isinstance(steps, list) and all(_valid_step(st) for st in steps), "steps are not step records")
+        self.__dict__["layers"], self.__dict__["steps"] = layers, steps  # (the cached properties' values)
+        ids = self.ids
+        _check(bool(((ids >= 0) & (ids <= self.n_experts)).all()), "expert ids out of range")
+        step_of = self.step_of
+        _check(not len(step_of) or (bool((step_of >= 0).all()) and int(step_of.max()) < len(steps)),
+               "step indices point past the request's steps")
+
+
+def _valid_shape(layers_json, top_k, n_experts) -> bool:
+    """The columns a model shape is read by: a JSON list of layer numbers, 0 < top_k <= n_experts, and
+    n_experts within what int16 ids can name."""
+    try:
+        layers = json.loads(layers_json) if isinstance(layers_json, str) else None
+    except ValueError:
+        return False
+    return (isinstance(layers, list) and bool(layers) and all(_is_count(x) for x in layers)
+            and _is_count(top_k) and _is_count(n_experts) and 0 < top_k <= n_experts < 2**15)
+
+
+def _valid_step(st) -> bool:
+    """A step record as the recorder writes it: numbers where numbers go, layer times as 3-lists."""
+    if not isinstance(st, dict):
+        return False
+    if any(st.get(key) is not None and not _is_num(st[key]) for key in ("seconds", "t", "rss", "index")):
+        return False
+    if not all(st.get(key) is None or isinstance(st[key], str) for key in ("phase", "run")):
+        return False
+    layer_s, peer_wait = st.get("layer_s") or {}, st.get("peer_wait") or {}
+    if not isinstance(layer_s, dict) or not isinstance(peer_wait, dict):
+        return False
+    if not all(isinstance(v, list) and len(v) == 3 and all(x is None or _is_num(x) for x in v)
+               for v in layer_s.values()):
+        return False
+    return all(isinstance(v, list) and all(_is_num(x) for x in v) for v in peer_wait.values())
+
+
+def iter_routed(conn, *, since: float | None = None, limit: int | None = None, newest: bool = False,
+                corrupt: CorruptRows | None = None) -> Iterator[Routed]:
     """The stored requests that carry routing, oldest first; ``since``: started at or after; ``limit``: at most
-    that many, the oldest (or with ``newest`` the newest, still yielded oldest first)."""
-    sql = f"SELECT {_ROUTED_COLUMNS} FROM requests WHERE ids IS NOT NULL"
-    args: list = []
+    that many rows, the oldest (or with ``newest`` the newest, still yielded oldest first).
+
+    One model shape at a time (layers, top-k, experts: what the readers stack arrays by): the shape most
+    requests in the window have; requests of other shapes are left out, with one note on stderr. Every
+    yielded request has passed ``Routed.check``; a corrupt row is skipped into ``corrupt`` (a fresh
+    ``CorruptRows`` warning on stderr when not given)."""
+    corrupt = CorruptRows() if corrupt is None else corrupt
+    where, args = "ids IS NOT NULL", []
     if since is not None:
-        sql += " AND started >= ?"
+        where += " AND started >= ?"
         args.append(since)
-    sql += " ORDER BY started DESC, rowid DESC" if newest else " ORDER BY started, rowid"
-    if limit is not None:
-        sql += " LIMIT ?"
-        args.append(limit)
-    rows = conn.execute(sql, args)
-    for row in (list(rows)[::-1] if newest else rows):
-        yield Routed(*row)
+    shapes = list(_rows(conn, f"SELECT layers, top_k, n_experts, COUNT(*) FROM requests WHERE {where} "
+                              "GROUP BY layers, top_k, n_experts ORDER BY COUNT(*) DESC, MAX(started) DESC", args))
+    for shape in [sh for sh in shapes if not _valid_shape(*sh[:3])]:  # corrupt, not another model
+        for rowid, rid in _rows(conn, f"SELECT rowid, request_id FROM requests WHERE {where} AND layers IS ? AND "
+                                      "top_k IS ? AND n_experts IS ? ORDER BY started, rowid", [*args, *shape[:3]]):
+            corrupt.add(_row_key(rowid, rid), "layers, top_k or n_experts are not sizes")
+    shapes = [sh for sh in shapes if _valid_shape(*sh[:3])]
+    total = sum(shape[3] for shape in shapes)
+    order = " ORDER BY started DESC, rowid DESC" if newest else " ORDER BY started, rowid"
+    for shape in shapes:  # the next shape only when every row of this one was corrupt
+        sql = f"SELECT rowid, {_ROUTED_COLUMNS} FROM requests WHERE {where} AND layers IS ? AND top_k IS ? " \
+              f"AND n_experts IS ?{order}" + (" LIMIT ?" if limit is not None else "")
+        rows = _rows(conn, sql, [*args, *shape[:3], *([limit] if limit is not None else [])])
+        found = False
+        for row in (list(rows)[::-1] if newest else rows):
+            r = Routed(*row[1:])
+            try:
+                r.check()
+            except CorruptRow as exc:
+                corrupt.add(_row_key(row[0], row[1]), str(exc))
+                continue
+            if not found and total > shape[3]:
+                corrupt.other_shapes(total - shape[3], r)
+            found = True
+            yield r
+        if found:
+            return
 
 
 def load_request(conn, request_id: str) -> dict[str, Any]:
@@ -246,10 +445,28 @@ def load_request(conn, request_id: str) -> dict[str, Any]:
         raise BadInput(f"no request {request_id!r} in the trace store{hint}")
     r = dict(zip([d[0] for d in cur.description], row))
     try:
+        _check_document(r)
         return _document(r)
-    except ValueError:  # arrays whose sizes disagree with the token counts: a row no writer of ours makes
-        raise BadInput(f"request {request_id!r}: its stored arrays do not match its token counts (corrupt row)") \
-            from None
+    except CorruptRow as exc:
+        raise BadInput(f"request {request_id!r}: corrupt row: {exc}") from None
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # what the checks do not foresee
+        raise BadInput(f"request {request_id!r}: its stored columns do not decode (corrupt row)") from None
+
+
+def _check_document(r: dict) -> None:
+    """``CorruptRow`` unless the columns of ``trace``'s document decode: the listing's columns, the routing's
+    (as ``Routed.check``), and the per-token arrays only the document reads."""
+    _row(tuple(r[c.strip()] for c in LIST_COLUMNS.split(",")))
+    n_routed = r["n_prompt"] + max(0, r["n_output"] - 1)
+    _check(_is_blob(r["latencies"], (4 * r["n_output"],), nullable=False), "latencies do not match the token "
+           "counts")
+    if r["ids"] is None:
+        _check(r["layers"] in (None, "[]"), "layers without routing")
+        return
+    Routed(*(r[c.strip()] for c in _ROUTED_COLUMNS.split(","))).check()
+    cells = n_routed * len(json.loads(r["layers"]))
+    _check(_is_blob(r["weights"], (2 * cells * r["top_k"],)), "weights do not match the token counts")
+    _check(_is_blob(r["margin"], (2 * cells,)), "margins do not match the token counts")
 
 
 def _document(r: dict) -> dict[str, Any]:

@@ -1,0 +1,87 @@
+"""The CLI contract every command shares: its options, its output rules, its exit paths.
+
+- Options: ``traces_option`` (``--traces PATH``, else ``$MOESCOPE_TRACES``, else the default store),
+  ``since_option`` (``--since`` parsed to unix seconds), ``json_option`` (``--json``).
+- Output: ``emit_json`` is the one JSON rule: ``json.dumps`` with ASCII escapes, so every string (control
+  characters and bidi overrides included) is escaped by JSON itself and a parser gets the original text back;
+  the same in every command. ``echo`` is for terminals: text goes through ``sanitize`` first.
+- Exits: return nothing (0); raise ``CheckFailed`` when a check found a problem (1); raise ``BadInput`` for
+  what the user gave us (2). ``cli.main`` turns either into one line on stderr.
+- Trace-store reads: ``read_store`` opens the store and a ``CorruptRows`` the readers skip corrupt rows into.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import time
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import click
+
+from moescope.errors import BadInput
+from moescope.traces.sanitize import sanitize
+
+TRACES_ENV = "MOESCOPE_TRACES"
+
+
+def default_traces() -> str:
+    from moescope.traces.store import DEFAULT_PATH
+
+    return str(DEFAULT_PATH)
+
+
+def traces_option(*, allow_none: bool = False, help: str = "Trace store (SQLite)."):
+    """``--traces PATH`` into ``traces_path``: the flag, else ``$MOESCOPE_TRACES``, else the default store.
+    With ``allow_none``, ``none`` turns tracing off (for commands that write traces)."""
+    suffix = " 'none' to disable." if allow_none else ""
+    return click.option("--traces", "traces_path", type=click.Path(dir_okay=False), default=default_traces,
+                        show_default="~/.local/share/moescope/traces.sqlite", envvar=TRACES_ENV,
+                        show_envvar=True, help=help + suffix)
+
+
+def parse_since(text: str) -> float:
+    """``30s``, ``5m``, ``2h``, ``1d`` ago, or an ISO timestamp -> unix seconds."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([smhd])", text.strip())
+    if m:
+        return time.time() - float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+    try:
+        when = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise BadInput(f"--since {text!r}: use a duration (30s, 5m, 2h, 1d) or an ISO timestamp") from None
+    if when.tzinfo is None:
+        when = when.astimezone()
+    return when.timestamp()
+
+
+def _since(ctx, param, value: str | None) -> float | None:
+    return None if value is None else parse_since(value)
+
+
+since_option = click.option("--since", callback=_since, default=None, metavar="WHEN",
+                            help="Only requests since: 30s, 5m, 2h, 1d ago or an ISO timestamp.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")
+
+
+def emit_json(obj: Any) -> None:
+    """Print ``obj`` as JSON: the one rule for every command's ``--json`` (see the module docstring)."""
+    click.echo(json.dumps(obj, indent=1, ensure_ascii=True, default=str))
+
+
+def echo(text: str = "", *, err: bool = False) -> None:
+    """One line (or lines) for a terminal: stored or remote text never reaches it unsanitised."""
+    click.echo(sanitize(text), err=err)
+
+
+@contextmanager
+def read_store(traces_path: str) -> Iterator[tuple[Any, Any]]:
+    """(connection, ``CorruptRows``) for a command that reads the trace store; closes the connection."""
+    from moescope.traces import store
+
+    conn = store.open_store(traces_path)
+    try:
+        yield conn, store.CorruptRows()
+    finally:
+        conn.close()
