@@ -7,7 +7,8 @@ import pytest
 import yaml
 
 from conftest import ROOT
-from moescope.alerts import rules
+from moescope import thresholds
+from moescope.alerts import rules, unit_tests
 from moescope.metrics import catalogue
 from servers import require
 
@@ -17,7 +18,7 @@ AM = ROOT / "collectors" / "alertmanager" / "alertmanager.yml"
 
 def test_generated_rules_are_stable():
     for path, doc in ((PROM / "moescope-rules.yml", rules.rules_document()),
-                      (PROM / "tests" / "moescope-rules.test.yml", rules.tests_document())):
+                      (PROM / "tests" / "moescope-rules.test.yml", unit_tests.tests_document())):
         assert yaml.safe_load(path.read_text()) == doc, f"{path} is stale: run `moescope alerts build`"
 
 
@@ -29,11 +30,40 @@ def test_promtool_check_and_unit_tests_pass():
     test = subprocess.run([promtool, "test", "rules", "tests/moescope-rules.test.yml"], cwd=PROM,
                           capture_output=True, text=True)
     assert test.returncode == 0, test.stdout + test.stderr
-    # Every alert is tested: firing, healthy and at the boundary (the Watchdog just fires).
-    names = [t["name"] for t in rules.tests_document()["tests"]]
+    # Every alert is tested: firing, healthy, at the boundary and its extra cases (the Watchdog just fires).
+    names = [t["name"] for t in unit_tests.tests_document()["tests"]]
     for s in rules.specs():
-        cases = {"fires", "healthy", "boundary"} if s.name != "Watchdog" else {"always fires"}
+        cases = {"fires", "healthy", "boundary", *(c.name for c in s.cases)} if s.name != "Watchdog" else \
+            {"always fires"}
         assert {n.split(" ", 1)[1] for n in names if n.split(" ", 1)[0] == s.name} == cases
+    assert {"recording rules sum over ranks", "excess CV in PromQL equals moescope.thresholds.excess_cv"} <= set(names)
+
+
+def test_production_shapes_and_thin_windows_are_tested():
+    """The [at-scale] acceptance cases are among the promtool tests: healthy DeepSeek-V3-shaped and Mixtral-shaped
+    activation and uniform routing at low traffic stay silent; a real skew fires (at low traffic and at shape)."""
+    tests = {t["name"]: t for t in unit_tests.tests_document()["tests"]}
+
+    def fired(name):
+        return bool(tests[name]["alert_rule_test"][0]["exp_alerts"])
+
+    silent = ["MoEActivationRatioOutOfBand healthy deepseek-v3-shape (7.7%)",
+              "MoEActivationRatioOutOfBand healthy Mixtral-shaped (13B of 47B)",
+              "MoEExpertLoadImbalance uniform routing at low traffic", "MoEDeadExperts uniform routing at low traffic",
+              "MoEExpertLoadImbalance healthy deepseek-v3-shape (its worst layer)",
+              "MoEDeadExperts healthy deepseek-v3-shape", "MoESlowRank two healthy ranks"]
+    assert not any(fired(n) for n in silent)
+    assert fired("MoEExpertLoadImbalance a real skew at low traffic")
+    assert fired("MoEExpertLoadImbalance a real skew on deepseek-v3-shape")
+    # the old fixed band (1.8-2.2%) would have paged on both healthy production shapes
+    for name in silent[:2]:
+        series = tests[name]["input_series"]
+        observed = next(float(x["values"].split("x")[0]) for x in series if "activation_ratio{" in x["series"])
+        assert not 0.018 <= observed <= 0.022
+    # the low-traffic series are what uniform routing of 1,000 slots over 256 experts gives
+    series = tests["MoEExpertLoadImbalance uniform routing at low traffic"]["input_series"]
+    noise = next(float(x["values"].split("x")[0]) for x in series if "noise" in x["series"])
+    assert noise == pytest.approx(thresholds.noise_cv(256, 1000), rel=1e-5)
 
 
 def test_every_rule_metric_is_in_the_catalogue_and_every_alert_is_complete():
@@ -43,11 +73,15 @@ def test_every_rule_metric_is_in_the_catalogue_and_every_alert_is_complete():
         assert used <= known, (s.name, used - known)
         assert set(s.metrics) <= known
     doc = rules.rules_document()
-    for rule in doc["groups"][0]["rules"]:
+    recording, alerting = doc["groups"]
+    for rule in recording["rules"]:  # recording rules read catalogue series and follow level:metric:operations
+        level, metric, _ = rule["record"].split(":")
+        assert metric.startswith("moescope_") and set(re.findall(r"(?<![:\w])moescope_[a-z_]+", rule["expr"])) <= known
+    for rule in alerting["rules"]:
         assert rule["labels"]["severity"] in ("critical", "warning", "info", "none")
         assert {"summary", "description", "runbook_url"} <= set(rule["annotations"])
         assert rule["annotations"]["runbook_url"].endswith(f"/{rule['alert']}.md")
-    nonfinite = next(r for r in doc["groups"][0]["rules"] if r["alert"] == "MoERouterNonFiniteLogits")
+    nonfinite = next(r for r in alerting["rules"] if r["alert"] == "MoERouterNonFiniteLogits")
     assert "for" not in nonfinite and nonfinite["labels"]["severity"] == "critical"
 
 
