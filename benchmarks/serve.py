@@ -5,9 +5,11 @@ Both servers run side by side; each round runs every (concurrency, capture) load
 alternating between rounds, and the report takes medians over rounds. A load is closed-loop: ``c`` clients
 each send their share of the requests one after another. Per load: output tokens/s (usage counts over the
 load's wall time), TTFT (request sent -> first streamed chunk) and inter-token gaps (between chunks) at p50
-and p99, and errors. The capture overhead is the per-round ratio of throughputs off / on, median over rounds.
-The clients run on the same machine as the server (they take CPU from it, as a load generator on the host
-would).
+and p99, errors, and the server process's CPU time per output token (Linux /proc; all its threads). The
+capture overhead is given two ways, per round then median over rounds: the throughput ratio off / on, and the
+server CPU per token ratio on / off. The second is the robust one on a shared machine: the clients run on the
+same CPUs (the SDK's per-chunk parsing takes more CPU than the server), so throughput mostly measures them and
+whatever else runs, while CPU per token counts only the server's own work.
 
     python benchmarks/serve.py [--quick] [--rounds 7] [--concurrency 1 8 32] [--model tiny-demo]
 """
@@ -69,7 +71,17 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-async def load(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int) -> dict:
+def cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (all threads), or None off Linux."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def load(url: str, model: str, concurrency: int, n_requests: int, max_tokens: int, seed: int,
+               pid: int | None = None) -> dict:
     """One closed-loop load: ``concurrency`` clients share ``n_requests`` streamed completions."""
     import openai
 
@@ -100,11 +112,15 @@ async def load(url: str, model: str, concurrency: int, n_requests: int, max_toke
             except openai.OpenAIError:
                 errors += 1
 
+    cpu0 = cpu_s(pid) if pid else None
     t = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - t
+    cpu1 = cpu_s(pid) if pid else None
     await client.close()
+    cpu_per_token = (cpu1 - cpu0) / tokens if cpu0 is not None and cpu1 is not None and tokens else None
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "requests": n_requests,
+            "server_cpu_ms_per_token": None if cpu_per_token is None else cpu_per_token * 1e3,
             "errors": errors, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99),
             "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99)}
 
@@ -116,13 +132,18 @@ def summarise(runs: dict, concurrency: list[int]) -> list[dict]:
         for v in VARIANTS:
             rs = runs[(v, c)]
             row[v] = {k: statistics.median(r[k] for r in rs) for k in
-                      ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s") if
+                      ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                       "server_cpu_ms_per_token") if
                       all(r[k] is not None for r in rs)}
             row[v]["errors"] = sum(r["errors"] for r in rs)
             row[v]["requests"] = sum(r["requests"] for r in rs)
         ratios = [off["tokens_per_s"] / on["tokens_per_s"]
                   for on, off in zip(runs[("capture_on", c)], runs[("capture_off", c)])]
         row["throughput_off_over_on"] = statistics.median(ratios)
+        cpu = [on["server_cpu_ms_per_token"] / off["server_cpu_ms_per_token"]
+               for on, off in zip(runs[("capture_on", c)], runs[("capture_off", c)])
+               if on["server_cpu_ms_per_token"] and off["server_cpu_ms_per_token"]]
+        row["server_cpu_per_token_on_over_off"] = statistics.median(cpu) if cpu else None
         rows.append(row)
     return rows
 
@@ -156,10 +177,12 @@ def main(argv: list[str] | None = None) -> int:
                 order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
                 for c in concurrency:
                     for v in order:
-                        res = asyncio.run(load(servers[v][1], args.model, c, per_load[c], max_tokens, seed=r))
+                        proc, url = servers[v]
+                        res = asyncio.run(load(url, args.model, c, per_load[c], max_tokens, seed=r, pid=proc.pid))
                         runs[(v, c)].append(res)
                         print(f"round {r} c={c:<3} {v:<11} {res['tokens_per_s']:8.1f} tok/s  ttft p50 "
-                              f"{(res['ttft_p50_s'] or 0) * 1e3:7.1f} ms  errors {res['errors']}", flush=True)
+                              f"{(res['ttft_p50_s'] or 0) * 1e3:7.1f} ms  server cpu "
+                              f"{res['server_cpu_ms_per_token'] or 0:.2f} ms/token  errors {res['errors']}", flush=True)
         finally:
             for proc, _ in servers.values():
                 proc.send_signal(signal.SIGTERM)
@@ -169,20 +192,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmoescope serve, {args.model}, max batch {args.max_batch}, {max_tokens} tokens per request, streamed; "
           f"medians of {rounds} interleaved round(s); {os.cpu_count()} CPUs (shared machine)")
     print(f"{'clients':>7} {'capture':>8} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-          f"{'errors':>6}")
+          f"{'cpu ms/tok':>10} {'errors':>6}")
     for row in rows:
         for v in VARIANTS:
             s = row[v]
             print(f"{row['concurrency']:>7} {v.split('_')[1]:>8} {s['tokens_per_s']:>8.1f} "
                   f"{s['ttft_p50_s'] * 1e3:>7.1f}ms {s['ttft_p99_s'] * 1e3:>6.1f}ms "
-                  f"{s.get('itl_p50_s', 0) * 1e3:>6.1f}ms {s.get('itl_p99_s', 0) * 1e3:>6.1f}ms {s['errors']:>6}")
-        print(f"{'':>7} throughput off/on: {row['throughput_off_over_on']:.3f}")
+                  f"{s.get('itl_p50_s', 0) * 1e3:>6.1f}ms {s.get('itl_p99_s', 0) * 1e3:>6.1f}ms "
+                  f"{s.get('server_cpu_ms_per_token', 0):>10.3f} {s['errors']:>6}")
+        cpu = row["server_cpu_per_token_on_over_off"]
+        print(f"{'':>7} throughput off/on: {row['throughput_off_over_on']:.3f}; server CPU per token on/off: "
+              + (f"{cpu:.3f}" if cpu else "n/a"))
     import torch
 
     save({"model": args.model, "max_batch": args.max_batch, "max_tokens": max_tokens, "rounds": rounds,
           "requests_per_load": per_load, "cpus": os.cpu_count(), "torch": torch.__version__,
           "note": "shared 2-core machine: clients and server share the CPUs; ratios matter more than absolutes",
-          "rows": rows}, out)
+          "rows": rows, "runs": {f"{v}/{c}": rs for (v, c), rs in runs.items()}}, out)
     return 0
 
 

@@ -31,14 +31,15 @@ MODEL = "tiny-demo"
 class Serve:
     """A ``moescope serve`` subprocess; its log and trace store in ``tmp``."""
 
-    def __init__(self, tmp: Path, *args: str, name: str = "serve") -> None:
+    def __init__(self, tmp: Path, *args: str, name: str = "serve", metrics: bool = False) -> None:
         self.port = free_port()
+        self.metrics_port = free_port() if metrics else -1
         self.url = f"http://127.0.0.1:{self.port}"
         self.traces = tmp / f"{name}.sqlite"
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port", "-1",
+            [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--traces", str(self.traces), "--canary-interval", "0", *args],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240  # deepseek-v3-shape builds its balanced init once (~30 s, then cached)
@@ -179,7 +180,7 @@ def test_readme_serve_example_works(server):
     server.stored(rid)
     assert "moescope trace " in block
     shown = _cli("trace", rid, "--plain", "--traces", str(server.traces))
-    assert shown.returncode == 0 and f"request {rid}" in shown.stdout and "def add(a, b):" in shown.stdout
+    assert shown.returncode == 0 and f"request {rid}" in shown.stdout and "def add(a, b):" in shown.stdout, shown
 
 
 def test_sdk_sync_whole_and_streamed(server):
@@ -342,7 +343,7 @@ def test_chat_bad_input_and_request_ids(server):
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
     """One batch slot, one queue place: deterministic queueing, 429 and cancellation."""
-    s = Serve(tmp_path_factory.mktemp("small"), "--max-batch", "1", "--max-queue", "1", name="small")
+    s = Serve(tmp_path_factory.mktemp("small"), "--max-batch", "1", "--max-queue", "1", name="small", metrics=True)
     yield s
     assert s.stop() == 0
     assert "Traceback" not in s.log(), s.log()
@@ -392,6 +393,16 @@ def test_dropped_stream_and_dropped_request_free_the_slot_and_are_stored_cancell
     assert doc["finish_reason"] == "cancelled" and _n_output(doc) < 400
     ok = small.client().completions.create(model=MODEL, prompt="next", max_tokens=3)  # the one slot serves again
     assert ok.usage.completion_tokens == 3
+    # the exporter counts what the store holds, by finish reason (the served path feeds the same observers)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    time.sleep(0.6)
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{small.metrics_port}/metrics", timeout=10).read().decode()
+    counts = {s.labels["finish_reason"]: s.value for f in text_string_to_metric_families(scraped)
+              for s in f.samples if s.name == "moescope_requests_total"}
+    conn = store.open_store(small.traces)
+    stored = dict(conn.execute("SELECT finish_reason, COUNT(*) FROM requests GROUP BY finish_reason").fetchall())
+    assert counts == stored and counts["cancelled"] == 2
 
 
 def test_sigterm_finishes_or_cancels_in_flight_and_flushes_the_store(tmp_path):
@@ -470,5 +481,6 @@ def test_load_benchmark_quick_runs(tmp_path):
             s = row[v]
             assert s["errors"] == 0 and s["requests"] == report["requests_per_load"][str(row["concurrency"])]
             assert s["tokens_per_s"] > 0 and 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]
+            assert s["server_cpu_ms_per_token"] > 0  # the server process's own CPU (Linux /proc)
         assert row["throughput_off_over_on"] == pytest.approx(
             row["capture_off"]["tokens_per_s"] / row["capture_on"]["tokens_per_s"])  # one round: its own ratio

@@ -151,7 +151,7 @@ def test_engine_loop_cancels_queued_and_running_and_drains(tiny_cfg):
         for j in (long, queued):
             assert loop.offer(j) == "ok"
         await long.stream.next()  # running
-        loop.cancel(queued.request_id)  # still waiting for the one slot: recorded all the same
+        loop.cancel(queued)  # still waiting for the one slot: recorded all the same
         rq = await queued.stream.done()
         loop.drain(0.0)  # the deadline is now: everything left is cancelled at the loop's next turn
         assert loop.offer(late) == "ok"

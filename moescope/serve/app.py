@@ -79,7 +79,7 @@ class _JobResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             if not self._job.stream.ended:
-                self._loop.cancel(self._job.request_id)
+                self._loop.cancel(self._job)
 
 
 async def _events(service: Service, job: Job, created: int):
@@ -116,7 +116,7 @@ async def _whole(service: Service, job: Job, request: Request, created: int, hea
         left = not done.done()
         if left:  # the client went away (or this handler is being cancelled)
             done.cancel()
-            service.loop.cancel(job.request_id)
+            service.loop.cancel(job)
     if left:  # nobody is there to read an answer (499: nginx's "client closed request")
         return Response(status_code=499, headers=headers)
     record = done.result()

@@ -107,13 +107,12 @@ class Admission:
         with self._cond:
             return [self._jobs.popitem(last=False)[1] for _ in range(min(n, len(self._jobs)))]
 
-    def remove(self, request_id: str) -> Job | None:
+    def remove(self, job: Job) -> bool:
         with self._cond:
-            return self._jobs.pop(request_id, None)
-
-    def __contains__(self, request_id: str) -> bool:
-        with self._cond:
-            return request_id in self._jobs
+            if self._jobs.get(job.request_id) is not job:
+                return False
+            del self._jobs[job.request_id]
+            return True
 
     def __len__(self) -> int:
         return len(self._jobs)
@@ -144,7 +143,7 @@ class EngineLoop:
         self._wake: Callable[[list[TokenStream]], None] = lambda streams: None
         self._ids: set[str] = set()  # queued or in the engine: an id is never served twice at once
         self._ids_lock = threading.Lock()
-        self._cancels: collections.deque[str] = collections.deque()
+        self._cancels: collections.deque[Job] = collections.deque()
         self._live: dict[str, Job] = {}  # in the engine (engine thread only)
         self._touched: list[TokenStream] = []
         self._closing = threading.Event()
@@ -176,9 +175,10 @@ class EngineLoop:
             self._ids.add(job.request_id)
         return "ok"
 
-    def cancel(self, request_id: str) -> None:
-        """Any thread: end the request (if it has not ended yet) at the loop's next turn."""
-        self._cancels.append(request_id)
+    def cancel(self, job: Job) -> None:
+        """Any thread: end the job's request (if it has not ended yet) at the loop's next turn. By job, not by
+        id: a late cancel never reaches a newer request that reuses the id."""
+        self._cancels.append(job)
         self.admission.poke()
 
     def drain(self, deadline_s: float) -> None:
@@ -224,11 +224,11 @@ class EngineLoop:
 
     def _apply_cancels(self) -> None:
         while self._cancels:
-            rid = self._cancels.popleft()
-            queued = self.admission.remove(rid)
-            if queued is not None:  # never reached the engine: record it there all the same
-                self._submit(queued)
-            self.engine.cancel(rid)
+            job = self._cancels.popleft()
+            if self.admission.remove(job):  # never reached the engine: record it there all the same
+                self._submit(job)
+            if self._live.get(job.request_id) is job:
+                self.engine.cancel(job.request_id)
 
     def _flush(self) -> None:
         if self._touched:
