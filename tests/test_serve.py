@@ -39,8 +39,8 @@ class Serve:
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port", str(self.metrics_port),
-             "--traces", str(self.traces), "--canary-interval", "0", *args],
+            [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port",
+             str(self.metrics_port), "--traces", str(self.traces), "--canary-interval", "0", *args],
             stdout=self._log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240  # deepseek-v3-shape builds its balanced init once (~30 s, then cached)
         while True:
@@ -266,7 +266,8 @@ def test_32_concurrent_clients_all_answered_and_traceable(server):
             async for c in stream:
                 rid, usage = c.id, c.usage or usage
             return rid, usage.prompt_tokens, usage.completion_tokens
-        r = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=4 + i % 7, user=f"tenant-{i % 3}")
+        r = await client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=4 + i % 7,
+                                            user=f"tenant-{i % 3}")
         return r.id, r.usage.prompt_tokens, r.usage.completion_tokens
 
     async def main():

@@ -76,7 +76,7 @@ def test_cancel_frees_the_slot_and_records_the_request_as_cancelled(tiny_cfg):
     engine, obs = _engine(tiny_cfg, max_batch=2)
     a = engine.submit(PROMPTS[0], max_new_tokens=40, request_id="a")
     engine.submit(PROMPTS[1], max_new_tokens=40, request_id="b")
-    c = engine.submit(PROMPTS[2], max_new_tokens=3, request_id="c")
+    engine.submit(PROMPTS[2], max_new_tokens=3, request_id="c")
     queued = engine.submit(PROMPTS[3], max_new_tokens=3, request_id="q")
     engine.step()  # prefill a and b; c and q wait (max_batch 2)
     engine.step()

@@ -15,7 +15,7 @@ class APIError(Exception):
         headers: extra response headers (``Retry-After`` on 429).
     """
 
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",  # noqa: A002
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
