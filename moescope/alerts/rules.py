@@ -86,8 +86,7 @@ def excess_cv(m: str) -> str:
 
 def activation_vs_expected(m: str) -> str:
     """Observed / expected activation ratio (the expected one: the model config's, exported as a gauge)."""
-    return (f"{sel('moescope_activation_ratio', m)} / on (model, rank) "
-            f"{sel('moescope_activation_expected_ratio', m)}")
+    return f"{sel('moescope_activation_ratio', m)} / {sel('moescope_activation_expected_ratio', m)}"
 
 
 def _hit(m: str) -> str:
@@ -123,7 +122,7 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
     slow = per_model(t, "slow_rank_share", lambda m, b: (
         f"sum by (model, peer) ({waits(m)}) / ignoring (peer) group_left sum by (model) ({waits(m)}) > {b}"))
     slow_wait = per_model(t, "slow_rank_wait_s", lambda m, b: (
-        f"max by (model, peer) ({waits(m)} / on (model, rank) group_left {dispatches(m)}) > {b}"))
+        f"max by (model, peer) ({waits(m)} / ignoring (peer, op) group_left {dispatches(m)}) > {b}"))
     return [
         AlertSpec("MoEExpertLoadImbalance", imbalance, "warning", "Expert load is imbalanced.",
                   "Layer {{ $labels.layer }} of {{ $labels.model }} (rank {{ $labels.rank }}) has a load CV of "
@@ -147,7 +146,7 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                   healthy={f"moescope_expert_load_top_share_ratio{{{L}}}": "0.3x20"},
                   boundary={f"moescope_expert_load_top_share_ratio{{{L}}}": f"{d.collapse_top_share}x20"}),
         AlertSpec("MoEDeadExperts", per_model(t, "dead_min_expected_slots", lambda m, b: (
-                      f"{sel('moescope_dead_experts', m)} > 0 and on (model, rank, layer) "
+                      f"{sel('moescope_dead_experts', m)} > 0 and "
                       f"{sel('moescope_window_slots_per_expert', m)} >= {b}")), "warning",
                   "Experts receive no tokens.",
                   "{{ $value }} experts of layer {{ $labels.layer }} in {{ $labels.model }} got no slot in the "
@@ -264,7 +263,7 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                   f"{d.memory_capacity_bytes} and on (model, rank) "
                   f"present_over_time(moescope_process_resident_memory_bytes[{mem_w}] offset {mem_w})) or "
                   f"(predict_linear(moescope_gpu_memory_used_bytes[{mem_w}], {d.memory_horizon_s}) > "
-                  f"on (model, rank, gpu, UUID) moescope_gpu_memory_total_bytes and on (model, rank, gpu, UUID) "
+                  f"moescope_gpu_memory_total_bytes and on (model, rank, gpu, UUID) "
                   f"present_over_time(moescope_gpu_memory_used_bytes[{mem_w}] offset {mem_w}))",
                   "warning", "Memory grows towards capacity.",
                   "At its current rate {{ $labels.model }} (rank {{ $labels.rank }}) reaches memory capacity within "

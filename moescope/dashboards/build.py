@@ -1,14 +1,28 @@
 """Grafana dashboards as code (grafana-foundation-sdk, Grafana 11.6 line), written to dashboards/*.json.
 
 Every panel query uses the template variables ``$datasource``, ``$model``, ``$rank`` (multi) and ``$layer``
-(single), so one dashboard serves every model and rank. tests/test_dashboards.py runs every query of every
-panel, variables filled in, against a real Prometheus that scraped a demo run.
+(single), so one dashboard serves every model and rank. Colour steps come from the thresholds object the alert
+rules are generated from (``moescope.thresholds``): each coloured stat shows one series named by its model
+(legend ``{{model}}``), its default steps are the default bars and a per-model override carries the bars of
+each model that has its own, so a healthy demo is green and a stat turns red where its alert fires. The judged
+quantities are the rules' own PromQL (``moescope.alerts.rules``: the load CV beyond sampling noise, dead experts
+where uniform routing sends enough slots, activation against the config's).
+
+At 256 experts a per-expert line chart is unreadable: the Experts dashboard shows the expert x time heatmap
+(one row per expert), the hottest and coldest 8 experts, the distribution of expert load relative to the fair
+share (a heatmap that reads the same at 8 or 256 experts) and per-layer heatmaps for 58 layers. Where the
+exporter serves the reduced tier (layers x experts over its budget) the expert panels fall back to its window
+gauges. tests/test_dashboards.py runs every query of every panel, variables filled in, against a real
+Prometheus that scraped a demo run (tiny-demo; the detection matrix does the same at deepseek-v3-shape).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from moescope.alerts import rules
+from moescope.thresholds import DEFAULT, WARN_FRACTION, Thresholds
 
 SEL = 'model="$model", rank=~"$rank"'
 LSEL = f'{SEL}, layer="$layer"'
@@ -22,7 +36,7 @@ def _sdk():
 
 
 def _variables(dash, dashboard):
-    from grafana_foundation_sdk.models.dashboard import DataSourceRef
+    from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableSort
 
     ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
     dash = dash.with_variable(dashboard.DatasourceVariable("datasource").label("Data source").type("prometheus"))
@@ -33,7 +47,7 @@ def _variables(dash, dashboard):
                               .query('label_values(moescope_build_info{model="$model"}, rank)').refresh(2))
     dash = dash.with_variable(dashboard.QueryVariable("layer").label("Layer").datasource(ds)
                               .query('label_values(moescope_router_tokens_total{model="$model"}, layer)')
-                              .refresh(2))
+                              .sort(VariableSort.NUMERICAL_ASC).refresh(2))
     return dash, ds
 
 
@@ -42,14 +56,28 @@ def _q(prometheus, expr: str, legend: str = "", exemplar: bool = False):
     return q.exemplar(True) if exemplar else q
 
 
-def _stat(stat, prometheus, ds, title, expr, unit, steps, x, y, w=4):
+def _and(*matchers: str) -> str:
+    return ", ".join(m for m in matchers if m)
+
+
+# -- colour steps from the thresholds object --------------------------------------------------------------
+def steps(kind: str, bar) -> list[tuple[float | None, str]]:
+    """Colour steps of a bar: ``above`` (red from the bar, yellow from WARN_FRACTION of it), ``floor`` (red
+    below the bar, yellow up to a third of the way to 1), ``band`` (green inside (lo, hi)), ``any`` (red from 1)."""
+    if kind == "above":
+        return [(None, "green"), (round(WARN_FRACTION * bar, 6), "yellow"), (bar, "red")]
+    if kind == "floor":
+        return [(None, "red"), (bar, "yellow"), (round(bar + (1 - bar) * (1 - WARN_FRACTION), 6), "green")]
+    if kind == "band":
+        return [(None, "red"), (bar[0], "green"), (bar[1], "red")]
+    return [(None, "green"), (1, "red")]
+
+
+def _thresholds_config(pairs):
     from grafana_foundation_sdk.builders.dashboard import ThresholdsConfig
     from grafana_foundation_sdk.models.dashboard import Threshold, ThresholdsMode
 
-    thresholds = ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps(
-        [Threshold(value=v, color=c) for v, c in steps])
-    return (stat.Panel().title(title).datasource(ds).unit(unit).thresholds(thresholds)
-            .with_target(_q(prometheus, expr)).grid_pos(_pos(x, y, w, 4)))
+    return ThresholdsConfig().mode(ThresholdsMode.ABSOLUTE).steps([Threshold(value=v, color=c) for v, c in pairs])
 
 
 def _pos(x, y, w, h):
@@ -58,35 +86,90 @@ def _pos(x, y, w, h):
     return GridPos(h=h, w=w, x=x, y=y)
 
 
-def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8):
-    p = timeseries.Panel().title(title).datasource(ds).unit(unit).grid_pos(_pos(x, y, w, h))
-    for t in targets:
-        p = p.with_target(t)
+def _stat(stat, prometheus, ds, t: Thresholds, title, expr, unit, bar, kind, x, y, w=4):
+    """A stat of one series per model (legend ``{{model}}``), coloured by the model's bar ``bar`` (a
+    ModelThresholds field; None: any non-zero value is bad)."""
+    from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
+
+    p = (stat.Panel().title(title).datasource(ds).unit(unit)
+         .thresholds(_thresholds_config(steps(kind, getattr(t.default, bar) if bar else None)))
+         .with_target(_q(prometheus, expr, "{{model}}")).grid_pos(_pos(x, y, w, 4)))
+    for model, value in (t.overrides(bar) if bar else {}).items():
+        own = {"mode": "absolute", "steps": [{"value": v, "color": c} for v, c in steps(kind, value)]}
+        p = p.override_by_name(model, [DynamicConfigValue(id_val="thresholds", value=own)])
     return p
 
 
-def overview():
+def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8):
+    p = timeseries.Panel().title(title).datasource(ds).unit(unit).grid_pos(_pos(x, y, w, h))
+    for target in targets:
+        p = p.with_target(target)
+    return p
+
+
+def _heatmap(heatmap, prometheus, ds, title, expr, legend, x, y, w=24, h=10, layout=None, unit="none"):
+    from grafana_foundation_sdk.models.common import HeatmapCellLayout
+
+    return (heatmap.Panel().title(title).datasource(ds).grid_pos(_pos(x, y, w, h)).unit(unit).calculate(False)
+            .rows_frame(heatmap.RowsHeatmapOptions().layout(layout or HeatmapCellLayout.UNKNOWN))
+            .with_target(_q(prometheus, expr, legend)))
+
+
+# -- the judged quantities, as the rules compute them -----------------------------------------------------
+def excess_cv(matcher: str) -> str:
+    return rules.excess_cv(matcher)
+
+
+def judged_dead(t: Thresholds, matcher: str) -> str:
+    """Dead experts where the model's bar says a zero means something (the MoEDeadExperts expression)."""
+    return rules.per_model(t, "dead_min_expected_slots", lambda m, b: (
+        f"moescope_dead_experts{{{_and(matcher, m)}}} > 0 and "
+        f"moescope_window_slots_per_expert{{{_and(matcher, m)}}} >= {b}"))
+
+
+def hit_rate(matcher: str, by: str = "model") -> str:
+    return (f"sum by ({by}) (rate(moescope_expert_cache_hits_total{{{matcher}}}[$__rate_interval])) / "
+            f"sum by ({by}) (rate(moescope_expert_cache_lookups_total{{{matcher}}}[$__rate_interval]))")
+
+
+def expert_rate(matcher: str) -> str:
+    """Slots/s per expert of one layer: the full tier's counters, or the reduced tier's window gauges."""
+    return (f"sum by (expert) (rate(moescope_expert_tokens_total{{{matcher}}}[$__rate_interval])) or "
+            f"sum by (expert) (moescope_expert_window_slots{{{matcher}}}) / scalar(max(moescope_window_seconds"
+            f"{{{SEL}}}))")
+
+
+# (stat title, ModelThresholds field or None, colour kind): what a test checks against the thresholds object
+COLOURED = (
+    ("Load CV beyond noise (worst layer)", "load_cv", "above"),
+    ("Top expert share", "collapse_top_share", "above"),
+    ("Dead experts (judged)", None, "any"),
+    ("Cache hit rate", "cache_hit_rate", "floor"),
+    ("Activation vs config", "activation_band", "band"),
+    ("Non-finite logits (5m)", None, "any"),
+)
+
+
+def overview(t: Thresholds = DEFAULT):
     dashboard, heatmap, prometheus, stat, timeseries, _ = _sdk()
     dash = (dashboard.Dashboard("moescope / Overview").uid("moescope-overview").tags(["moescope", "moe"])
             .refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
-    hit = (f"sum(rate(moescope_expert_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
-           f"sum(rate(moescope_expert_cache_lookups_total{{{SEL}}}[$__rate_interval]))")
-    stats = [
-        ("Max load CV", f"max(moescope_expert_load_cv_ratio{{{SEL}}})", "none", [(None, "green"), (0.10, "yellow"), (0.15, "red")]),
-        ("Top expert share", f"max(moescope_expert_load_top_share_ratio{{{SEL}}})", "percentunit",
-         [(None, "green"), (0.5, "yellow"), (0.75, "red")]),
-        ("Dead experts", f"sum(moescope_dead_experts{{{SEL}}})", "none", [(None, "green"), (1, "red")]),
-        ("Cache hit rate", hit, "percentunit", [(None, "red"), (0.85, "yellow"), (0.95, "green")]),
-        ("Activation ratio", f"avg(moescope_activation_ratio{{{SEL}}})", "percentunit", [(None, "blue")]),
-        ("Non-finite logits (5m)", f"sum(increase(moescope_router_nonfinite_logits_total{{{SEL}}}[5m]))", "none",
-         [(None, "green"), (1, "red")]),
-    ]
-    for i, (title, expr, unit, steps) in enumerate(stats):
-        dash = dash.with_panel(_stat(stat, prometheus, ds, title, expr, unit, steps, 4 * i, 0))
-    dash = dash.with_panel(_stat(stat, prometheus, ds, "Firing alerts",
+    exprs = {
+        "Load CV beyond noise (worst layer)": (f"max by (model) ({excess_cv(SEL)})", "none"),
+        "Top expert share": (f"max by (model) (moescope_expert_load_top_share_ratio{{{SEL}}})", "percentunit"),
+        "Dead experts (judged)": (f"sum by (model) ({judged_dead(t, SEL)}) or on () vector(0)", "none"),
+        "Cache hit rate": (hit_rate(SEL), "percentunit"),
+        "Activation vs config": (f"avg by (model) ({rules.activation_vs_expected(SEL)})", "percentunit"),
+        "Non-finite logits (5m)": (f"sum by (model) (increase(moescope_router_nonfinite_logits_total{{{SEL}}}"
+                                   "[5m]))", "none"),
+    }
+    for i, (title, bar, kind) in enumerate(COLOURED):
+        expr, unit = exprs[title]
+        dash = dash.with_panel(_stat(stat, prometheus, ds, t, title, expr, unit, bar, kind, 4 * i, 0))
+    dash = dash.with_panel(_stat(stat, prometheus, ds, t, "Firing alerts",
                                  'count(ALERTS{alertstate="firing", alertname!="Watchdog"}) or vector(0)', "none",
-                                 [(None, "green"), (1, "red")], 0, 4, 6))
+                                 None, "any", 0, 4, 6))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Tokens / s", [
         _q(prometheus, f"sum by (phase) (rate(moescope_tokens_total{{{SEL}}}[$__rate_interval]))", "{{phase}}")],
         "none", 6, 4, 18, 6))
@@ -101,48 +184,51 @@ def overview():
     return dash
 
 
-def experts():
+def experts(t: Thresholds = DEFAULT):
     dashboard, heatmap, prometheus, stat, timeseries, _ = _sdk()
     from grafana_foundation_sdk.models.common import HeatmapCellLayout
 
     dash = (dashboard.Dashboard("moescope / Experts").uid("moescope-experts").tags(["moescope", "moe"])
             .refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
-    hm = (heatmap.Panel().title("Expert x time: slots/s, layer $layer").datasource(ds).grid_pos(_pos(0, 0, 24, 10))
-          .calculate(False).rows_frame(heatmap.RowsHeatmapOptions().layout(HeatmapCellLayout.UNKNOWN))
-          .with_target(_q(prometheus, f"sum by (expert) (rate(moescope_expert_tokens_total{{{LSEL}}}"
-                                      "[$__rate_interval]))", "{{expert}}")))
-    dash = dash.with_panel(hm)
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Share of slots per expert, layer $layer", [
-        _q(prometheus, f"sum by (expert) (rate(moescope_expert_tokens_total{{{LSEL}}}[$__rate_interval])) / "
-           f"ignoring (expert) group_left sum(rate(moescope_expert_tokens_total{{{LSEL}}}[$__rate_interval]))",
-           "expert {{expert}}")], "percentunit", 0, 10))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Load CV and top share by layer", [
-        _q(prometheus, f"max by (layer) (moescope_expert_load_cv_ratio{{{SEL}}})", "CV L{{layer}}"),
-        _q(prometheus, f"max by (layer) (moescope_expert_load_top_share_ratio{{{SEL}}})", "top share L{{layer}}")],
-        "none", 12, 10))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Dead experts by layer", [
-        _q(prometheus, f"max by (layer) (moescope_dead_experts{{{SEL}}})", "L{{layer}}")], "none", 0, 18))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Canary flip ratio and drift from baseline", [
-        _q(prometheus, f"max by (layer) (moescope_routing_flip_ratio{{{SEL}}})", "flips L{{layer}}"),
-        _q(prometheus, f"max by (layer) (moescope_routing_drift_jsd_bits{{{SEL}}})", "drift L{{layer}} (bits)")],
-        "none", 0, 26))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Router entropy and margin by layer", [
-        _q(prometheus, f"avg by (layer) (moescope_router_entropy_ratio{{{SEL}}})", "entropy L{{layer}}"),
-        _q(prometheus, f"avg by (layer) (moescope_router_margin_ratio{{{SEL}}})", "margin L{{layer}}")],
-        "percentunit", 12, 18))
+    dash = dash.with_panel(_heatmap(heatmap, prometheus, ds, "Expert x time: slots/s, layer $layer (one row per "
+                                    "expert)", expert_rate(LSEL), "{{expert}}", 0, 0, h=16))
+    dist = _heatmap(heatmap, prometheus, ds, "Experts by load / fair share, layer $layer (le=0: no slot)",
+                    f"sum by (le) (moescope_expert_load_relative_bucket{{{LSEL}}})", "{{le}}", 0, 16, 12, 10,
+                    HeatmapCellLayout.LE)
+    dash = dash.with_panel(dist)
+    dash = dash.with_panel(_heatmap(heatmap, prometheus, ds, "Load CV beyond sampling noise, by layer",
+                                    f"max by (layer) ({excess_cv(SEL)})", "{{layer}}", 12, 16, 12, 10))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Hottest 8 experts, layer $layer (slots/s)", [
+        _q(prometheus, f"topk(8, {expert_rate(LSEL)})", "expert {{expert}}")], "none", 0, 26))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Coldest 8 experts, layer $layer (slots/s)", [
+        _q(prometheus, f"bottomk(8, {expert_rate(LSEL)})", "expert {{expert}}")], "none", 12, 26))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: load CV, sampling noise bound, beyond noise", [
+        _q(prometheus, f"max(moescope_expert_load_cv_ratio{{{LSEL}}})", "CV"),
+        _q(prometheus, f"max(moescope_expert_load_cv_noise_ratio{{{LSEL}}})", "noise bound"),
+        _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise")], "none", 0, 34))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Worst layers: top share, judged dead experts", [
+        _q(prometheus, f"topk(3, max by (layer) (moescope_expert_load_top_share_ratio{{{SEL}}}))",
+           "top share L{{layer}}"),
+        _q(prometheus, f"max by (layer) ({judged_dead(t, SEL)}) or on () vector(0)", "dead L{{layer}}")],
+        "none", 12, 34))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Canary flip ratio and drift from baseline (worst layers)", [
+        _q(prometheus, f"topk(3, max by (layer) (moescope_routing_flip_ratio{{{SEL}}}))", "flips L{{layer}}"),
+        _q(prometheus, f"topk(3, max by (layer) (moescope_routing_drift_jsd_bits{{{SEL}}}))",
+           "drift L{{layer}} (bits)")], "none", 0, 42))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Router entropy and margin (mean over layers)", [
+        _q(prometheus, f"avg(moescope_router_entropy_ratio{{{SEL}}})", "entropy"),
+        _q(prometheus, f"avg(moescope_router_margin_ratio{{{SEL}}})", "margin")], "percentunit", 12, 42))
     return dash
 
 
-def cache_all_to_all():
+def cache_all_to_all(t: Thresholds = DEFAULT):
     dashboard, heatmap, prometheus, stat, timeseries, _ = _sdk()
     dash = (dashboard.Dashboard("moescope / Cache and all-to-all").uid("moescope-cache-a2a")
             .tags(["moescope", "moe"]).refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert cache hit rate by layer", [
-        _q(prometheus, f"sum by (layer) (rate(moescope_expert_cache_hits_total{{{SEL}}}[$__rate_interval])) / "
-           f"sum by (layer) (rate(moescope_expert_cache_lookups_total{{{SEL}}}[$__rate_interval]))", "L{{layer}}")],
-        "percentunit", 0, 0))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert cache hit rate, worst 5 layers", [
+        _q(prometheus, f"bottomk(5, {hit_rate(SEL, 'layer')})", "L{{layer}}")], "percentunit", 0, 0))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert fetch (switch) latency", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le) (rate(moescope_expert_fetch_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "p99"),
@@ -154,22 +240,24 @@ def cache_all_to_all():
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Peer wait (rank waited on peer), s/s", [
         _q(prometheus, "sum by (rank, peer) (rate(moescope_all_to_all_peer_wait_seconds_total"
            f"{{{SEL}}}[$__rate_interval]))", "rank {{rank}} on {{peer}}")], "s", 12, 8))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Tokens dropped by capacity, per routed token", [
-        _q(prometheus, f"sum by (layer) (rate(moescope_tokens_dropped_total{{{SEL}}}[$__rate_interval])) / "
-           f"sum by (layer) (rate(moescope_router_tokens_total{{{SEL}}}[$__rate_interval]))", "L{{layer}}")],
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Tokens dropped by capacity, per routed token (worst 5 "
+                               "layers)", [
+        _q(prometheus, f"topk(5, sum by (layer) (rate(moescope_tokens_dropped_total{{{SEL}}}[$__rate_interval])) / "
+           f"sum by (layer) (rate(moescope_router_tokens_total{{{SEL}}}[$__rate_interval])))", "L{{layer}}")],
         "percentunit", 0, 16))
     return dash
 
 
-def memory():
+def memory(t: Thresholds = DEFAULT):
     dashboard, heatmap, prometheus, stat, timeseries, _ = _sdk()
     dash = (dashboard.Dashboard("moescope / Memory").uid("moescope-memory").tags(["moescope", "moe"])
             .refresh("10s").time("now-6h", "now"))
     dash, ds = _variables(dash, dashboard)
+    d = t.default
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Process resident memory", [
         _q(prometheus, f"moescope_process_resident_memory_bytes{{{SEL}}}", "rank {{rank}}"),
-        _q(prometheus, f"predict_linear(moescope_process_resident_memory_bytes{{{SEL}}}[30m], 4 * 3600)",
-           "rank {{rank}} in 4h")], "bytes", 0, 0))
+        _q(prometheus, f"predict_linear(moescope_process_resident_memory_bytes{{{SEL}}}[{d.memory_window_s}s], "
+           f"{d.memory_horizon_s})", f"rank {{{{rank}}}} in {d.memory_horizon_s // 3600}h")], "bytes", 0, 0))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "GPU memory (NVML; no series without a GPU)", [
         _q(prometheus, f"moescope_gpu_memory_used_bytes{{{SEL}}}", "gpu {{gpu}} used"),
         _q(prometheus, f"moescope_gpu_memory_total_bytes{{{SEL}}}", "gpu {{gpu}} capacity")], "bytes", 12, 0))
@@ -180,18 +268,19 @@ DASHBOARDS = {"moescope-overview": overview, "moescope-experts": experts, "moesc
               "moescope-memory": memory}
 
 
-def build_all() -> dict[str, dict]:
+def build_all(t: Thresholds = DEFAULT) -> dict[str, dict]:
     *_, JSONEncoder = _sdk()
     out = {}
     for name, fn in DASHBOARDS.items():
-        doc = json.loads(JSONEncoder(sort_keys=True).encode(fn().build()))
+        doc = json.loads(JSONEncoder(sort_keys=True).encode(fn(t).build()))
         for i, panel in enumerate(doc["panels"]):
             panel["id"] = i + 1
             for j, target in enumerate(panel.get("targets", [])):
                 target["refId"] = "ABCDEFGH"[j]
                 target["datasource"] = {"type": "prometheus", "uid": "${datasource}"}
-                if panel["type"] == "heatmap":
-                    target["format"] = "time_series"  # one series per expert: rows of the heatmap
+                if panel["type"] == "heatmap":  # rows: one series per expert / layer, or cumulative buckets
+                    layout = panel["options"]["rowsFrame"]["layout"]
+                    target["format"] = "heatmap" if layout == "le" else "time_series"
         out[name] = doc
     return out
 
