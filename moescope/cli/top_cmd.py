@@ -12,7 +12,8 @@ from moescope.errors import BadInput
 @click.option("--prometheus", default=None, help="Read from this Prometheus server instead of endpoints.")
 @click.option("--alertmanager", default=None, help="Show the alerts firing in this Alertmanager.")
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds per poll.")
-@click.option("--once", is_flag=True, help="Print one plain-text frame (two polls, --interval apart) and exit.")
+@click.option("--once", is_flag=True, help="Print one plain-text frame (two polls, --interval apart; every layer, "
+              "worst first) and exit.")
 def top_cmd(endpoints, prometheus, alertmanager, interval, once) -> int:
     """Watch ENDPOINTS (host:port of each rank's exporter; default 127.0.0.1:9400) live."""
     import time
@@ -23,14 +24,19 @@ def top_cmd(endpoints, prometheus, alertmanager, interval, once) -> int:
         raise BadInput("give metrics endpoints or --prometheus, not both")
     poller = Poller(list(endpoints) or ["127.0.0.1:9400"], prometheus=prometheus, alertmanager=alertmanager)
     if once:
+        from moescope.tui import heatmap
         from moescope.tui.top_app import details_text, status_text, tiles_text
 
         poller.poll()
         time.sleep(interval)
         f = poller.poll()
-        for text in (status_text(f, False), tiles_text(f), details_text(f, min(f.expert_rate, default=None))):
-            click.echo(text.plain)
-        return 0 if any(v == "ok" for v in f.endpoints.values()) else 2
+        if not any(v == "ok" for v in f.endpoints.values()):  # nothing to show: say why, on one line (exit 2)
+            raise BadInput("no metrics source answered: " + "; ".join(f"{u}: {e}" for u, e in f.endpoints.items()))
+        worst = heatmap.sort_layers(f.routing, True)[0] if f.routing else None
+        for text in (status_text(f, False), tiles_text(f), heatmap.overview(f, 80, 0, worst_first=True),
+                     details_text(f, worst)):
+            click.echo(text.plain.rstrip("\n"))
+        return 0
     from moescope.tui.top_app import TopApp
 
     TopApp(poller, interval).run()

@@ -1,16 +1,18 @@
-"""`moescope top`: a live terminal view of MoE routing health (Textual), usable over SSH at 80x24.
+"""`moescope top`: a live terminal view of MoE routing health (Textual), usable over SSH at 80x24 at any
+model shape (256 experts x 58 layers included).
 
 Rows: source status (each endpoint ok or unreachable; it recovers by itself), health tiles coloured by the
-alert thresholds (green under 2/3 of the bar, yellow under it, red over it), the expert x time heatmap of
-the selected layer (each column one poll; shade = the expert's share against the fair share 1/E), the
-hottest and dead experts, all-to-all p99 per rank, and firing alerts from an Alertmanager. Polling runs in
-a worker thread: the UI never waits on the network. Keys: [ and ] (or 1-9) pick the layer, space pauses,
-q quits. Everything drawn is ``rich.text.Text`` (no markup parsing of scraped strings).
+alert thresholds (``levels``: green under 2/3 of the bar, yellow under it, red over it), the routing view,
+the selected layer's hottest/coldest experts and all-to-all p99 per rank, and firing alerts from an
+Alertmanager. The routing view (``heatmap``) is either the overview, one row per layer with its experts
+folded into bands and its verdict (collapsed, imbalanced, dead experts), scrolled and optionally sorted
+worst first, or the selected layer's expert bands x time. Polling runs in a worker thread: the UI never waits
+on the network. Keys: up/down (pgup/pgdn, home/end) select a layer, enter/tab switch overview and layer
+view, [ ] previous/next layer, s sort, space pause, q quit. Everything drawn is ``rich.text.Text`` (no markup
+parsing of scraped strings).
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 from rich.text import Text
 from textual.app import App, ComposeResult
@@ -18,15 +20,14 @@ from textual.binding import Binding
 from textual.widgets import Footer, Static
 
 from moescope.traces.sanitize import sanitize
+from moescope.tui import heatmap
 from moescope.tui.top_data import Frame, Poller
 
 LEVEL_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold white on red", "none": "dim"}
-SHADES = " .:-=+*#%@"  # ASCII ramp: readable over any SSH terminal and font
-HISTORY = 64
 
 
 def tiles_text(frame: Frame, width: int = 80) -> Text:
-    cell = max(12, width // 5)
+    cell = width // 5
     out = Text()
     for i, t in enumerate(frame.tiles):
         label = f"{t.name} "
@@ -35,31 +36,7 @@ def tiles_text(frame: Frame, width: int = 80) -> Text:
         out.append(" " * max(1, cell - len(label) - len(t.text)))
         if i % 5 == 4:
             out.append("\n")
-    return out
-
-
-def heatmap_text(columns: deque, layer: int | None, n_layers: list[int], width: int = 70) -> Text:
-    if layer is None or not columns:
-        return Text("waiting for routing data ...", style="dim")
-    cols = list(columns)[-width:]
-    n_exp = max(len(c) for c in cols)
-    groups = min(n_exp, 16)  # many experts: rows are groups of experts (max over the group)
-    per = -(-n_exp // groups)
-    out = Text(f"layer {layer} ({', '.join(map(str, n_layers))}: [ ] to switch)  expert x time, share vs 1/{n_exp}\n",
-               style="bold")
-    for g in range(groups):
-        lo, hi = g * per, min(n_exp, (g + 1) * per)
-        name = f"e{lo}" if hi - lo == 1 else f"e{lo}-{hi - 1}"
-        out.append(f"{name:>7} ", style="dim")
-        for c in cols:
-            tot = sum(c)
-            share = max(c[lo:hi]) / tot if tot > 0 and lo < len(c) else 0.0
-            rel = share * n_exp  # 1.0 = fair share
-            idx = min(len(SHADES) - 1, int(rel * 3)) if tot > 0 else 0
-            style = "red" if rel > 2.5 else "yellow" if rel > 1.5 else "green" if rel > 0.5 else "blue"
-            out.append(SHADES[idx], style=style)
-        out.append("\n")
-    return out
+    return heatmap.fit(out, width)
 
 
 def status_text(frame: Frame, paused: bool) -> Text:
@@ -75,20 +52,19 @@ def status_text(frame: Frame, paused: bool) -> Text:
     return out
 
 
-def details_text(frame: Frame, layer: int | None) -> Text:
-    out = Text()
-    if layer is not None and layer in frame.hottest:
-        out.append(f"hottest {frame.hottest[layer]}  dead {frame.dead.get(layer, 0)}  ")
-    if frame.a2a_p99:
-        out.append("a2a p99 " + " ".join(f"r{r}:{v * 1e3:.1f}ms" for r, v in frame.a2a_p99.items()))
+def details_text(frame: Frame, layer: int | None, width: int = 80) -> Text:
+    """The selected layer's named experts; all-to-all p99 per rank and the firing alerts."""
+    out = heatmap.details(frame, layer, width)
     out.append("\n")
+    if frame.a2a_p99:
+        out.append("a2a p99 " + " ".join(f"r{k}:{v * 1e3:.1f}ms" for k, v in frame.a2a_p99.items()) + "  ")
     if frame.alert_error:
         out.append(sanitize(frame.alert_error, keep_newlines=False), style="bold white on red")
     elif frame.alerts:
         out.append("FIRING: " + "; ".join(sanitize(a, keep_newlines=False) for a in frame.alerts), style="bold red")
     else:
         out.append("no alerts firing" if frame.alerts is not None else "", style="green")
-    return out
+    return heatmap.fit(out, width)
 
 
 class TopApp(App):
@@ -98,17 +74,23 @@ class TopApp(App):
     #heat { height: 1fr; }
     #details { height: 2; }
     """
-    BINDINGS = [Binding("q", "quit", "quit"), Binding("left_square_bracket", "layer(-1)", "prev layer"),
-                Binding("right_square_bracket", "layer(1)", "next layer"), Binding("space", "pause", "pause")] + \
-        [Binding(str(i), f"pick({i})", show=False) for i in range(1, 10)]
+    BINDINGS = [Binding("q", "quit", "quit"), Binding("tab", "toggle_view", "layer/overview", priority=True),
+                Binding("enter", "toggle_view", show=False), Binding("escape", "overview", show=False),
+                Binding("up", "move(-1)", show=False), Binding("down", "move(1)", show=False),
+                Binding("pageup", "page(-1)", show=False), Binding("pagedown", "page(1)", show=False),
+                Binding("home", "move(-10000)", show=False), Binding("end", "move(10000)", show=False),
+                Binding("left_square_bracket", "layer(-1)", "prev"), Binding("right_square_bracket", "layer(1)", "next"),
+                Binding("s", "sort", "sort"), Binding("space", "pause", "pause")]
 
     def __init__(self, poller: Poller, interval_s: float = 1.0) -> None:
         super().__init__()
         self.poller, self.interval_s = poller, interval_s
         self.frame: Frame | None = None
         self.first_frame: Frame | None = None
-        self.history: dict[int, deque] = {}
-        self.layer: int | None = None
+        self.layer: int | None = None  # the selected layer (both views)
+        self.mode = "overview"  # or "layer"
+        self.worst_first = False
+        self.offset = 0  # first overview row shown
         self.paused = False
         self.polls = 0
 
@@ -136,36 +118,77 @@ class TopApp(App):
         if self.first_frame is None:
             self.first_frame = frame
         self.polls += 1
-        for layer, rates in frame.expert_rate.items():
-            if any(rates):
-                self.history.setdefault(layer, deque(maxlen=HISTORY)).append(rates)
-        layers = sorted(frame.expert_rate)
-        if self.layer not in layers:
-            self.layer = layers[0] if layers else None
+        if frame.routing and self.layer not in frame.routing:
+            self.layer = self._order()[0]
         self.redraw()
+
+    # -- drawing -------------------------------------------------------------------------------------------
+    def _order(self) -> list[int]:
+        return heatmap.sort_layers(self.frame.routing, self.worst_first) if self.frame else []
+
+    def _rows(self) -> int:
+        """Layer rows the overview has room for (its two header lines aside)."""
+        return max(1, (self.query_one("#heat", Static).size.height or 18) - 2)
+
+    def _follow(self) -> None:
+        """Scroll the overview so the selected layer is on screen."""
+        order = self._order()
+        if self.layer in order:
+            i = order.index(self.layer)
+            rows = self._rows()
+            self.offset = min(max(self.offset, i - rows + 1), i)
+            self.offset = max(0, min(self.offset, len(order) - rows))
 
     def redraw(self) -> None:
         f = self.frame
         if f is None:
             return
         width = self.size.width or 80
+        heat = self.query_one("#heat", Static)
+        height = heat.size.height or 18
         self.query_one("#status", Static).update(status_text(f, self.paused))
         self.query_one("#tiles", Static).update(tiles_text(f, width))
-        self.query_one("#heat", Static).update(heatmap_text(self.history.get(self.layer, deque()), self.layer,
-                                                            sorted(f.expert_rate), max(10, width - 10)))
-        self.query_one("#details", Static).update(details_text(f, self.layer))
+        if self.mode == "overview":
+            self._follow()
+            heat.update(heatmap.overview(f, width, height, self.layer, self.offset, self.worst_first))
+        else:
+            heat.update(heatmap.layer_view(f, self.layer, width, height))
+        self.query_one("#details", Static).update(details_text(f, self.layer, width))
+
+    # -- keys ----------------------------------------------------------------------------------------------
+    def _select(self, index: int) -> None:
+        order = self._order()
+        if order:
+            self.layer = order[max(0, min(len(order) - 1, index))]
+            self.redraw()
+
+    def action_move(self, step: int) -> None:
+        order = self._order()
+        if order:
+            self._select((order.index(self.layer) if self.layer in order else 0) + step)
+
+    def action_page(self, step: int) -> None:
+        self.action_move(step * self._rows())
 
     def action_layer(self, step: int) -> None:
-        layers = sorted(self.frame.expert_rate) if self.frame else []
+        """Previous/next layer by layer number, wrapping (in either view)."""
+        layers = sorted(self.frame.routing) if self.frame else []
         if layers and self.layer in layers:
             self.layer = layers[(layers.index(self.layer) + step) % len(layers)]
             self.redraw()
 
-    def action_pick(self, n: int) -> None:
-        layers = sorted(self.frame.expert_rate) if self.frame else []
-        if 0 < n <= len(layers):
-            self.layer = layers[n - 1]
-            self.redraw()
+    def action_toggle_view(self) -> None:
+        self.mode = "layer" if self.mode == "overview" else "overview"
+        self.redraw()
+
+    def action_overview(self) -> None:
+        self.mode = "overview"
+        self.redraw()
+
+    def action_sort(self) -> None:
+        self.worst_first = not self.worst_first
+        self.offset = 0
+        self.redraw()
 
     def action_pause(self) -> None:
         self.paused = not self.paused
