@@ -3,18 +3,31 @@
 Public API (imports are lazy so ``import moescope`` stays light)::
 
     import moescope
-    with moescope.instrument(model, port=9400) as inst:   # reference runtime model or a HF MoE model
-        ...                                               # serve; Prometheus scrapes inst.exporter.url
+    from moescope.config import Metrics, Traces
+
+    cfg = moescope.Config(metrics=Metrics(port=9400), traces=Traces("traces.sqlite"))
+    with moescope.instrument(model, cfg) as inst:   # reference runtime model or a HF MoE model
+        ...                                        # serve; Prometheus scrapes inst.exporter.url
+    with moescope.instrument(model, port=9400):     # shorthand: metrics only
+        ...
 """
 
 __version__ = "0.1.0"
 
 
-def instrument(model, **kwargs):
-    """Instrument ``model`` (see ``moescope.api.Instrumentation`` for the arguments)."""
+def instrument(model, config=None, **metrics):
+    """Instrument ``model`` as ``config`` (``moescope.Config``) says; see ``moescope.api.Instrumentation``."""
     from moescope.api import Instrumentation
 
-    return Instrumentation(model, **kwargs)
+    return Instrumentation(model, config, **metrics)
 
 
-__all__ = ["__version__", "instrument"]
+def __getattr__(name: str):
+    if name == "Config":  # lazily: moescope.config imports the runtime's fault catalogue
+        from moescope.config import Config
+
+        return Config
+    raise AttributeError(f"module 'moescope' has no attribute {name!r}")
+
+
+__all__ = ["__version__", "instrument", "Config"]

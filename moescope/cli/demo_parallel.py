@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import click
 
 from moescope.capture.observer import Observer
-from moescope.errors import BadInput
+from moescope.cli.options import emit_json
+from moescope.errors import BadInput, MoescopeError
+from moescope.traces.sanitize import sanitize
 
 
 class AllToAllStats(Observer):
@@ -46,7 +47,10 @@ def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
 
 
 def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: int | None, timeout: float,
-           model, as_json: bool) -> int:
+           model, as_json: bool) -> None:
+    """Spawn the ranks, merge their summaries and print them. A failed run: every failed rank's own error
+    (and, when it died without one, the tail of its stderr) in the order they ended, then ``RanksFailed``."""
+    from moescope.cli.summary import print_human
     from moescope.parallel import placement as placement_mod
     from moescope.parallel.spawn import run_ranks
 
@@ -54,35 +58,47 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
         raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
     placement = placement_mod.build(placement_spec, n_experts=model.cfg.n_experts, world_size=world_size,
                                     moe_layers=model.cfg.moe_layers)  # validate once, before spawning
-    code, summaries, errors = run_ranks(argv_from_context(ctx, {"world_size"}), world_size, timeout)
-    failed = [e for e in errors if e]
-    if code != 0 or any(s is None for s in summaries):
-        for e in failed or [f"a rank exited with code {code}"]:
-            click.echo(e if e.startswith("moescope: error:") else f"moescope: error: {e}", err=True)
-        return code or 1
+    summaries, failures = run_ranks(argv_from_context(ctx, {"world_size"}), world_size, timeout)
+    if failures or any(s is None for s in summaries):
+        for f in failures:
+            if f.crashed:
+                click.echo(f"moescope: {f.error}; its last stderr lines:", err=True)
+                for line in f.tail:
+                    click.echo(f"  rank {f.rank} | {sanitize(line)}", err=True)
+            else:
+                click.echo(sanitize(f.error), err=True)
+        first = failures[0] if failures else None
+        raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
+                          f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
+                          first.code if first and first.code > 0 else 1)
     merged = dict(summaries[0])
     merged["world_size"] = world_size
     merged["placement"] = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
     merged["ranks"] = [s["rank"] for s in summaries]
     merged["peer_wait_matrix_s"] = [s["rank"]["peer_wait_s"] for s in summaries]
     if as_json:
-        json.dump(merged, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        from moescope.cli.demo import _print_human
+        emit_json(merged)
+        return
+    print_human(merged)
+    click.echo(f"expert parallel over {world_size} ranks ({placement_spec}); per rank:")
+    for r in merged["ranks"]:
+        click.echo(f"  rank {r['rank']}: {r['tokens_per_s']} tokens/s, all-to-all {r['all_to_all_s']:.3f}s "
+                   f"({r['all_to_all_share']:.1%} of the run), waited on peers "
+                   + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
 
-        _print_human(merged)
-        click.echo(f"expert parallel over {world_size} ranks ({placement_spec}); per rank:")
-        for r in merged["ranks"]:
-            click.echo(f"  rank {r['rank']}: {r['tokens_per_s']} tokens/s, all-to-all {r['all_to_all_s']:.3f}s "
-                       f"({r['all_to_all_share']:.1%} of the run), waited on peers "
-                       + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
-    return 0
+
+class RanksFailed(MoescopeError):
+    """Some rank of a ``--world-size`` run failed; the exit code is the first failed rank's."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
 
 
 def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, slow_rank: int | None,
                delay_ms: float, timeout: float):
-    """Join the group and shard the experts; returns (AllToAllStats, RankMonitor)."""
+    """Join the group and shard the experts; returns (AllToAllStats, RankMonitor, ExpertParallel: the
+    engine's ``lockstep``, through whose exchanges the ranks agree when to stop)."""
     import torch.distributed as dist
 
     from moescope.parallel import placement as placement_mod
@@ -99,7 +115,7 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
                         slow_delay_s=delay_ms / 1000 if slow_rank == rank else 0.0)
     for layer in model.moe_layers():
         layer.parallel = ep
-    return AllToAllStats(world_size), monitor
+    return AllToAllStats(world_size), monitor, ep
 
 
 def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) -> dict:
@@ -107,7 +123,8 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) ->
     return {"rank": rank, "tokens_per_s": summary["tokens_per_s"], "all_to_all_s": round(a2a, 4),
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
-            "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes, "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
+            "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes,
+            "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
             "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio")}
 
 

@@ -1,105 +1,40 @@
 """``moescope serve``: an OpenAI-compatible HTTP API on the reference runtime (docs/serve.md).
 
 The command only maps flags: ``assemble`` builds the observed engine (model, faults, mitigations, metrics,
-trace store, OTLP, expert cache, canary) exactly as ``demo`` does, from the demo's own option definitions,
-and ``moescope.serve`` does the serving. When the shared assembly point lands, ``assemble`` is what switches.
+trace store, OTLP, expert cache, canary) through the one assembly point, from the same option decorators as
+``demo`` (``cli.config_options``), and ``moescope.serve`` does the serving.
 """
 
 from __future__ import annotations
 
-import os
 from contextlib import ExitStack
 
 import click
 
+from moescope.cli.config_options import instrument_options, model_options
 from moescope.errors import BadInput
 
-# The demo's options that apply to a server, reused as they are defined there (one definition, one help text).
-DEMO_OPTIONS = ("model_spec", "weights", "device", "dtype", "max_batch", "capacity_factor", "cache_size",
-                "cache_policy", "cache_tier", "cache_prefetch", "cache_file", "metrics_port", "metrics_addr",
-                "traces_path", "otlp_endpoint", "trace_sample", "scenario", "canary_interval", "baseline_path",
-                "load_bound", "smoothing_margin", "router_impl", "seed")
 # Scenarios that need the demo's synthetic traffic or several ranks: a server has neither.
 DEMO_ONLY_SETTINGS = {"traffic_shift": "drift", "world_size": "slow-rank"}
 
 
-def _demo_options(fn):
-    from moescope.cli.demo import demo
-
-    by_name = {p.name: p for p in demo.params}
-    missing = [n for n in DEMO_OPTIONS if n not in by_name]
-    if missing:  # the demo renamed an option: fail loudly at import, not at a user's first serve
-        raise RuntimeError(f"serve reuses demo options that no longer exist: {missing}")
-    fn.__click_params__ = getattr(fn, "__click_params__", []) + [by_name[n] for n in reversed(DEMO_OPTIONS)]
-    return fn
-
-
 def assemble(stack: ExitStack, o: dict):
-    """Model, instrumentation, trace recorder and engine from the parsed options ``o``; everything it opens is
-    closed by ``stack``. Returns (engine, instrumentation, recorder or None)."""
+    """Model, instrumentation and engine from the parsed options ``o``, through the one assembly point
+    (``config_from_options`` -> ``moescope.instrument``); everything it opens is closed by ``stack``.
+    Returns (engine, instrumentation, recorder or None)."""
     import moescope
-    from moescope.cli.demo import _default_traces, _expert_cache
-    from moescope.runtime import faults, loader
-    from moescope.runtime.engine import Engine
+    from moescope.cli.config_options import build_model, config_from_options
 
-    scenarios = faults.parse(o["scenario"])
-    settings = faults.demo_settings(scenarios)
+    config = config_from_options(o)
     for key, name in DEMO_ONLY_SETTINGS.items():
-        if key in settings:
+        if key in config.settings:
             raise BadInput(f"--scenario {name} needs the demo's synthetic traffic or several ranks; run it with "
                            "`moescope demo --scenario " + name + "`")
-    cache_size = settings.get("cache_size", o["cache_size"])
-    cache_policy = settings.get("cache_policy", o["cache_policy"])
-    cache_tier = settings.get("cache_tier", o["cache_tier"])
-    capacity = settings.get("capacity_factor", o["capacity_factor"])
-    model = loader.build_model(o["model_spec"], weights=None if o["weights"] == "random" else o["weights"],
-                               device=o["device"], dtype=o["dtype"],
-                               **({"capacity_factor": capacity} if capacity is not None else {}))
-    faults.apply(model, scenarios)
-    for layer in model.moe_layers():
-        layer.router.impl = o["router_impl"]
-    if o["load_bound"] is not None or o["smoothing_margin"] is not None:
-        from moescope.runtime.router import Mitigation
-
-        for layer in model.moe_layers():
-            layer.router.mitigation = Mitigation(load_bound=o["load_bound"], smoothing_margin=o["smoothing_margin"])
-    traces_path = o["traces_path"] or os.environ.get("MOESCOPE_TRACES") or str(_default_traces())
-    if o["otlp_endpoint"] and traces_path == "none":
-        raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
-    recorder, observers = None, []
-    if traces_path != "none":
-        from moescope.traces.recorder import TraceRecorder
-
-        tracer = None
-        if o["otlp_endpoint"]:
-            from moescope.traces import otlp
-
-            provider = otlp.tracer_provider(o["otlp_endpoint"], attributes={"moescope.model": model.cfg.name})
-            stack.callback(provider.shutdown)  # after the recorder's last spans (the stack unwinds LIFO)
-            tracer = provider.get_tracer("moescope")
-        recorder = TraceRecorder(traces_path, sample=o["trace_sample"], model=model.cfg.name, seed=o["seed"],
-                                 tracer=tracer)
-        observers.append(recorder)
-    port = o["metrics_port"]
-    inst = stack.enter_context(moescope.instrument(model, port=None if port < 0 else port, addr=o["metrics_addr"],
-                                                   observers=observers))
-    if o["baseline_path"]:
-        from moescope.analysis import baseline as bl
-
-        inst.metrics.baseline = bl.load(o["baseline_path"])
-    if cache_size is not None or cache_policy or cache_tier or o["cache_prefetch"]:
-        stack.enter_context(_expert_cache(model, cache_size, cache_policy or "lru", cache_tier or "memory",
-                                          o["cache_prefetch"], o["cache_file"], o["seed"],
-                                          settings.get("disk_delay_s")))
-    canary = None
-    if o["canary_interval"] > 0:
-        from moescope.runtime.canary import Canary
-
-        canary = Canary(model, interval_s=o["canary_interval"])
-    engine = Engine(model, max_batch=o["max_batch"], seed=o["seed"], canary=canary)
-    if settings.get("leak_bytes"):
-        engine.leak, engine.leak_bytes = [], settings["leak_bytes"]
-    return engine, inst, recorder
+    model = build_model(o, config)
+    inst = stack.enter_context(moescope.instrument(model, config))
+    for line in inst.notices:
+        click.echo(line, err=True)
+    return inst.engine(max_batch=o["max_batch"], seed=o["seed"]), inst, inst.recorder
 
 
 @click.command("serve")
@@ -114,7 +49,8 @@ def assemble(stack: ExitStack, o: dict):
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level.")
 @click.option("--access-log", is_flag=True, help="Log every HTTP request (off: the trace store has them).")
-@_demo_options
+@model_options
+@instrument_options
 def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, access_log, **o) -> int:
     """Serve the OpenAI completions and chat completions API on the reference MoE runtime.
 

@@ -5,13 +5,19 @@ two ``torch.distributed.all_to_all_single`` exchanges per layer.
 Per MoE layer, on every rank (the routing decision is identical everywhere: same inputs, same weights):
 1. the rank owns a contiguous chunk of the step's tokens; it sorts its slots by (destination rank, expert);
 2. **dispatch**: a small all-to-all of per-peer slot counts plus the rank's entry timestamp (which gives the
-   per-peer wait matrix for free), then the rows and their expert ids;
+   per-peer wait matrix for free) and its stop flag, then the rows and their expert ids;
 3. each rank computes its local experts on the rows it received, grouped by expert (a stable sort keeps
    the source-rank and token order, so every expert sees exactly the rows, in exactly the order, that the
    single-process model gives it: outputs are bit-identical);
 4. **combine**: the results go back through the reverse all-to-all; each rank weights and sums its tokens'
    slots in slot order, and an all-gather rebuilds the step's [T, H] output on every rank.
 ``world_size == 1`` never gets here: the model computes its experts locally (the identity path).
+
+Stopping: ranks serve in lock-step, so they must leave at the same step; no per-rank clock can promise
+that (one rank past its deadline leaves while another enters one more collective step). A rank that wants
+to stop (its deadline passed) says so in the stop flag of its next dispatch exchange; every rank receives
+every flag of that exchange, so after that step all agree (``stop_agreed``) and all stop before the next one.
+The flag rides on the exchange the step makes anyway: no extra collective.
 
 Per-peer wait: rank i's wait on peer p in one exchange is max(0, entry_p - entry_i), from the entry
 timestamps exchanged in step 2 (wall clock: exact on one machine, NTP-accurate across machines). A slow
@@ -67,6 +73,13 @@ class ExpertParallel:
         self.slow_delay_s = slow_delay_s
         self.monitor = monitor
         self._owner: dict[int, torch.Tensor] = {}
+        self._stop_wanted = False  # this rank's flag, sent in every dispatch exchange
+        self.stop_agreed = False  # some rank's flag came in: every rank knows it after the same step
+
+    def request_stop(self) -> None:
+        """Ask the peers to stop: sent with the next dispatch exchange (call between steps only, so every
+        exchange of one step carries the same flag)."""
+        self._stop_wanted = True
 
     def _owners(self, layer: int, device) -> torch.Tensor:
         t = self._owner.get(layer)
@@ -111,13 +124,16 @@ class ExpertParallel:
         if self.slow_delay_s:
             time.sleep(self.slow_delay_s)  # the slow-rank fault: this rank joins the exchange late
         start = time.perf_counter()
-        meta_out = torch.cat([send_counts.double(), torch.tensor([time.time()], dtype=torch.float64)])
-        meta_out = meta_out.repeat(self.world)  # [W * (W + 1)]: the same counts+timestamp to every peer
+        meta_out = torch.cat([send_counts.double(),
+                              torch.tensor([time.time(), float(self._stop_wanted)], dtype=torch.float64)])
+        meta_out = meta_out.repeat(self.world)  # [W * (W + 2)]: counts, timestamp, stop flag to every peer
         meta_in = torch.empty_like(meta_out)
         self._collective(dist.all_to_all_single, meta_in, meta_out)
-        meta_in = meta_in.view(self.world, self.world + 1)
+        meta_in = meta_in.view(self.world, self.world + 2)
         recv_counts = meta_in[:, self.rank].long().tolist()  # what each peer sends me
         entry = meta_in[:, self.world].tolist()  # each peer's entry time
+        if bool(meta_in[:, self.world + 1].any()):
+            self.stop_agreed = True
         sends = send_counts.tolist()
         recv_rows = torch.empty(sum(recv_counts), hidden, dtype=x.dtype, device=x.device)
         self._collective(dist.all_to_all_single, recv_rows, send_rows.contiguous(), recv_counts, sends)

@@ -118,11 +118,15 @@ class Engine:
             decode steps call no per-layer hooks (a graph cannot): their routing reaches observers that take
             summaries (``on_stats``: the metrics) from the in-step counters after each step; the trace store
             keeps such requests whole but without per-token routing.
+        lockstep: for ranks serving in lock-step (expert parallelism), the object their exchanges share a stop
+            flag through (``request_stop()``, ``stop_agreed``): ``run``'s deadline or ``request_stop`` then
+            ends the run at a step every rank agrees on, never at a step one rank skips.
     """
 
     def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,
                  observer: Observer | list[Observer] | None = None,
-                 clock: Callable[[], float] = time.perf_counter, canary=None, decode: str = "eager") -> None:
+                 clock: Callable[[], float] = time.perf_counter, canary=None, decode: str = "eager",
+                 lockstep=None) -> None:
         if max_batch <= 0:
             raise BadInput(f"max_batch must be positive, got {max_batch}")
         if decode not in DECODE_MODES:
@@ -149,6 +153,8 @@ class Engine:
         self._steps = 0
         self.finished: list[RequestRecord] = []
         self.canary = canary
+        self.lockstep = lockstep
+        self._stop_requested = False  # set by request_stop (any thread); read between steps
         self.leak: list[torch.Tensor] | None = None  # the leak fault: a list that retains a tensor per step
         self.leak_bytes = 65536  # retained per step under the leak fault
         self.decode = decode
@@ -390,8 +396,12 @@ class Engine:
         n_before = len(self.finished)
         while pending or self.has_work:
             now = self.clock()
-            if deadline_s is not None and now - start >= deadline_s:
-                break
+            if self._stop_requested or (deadline_s is not None and now - start >= deadline_s):
+                if self.lockstep is None:
+                    break
+                self.lockstep.request_stop()  # the peers learn it in the next step's exchange
+            if self.lockstep is not None and self.lockstep.stop_agreed:
+                break  # every rank saw the same stop flags in the same step: all stop here
             while pending and (not realtime or start + pending[0].arrival_s <= now):
                 r = pending.popleft()
                 self.submit(r.prompt, max_new_tokens=r.max_new_tokens, temperature=temperature,
@@ -402,7 +412,12 @@ class Engine:
                 self.step()
             elif pending:
                 time.sleep(max(0.0, min(0.05, start + pending[0].arrival_s - self.clock())))
+        self._stop_requested = False  # asked of this run, not of the next
         return self.finished[n_before:]
+
+    def request_stop(self) -> None:
+        """Ask ``run`` to return after the current step (thread-safe: a flag read between steps)."""
+        self._stop_requested = True
 
     def close(self) -> None:
         if self._collector is not None:

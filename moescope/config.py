@@ -1,0 +1,164 @@
+"""The one typed configuration of an instrumented model: what ``moescope.instrument(model, config)`` wires.
+
+Front ends map their flags onto a ``Config`` and nothing else (``moescope demo``, ``moescope serve``);
+library users build one directly::
+
+    cfg = moescope.Config(metrics=Metrics(port=9400), traces=Traces("traces.sqlite", sample=0.1),
+                          cache=Cache(size=4), scenarios=("jitter",))
+    with moescope.instrument(model, cfg) as inst:
+        records = inst.engine(max_batch=16).run(requests)
+
+Every sub-config is frozen and checked when built (``ConfigError``, exit 2 at the CLI). ``None`` for a
+part means that part is off. Fault scenarios are real changes to what the model and engine do
+(``runtime/faults.py``); ``resolved()`` folds the settings they ask for (a tiny cache, a slow disk tier,
+a capacity limit) into the other parts, so a scenario and the flag a user would give are one thing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from moescope.errors import ConfigError
+
+CACHE_POLICIES = ("lru", "lfu", "static", "none")
+CACHE_TIERS = ("memory", "disk")
+ROUTER_IMPLS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Prometheus metrics. ``port``: serve them there (0: any free port; None: no exporter, counters only).
+    ``export_routing``: False on a lock-step rank that routes the same tokens as an exporting rank.
+    ``expert_series_budget``: None for the metrics' default (docs/metrics.md, "Cardinality").
+    ``baseline``: the drift reference, a baseline file (``moescope baseline save``) or {layer: load}."""
+
+    port: int | None = None
+    addr: str = "127.0.0.1"
+    model_name: str | None = None
+    rank: int = 0
+    export_routing: bool = True
+    window_s: float = 60.0
+    expert_series_budget: int | None = None
+    baseline: str | Path | Mapping[int, Sequence[float]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics port must be 0..65535 (or None for no exporter), got {self.port}")
+        if not self.window_s > 0:
+            raise ConfigError(f"metrics window must be > 0 s, got {self.window_s}")
+
+
+@dataclass(frozen=True)
+class Traces:
+    """The per-token trace store (SQLite) and, with ``otlp_endpoint``, a span per kept request over OTLP/HTTP.
+    ``sample``: share of ordinary requests kept (anomalous ones always are); ``seed`` seeds that choice."""
+
+    path: str | Path
+    sample: float = 1.0
+    seed: int = 0
+    otlp_endpoint: str | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.sample <= 1:
+            raise ConfigError(f"trace sample must be within 0..1, got {self.sample}")
+
+
+@dataclass(frozen=True)
+class Cache:
+    """Expert cache: ``size`` experts resident per MoE layer (None: all), the rest loaded on demand from
+    ``tier`` (host memory, or a safetensors ``file`` read via mmap; a temporary one when None). ``prefetch``:
+    experts per layer a loader thread stages ahead. ``static`` pins the most used experts of a calibration
+    pass over held-out traffic (seeded by ``calibration_seed``). ``disk_delay_s``: (low, high) seconds
+    added to every disk load (the switch-jitter fault)."""
+
+    size: int | None = None
+    policy: str = "lru"
+    tier: str = "memory"
+    prefetch: int = 0
+    file: str | Path | None = None
+    disk_delay_s: tuple[float, float] | None = None
+    calibration_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.policy not in CACHE_POLICIES:
+            raise ConfigError(f"cache policy must be one of {', '.join(CACHE_POLICIES)}, got {self.policy!r}")
+        if self.tier not in CACHE_TIERS:
+            raise ConfigError(f"cache tier must be one of {', '.join(CACHE_TIERS)}, got {self.tier!r}")
+        if self.prefetch < 0:
+            raise ConfigError(f"cache prefetch must be >= 0, got {self.prefetch}")
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A fixed batch routed between steps; its flip ratio per layer against the first run. Due every
+    ``interval_s`` seconds, or every ``every_steps`` engine steps (lock-step ranks: a step count, never a clock)."""
+
+    interval_s: float = 5.0
+    every_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.every_steps is not None and self.every_steps <= 0:
+            raise ConfigError(f"canary every_steps must be positive, got {self.every_steps}")
+
+
+@dataclass(frozen=True)
+class Mitigations:
+    """Router mitigations (docs/design.md): load-aware demotion past ``load_bound`` of capacity; smoothing
+    that keeps a seen prefix's experts unless the new choice wins by ``smoothing_margin``."""
+
+    load_bound: float | None = None
+    smoothing_margin: float | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything ``moescope.instrument`` wires around a model. ``observers``: more observers to fan out to
+    (a rank's all-to-all stats, your own). ``routing_log``: write every forward's experts per layer there
+    at close (the input of ``moescope cache-sim``). ``scenarios``: fault scenario names. A part left unset
+    (None, no scenarios, ``router_impl`` None) leaves the model as the caller built it."""
+
+    metrics: Metrics = field(default_factory=Metrics)
+    traces: Traces | None = None
+    routing_log: str | Path | None = None
+    cache: Cache | None = None
+    canary: Canary | None = None
+    mitigations: Mitigations | None = None
+    scenarios: tuple[str, ...] = ()
+    router_impl: str | None = None
+    observers: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        from moescope.runtime import faults
+
+        object.__setattr__(self, "scenarios", tuple(faults.parse(",".join(self.scenarios))))
+        if self.router_impl is not None and self.router_impl not in ROUTER_IMPLS:
+            raise ConfigError(f"router impl must be one of {', '.join(ROUTER_IMPLS)}, got {self.router_impl!r}")
+
+    @property
+    def settings(self) -> dict:
+        """What the scenarios ask of the runtime around the model (``runtime.faults.DEMO_SETTINGS``)."""
+        from moescope.runtime import faults
+
+        return faults.demo_settings(list(self.scenarios))
+
+    def resolved(self) -> "Config":
+        """This config with the scenarios' cache settings folded in (a scenario wins over a flag)."""
+        s = self.settings
+        keys = {"cache_size": "size", "cache_policy": "policy", "cache_tier": "tier", "disk_delay_s": "disk_delay_s"}
+        changes = {keys[k]: v for k, v in s.items() if k in keys}
+        if not changes:
+            return self
+        return dataclasses.replace(self, cache=dataclasses.replace(self.cache or Cache(), **changes))
+
+    def model_overrides(self, capacity_factor: float | None = None) -> dict:
+        """Model-config overrides to build the model with: ``capacity_factor`` (a flag), unless a scenario
+        sets one (``drop``)."""
+        cf = self.settings.get("capacity_factor", capacity_factor)
+        return {} if cf is None else {"capacity_factor": cf}
+
+    def engine_settings(self) -> dict:
+        """What the scenarios change in the engine itself (``leak_bytes``: memory retained per step)."""
+        return {k: v for k, v in self.settings.items() if k == "leak_bytes"}
