@@ -1,19 +1,22 @@
-"""What observability costs the engine: a step (model forward + the step's capture work) bare, with metrics,
-and with metrics + per-token trace capture, side by side in interleaved rounds in one run.
+"""What observability costs serving, measured as users run it: the engine serving a workload bare, with
+``moescope.instrument()`` (metrics), and with ``moescope.instrument(observers=[TraceRecorder(...)])`` (metrics +
+per-token traces into a real SQLite store), side by side in interleaved rounds in one process.
 
 Two measures, both printed:
-- hook cost per step, measured directly: one forward's hook calls (``on_routing``, ``on_layer_time`` per
-  layer, then ``on_step``, including the routing probe's periodic flush, amortised) replayed 2000 times in a
-  tight loop on the engine thread, as a share of the bare step time;
-- the step-time ratio instrumented / bare (medians; the machine is shared, so this one is noisier).
+- end to end: the serving wall time of ``Engine.run`` over the same workload (requests queued at once, greedy,
+  the same tokens every round) per variant; ratio = the median over rounds of instrumented / bare in the same
+  round (variants run back to back, their order alternating, so a machine that slows down for a while slows
+  both sides of a pair). ``cpu`` is the same for the process's CPU time (all threads, the drain included):
+  on a VM whose neighbours steal time it is the steadier figure. The trace writer's
+  thread works while the engine serves, so its competition for the cores and the GIL is in this figure; its
+  drain after the run is reported apart (``drain_s``), and so are the requests it stored and any it dropped.
+- hook share: the engine thread's own time in the hooks of one step (every ``on_routing`` and
+  ``on_layer_time`` of a forward, then ``on_step``), replayed in a tight loop, as a share of the bare step.
 
-The trace variant hands each step to a queued writer thread that packs the arrays (the trace store's
-writer, minus the SQLite write): its work competes for the same 2 cores, which the step-time ratio shows.
+Workloads: tiny-demo at 1 and 16 concurrent requests (16 = 16 tokens per decode step), and
+deepseek-v3-shape at 16 (58 MoE layers x 256 experts; ``--quick`` skips it).
 
-Configs: tiny-demo (the bundled model: 3 MoE layers, 8 experts) and a Mixtral-shaped block (hidden 1024,
-ffn 2816, 8 experts, top-2), at 1, 16, 256 and 2048 tokens per step, fp32.
-
-    python benchmarks/overhead.py [--rounds 7] [--tokens 1 16 256 2048] [--out benchmarks/results/overhead.json]
+    python benchmarks/overhead.py [--rounds 9] [--quick] [--out benchmarks/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,19 +32,19 @@ from _results import save
 
 import torch
 
-from moescope.capture.observer import NOOP, FanOut, Observer
-from moescope.capture.queued import QueuedObserver
-from moescope.capture.token_trace import TokenTraceCapture
-from moescope.metrics.state import MetricsObserver, ModelInfo
-from moescope.runtime import loader
-from moescope.runtime.engine import StepRecord
-from moescope.runtime.model import MoETransformer, Segment
+import moescope
+from moescope.capture.observer import NOOP, Observer
+from moescope.runtime import loader, traffic
+from moescope.runtime.engine import Engine, StepRecord
+from moescope.runtime.model import Segment
+from moescope.traces.recorder import TraceRecorder
 
 HERE = Path(__file__).resolve().parent
+VARIANTS = ("bare", "metrics", "metrics+traces")
 
 
-class Recorder(Observer):
-    """Keeps one forward's hook calls, to replay them against each variant."""
+class _Calls(Observer):
+    """Keeps one forward's hook calls, to replay them against a variant's observer."""
 
     def __init__(self) -> None:
         self.calls = []
@@ -52,106 +56,112 @@ class Recorder(Observer):
         self.calls.append(("on_layer_time", layer, router_s, experts_s))
 
 
-def hook_cost(observer: Observer, calls, step, n: int) -> float:
-    """Seconds per step spent in the observer's hooks: the forward's calls plus ``on_step``, replayed ``n``
-    times in a tight loop (includes the routing probe's periodic flush, amortised)."""
-    bound = [(getattr(observer, c[0]), c[1:]) for c in calls]
+def _serve(model, reqs, variant: str, store: Path, max_batch: int) -> dict:
+    """One serving run of ``reqs`` under ``variant``; the instrumentation is set up and closed around it, as a
+    user's process would (set-up and close are not in the serving time)."""
+    observers = []
+    recorder = None
+    if variant == "metrics+traces":
+        recorder = TraceRecorder(store, model=model.cfg.name)
+        observers.append(recorder)
+    inst = moescope.instrument(model, observers=observers) if variant != "bare" else None
+    engine = Engine(model, max_batch=max_batch)
+    t, cpu = time.perf_counter(), time.process_time()
+    records = engine.run(reqs, realtime=False)
+    seconds = time.perf_counter() - t
+    t = time.perf_counter()
+    if inst is not None:
+        inst.close()  # the writer drains its queue and commits here
+    drain = time.perf_counter() - t
+    cpu = time.process_time() - cpu  # every thread of the process, the drain included
+    model.observer = NOOP
+    out = {"seconds": seconds, "cpu_s": cpu, "tokens": sum(r.n_output for r in records), "drain_s": drain}
+    if recorder is not None:
+        out.update(stored=recorder.written, dropped=recorder.dropped, errors=recorder.errors)
+    return out
+
+
+def _hook_cost(model, variant: str, store: Path, n_tokens: int, n: int = 300) -> float:
+    """Seconds per step in the variant's hooks on the engine thread (no writer work counted: the queue is
+    only filled, and its consumer stays behind the same lock the real one does)."""
+    calls = _Calls()
+    model.observer = calls
+    with torch.inference_mode():
+        model(torch.randint(0, 256, (n_tokens,)), [Segment(1) for _ in range(n_tokens)])  # a decode step's shape
+    model.observer = NOOP
+    recorder = TraceRecorder(store, model=model.cfg.name, queue_size=n + 8) if variant == "metrics+traces" else None
+    inst = moescope.instrument(model, observers=[recorder] if recorder else [])
+    obs = inst.observer
+    bound = [(getattr(obs, c[0]), c[1:]) for c in calls.calls]
+    step = StepRecord(0, "decode", 0.0, 0.001, n_tokens, tuple((f"r{i}", 0, 1) for i in range(n_tokens)))
     t = time.perf_counter()
     for _ in range(n):
         for fn, args in bound:
             fn(*args)
-        observer.on_step(step)
-    return (time.perf_counter() - t) / n
-
-
-class PackingSink(Observer):
-    """Stands in for the trace store's writer: packs each step's arrays on its own thread."""
-
-    def __init__(self) -> None:
-        self.records = 0
-
-    def on_step(self, trace) -> None:
-        trace.arrays()
-        self.records += 1
-
-
-def variants(model) -> dict[str, Observer | None]:
-    info = ModelInfo.from_runtime(model)
-    sink = QueuedObserver(PackingSink(), maxsize=4096, name="trace-writer")
-    return {
-        "none": None,
-        "metrics": FanOut([MetricsObserver(info)]),
-        "metrics+trace": FanOut([MetricsObserver(info), TokenTraceCapture(sink.on_step)]),
-    }
-
-
-def segments_for(n_tokens: int, max_len: int) -> list[Segment]:
-    seg = min(n_tokens, max_len // 2)
-    out = [Segment(seg) for _ in range(n_tokens // seg)]
-    if n_tokens % seg:
-        out.append(Segment(n_tokens % seg))
-    return out
-
-
-def run_config(model: MoETransformer, tokens: list[int], rounds: int) -> list[dict]:
-    rows = []
-    obs = variants(model)
-    gen = torch.Generator().manual_seed(0)
-    with torch.inference_mode():
-        for n in tokens:
-            toks = torch.randint(0, 256, (n,), generator=gen)
-            segs = segments_for(n, model.cfg.max_seq_len)
-            step = StepRecord(0, "prefill", 0.0, 0.001, n, (("bench", 0, n),))
-            reps = max(1, min(30, 4096 // n))
-            times = {name: [] for name in obs}
-            for r in range(rounds + 1):  # round 0 warms up
-                order = list(obs) if r % 2 == 0 else list(obs)[::-1]
-                for name in order:
-                    model.observer = obs[name] or NOOP
-                    t = time.perf_counter()
-                    for _ in range(reps):
-                        model(toks, segs)
-                        model.observer.on_step(step)
-                    if r:
-                        times[name].append((time.perf_counter() - t) / reps)
-            rec = Recorder()
-            model.observer = rec
-            model(toks, segs)
-            bare = statistics.median(times["none"])
-            row = {"tokens": n, "bare_s": bare}
-            for name in ("metrics", "metrics+trace"):
-                med = statistics.median(times[name])
-                h = statistics.median(hook_cost(obs[name], rec.calls, step, 2000) for _ in range(3))
-                row[name] = {"step_s": med, "ratio": med / bare, "hook_s": h, "hook_share": h / bare}
-            rows.append(row)
+        obs.on_step(step)
+    seconds = (time.perf_counter() - t) / n
+    inst.close()
     model.observer = NOOP
-    return rows
+    return seconds
+
+
+def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: int, tmp: Path) -> dict:
+    reqs = traffic.generate(traffic.TrafficConfig(seed=0, output_tokens_median=24), n_requests)
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    extra: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for r in range(rounds + 1):  # round 0 warms up (and builds the store)
+        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            res = _serve(model, reqs, v, tmp / f"{name}-{concurrency}-{r}-{v}.sqlite", concurrency)
+            if r:
+                times[v].append(res["seconds"])
+                extra[v].append(res)
+    bare = statistics.median(times["bare"])
+    bare_cpu = [e["cpu_s"] for e in extra["bare"]]
+    tokens = extra["bare"][0]["tokens"]
+    step_s = bare / max(1, tokens / concurrency)  # a decode step's time, roughly
+    row = {"model": name, "concurrency": concurrency, "requests": n_requests, "output_tokens": tokens,
+           "rounds": rounds, "bare_s": bare}
+    for v in VARIANTS[1:]:
+        med = statistics.median(times[v])
+        hook = statistics.median(_hook_cost(model, v, tmp / f"hook-{name}-{v}.sqlite", concurrency) for _ in range(3))
+        paired = [t / b for t, b in zip(times[v], times["bare"])]  # each round against its own bare run
+        cpu = [e["cpu_s"] / b for e, b in zip(extra[v], bare_cpu)]
+        row[v] = {"serving_s": med, "ratio": statistics.median(paired), "ratios": paired,
+                  "ratio_of_medians": med / bare, "cpu_ratio": statistics.median(cpu),
+                  "hook_s": hook, "hook_share_of_step": hook / step_s,
+                  "drain_s": statistics.median(e["drain_s"] for e in extra[v])}
+        if v == "metrics+traces":
+            row[v].update(stored=extra[v][-1]["stored"], dropped=max(e["dropped"] for e in extra[v]),
+                          errors=max(e["errors"] for e in extra[v]))
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "overhead.json")
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--quick", action="store_true", help="tiny-demo only, 1 round (CI keeps the script working)")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    configs = {"tiny-demo": loader.build_model("tiny-demo", device=args.device),
-               "mixtral-block": loader.build_model("mixtral-block", weights=None, device=args.device)}
-    report = {"device": args.device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-              "rounds": args.rounds, "configs": {}}
-    print(f"capture overhead per step, {args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"medians of {args.rounds} interleaved rounds")
-    print(f"{'config':>14} {'tokens':>6} {'bare ms':>9} | {'metrics: hook us':>16} {'share':>7} {'ratio':>6} | "
-          f"{'+trace: hook us':>15} {'share':>7} {'ratio':>6}")
-    for name, model in configs.items():
-        rows = run_config(model, args.tokens, args.rounds)
-        report["configs"][name] = rows
-        for r in rows:
-            m, t = r["metrics"], r["metrics+trace"]
-            print(f"{name:>14} {r['tokens']:>6} {r['bare_s'] * 1e3:>9.3f} | {m['hook_s'] * 1e6:>16.1f} "
-                  f"{m['hook_share']:>6.2%} {m['ratio']:>6.3f} | {t['hook_s'] * 1e6:>15.1f} {t['hook_share']:>6.2%} "
-                  f"{t['ratio']:>6.3f}")
-    save(report, args.out)
+    rounds = 1 if args.quick else args.rounds
+    out = args.out or HERE / "results" / ("overhead-quick.json" if args.quick else "overhead.json")
+    workloads = [("tiny-demo", 1, 8), ("tiny-demo", 16, 48)]
+    if not args.quick:
+        workloads.append(("deepseek-v3-shape", 16, 16))
+    models = {name: loader.build_model(name) for name in {w[0] for w in workloads}}
+    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": rounds, "workloads": []}
+    print(f"observability cost, end to end (Engine.run; medians of {rounds} interleaved rounds; torch "
+          f"{torch.__version__}, {torch.get_num_threads()} threads)")
+    print(f"{'model':>18} {'conc':>4} {'bare s':>7} | {'metrics':>7} {'cpu':>6} {'hook':>6} | {'+traces':>7} "
+          f"{'cpu':>6} {'hook':>6} {'drain s':>7} {'stored':>6} {'dropped':>7}")
+    with tempfile.TemporaryDirectory(prefix="moescope-overhead-") as tmp:
+        for name, conc, n_req in workloads:
+            row = run_workload(name, models[name], conc, n_req, rounds, Path(tmp))
+            report["workloads"].append(row)
+            m, t = row["metrics"], row["metrics+traces"]
+            print(f"{name:>18} {conc:>4} {row['bare_s']:>7.3f} | {m['ratio']:>6.3f}x {m['cpu_ratio']:>5.3f}x "
+                  f"{m['hook_share_of_step']:>6.2%} | {t['ratio']:>6.3f}x {t['cpu_ratio']:>5.3f}x "
+                  f"{t['hook_share_of_step']:>6.2%} {t['drain_s']:>7.3f} {t['stored']:>6} {t['dropped']:>7}")
+    save(report, out)
     return 0
 
 

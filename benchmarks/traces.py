@@ -1,11 +1,11 @@
 """Trace store: writer throughput, query latency on a 1M-token store, bytes per token-layer.
 
 Synthetic but real data path: routing decisions (3 MoE layers, 8 experts, top-2) for steps of 100-token
-requests go through the trace writer's own packing and SQLite insert code, into a real store on disk.
+requests go through the trace writer's public hooks (its packing and SQLite code), into a real store on disk.
 Then `moescope trace ID --json` and `moescope requests` run as subprocesses against the 1M-token store
 (their wall time includes Python start-up), and the in-process query time is reported too.
 
-    python benchmarks/traces.py [--tokens 1000000] [--out benchmarks/results/traces.json]
+    python benchmarks/traces.py [--tokens 1000000] [--quick] [--out benchmarks/results/traces.json]
 """
 
 from __future__ import annotations
@@ -22,36 +22,36 @@ from _results import save
 
 import torch
 
+from moescope.capture.token_trace import StepTrace
 from moescope.runtime.engine import RequestRecord, StepRecord
 from moescope.runtime.router import route
 from moescope.traces import store
-from moescope.traces.recorder import TraceRecorder
+from moescope.traces.writer import TraceWriter
 
 HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, PER_REQUEST = (1, 2, 3), 8, 2, 100
 
 
 def fill(path: Path, n_tokens: int) -> dict:
-    rec = TraceRecorder(path, max_bytes=2**40, flush_interval_s=1.0)
-    rec.shutdown()  # we drive the writer's code on this thread, timed
-    rec.conn = store.open_store(path)
+    """Drive the trace writer (the worker half of the pipeline) on this thread, timed: one StepTrace per
+    request's prefill, then the request's record, through its public hooks; commits as its tick would."""
+    writer = TraceWriter(path, max_bytes=2**40)
     gen = torch.Generator().manual_seed(0)
     n_requests = n_tokens // PER_REQUEST
-    pool = [[(layer, route(torch.randn(PER_REQUEST, EXPERTS, generator=gen), TOP_K)) for layer in LAYERS]
+    pool = [tuple((layer, route(torch.randn(PER_REQUEST, EXPERTS, generator=gen), TOP_K)) for layer in LAYERS)
             for _ in range(8)]
+    times = {layer: (1e-4, 1e-3) for layer in LAYERS}
     t0 = time.perf_counter()
     for i in range(n_requests):
         rid = f"req-{i:07d}"
         step = StepRecord(i, "prefill", float(i), 0.01, PER_REQUEST, ((rid, 0, PER_REQUEST),))
-        rec._on_step(step, pool[i % len(pool)], {layer: (1e-4, 1e-3) for layer in LAYERS}, {}, {})
-        record = RequestRecord(rid, "p" * (PER_REQUEST - 1), "o", tuple(range(PER_REQUEST)), (7,), float(i), 0.0,
-                               0.01, 0.01, (0.01,), 0.01, "length")
-        rec._on_request(record)
+        writer.on_step(StepTrace(step, pool[i % len(pool)], times, {}, {}, {}, time.time()))
+        writer.on_request(RequestRecord(rid, "p" * (PER_REQUEST - 1), "o", tuple(range(PER_REQUEST)), (7,),
+                                        float(i), 0.0, 0.01, 0.01, (0.01,), 0.01, "length"))
         if i % 500 == 0:
-            rec.conn.commit()
-    rec.conn.commit()
+            writer.tick()
+    writer.shutdown()
     seconds = time.perf_counter() - t0
-    rec.conn.close()
     return {"requests": n_requests, "tokens": n_requests * PER_REQUEST, "write_s": seconds,
             "token_layer_records_per_s": n_requests * PER_REQUEST * len(LAYERS) / seconds}
 
@@ -68,8 +68,12 @@ def wall(cmd: list[str], repeats: int = 3) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1_000_000)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "traces.json")
+    ap.add_argument("--quick", action="store_true", help="a 20,000-token store (CI keeps the script working)")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.tokens = 20_000
+    args.out = args.out or HERE / "results" / ("traces-quick.json" if args.quick else "traces.json")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "traces.sqlite"
         report = fill(path, args.tokens)
