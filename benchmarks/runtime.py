@@ -220,13 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         report["grouped"] = grouped_vs_loop(args.rounds, tokens=(16,) if args.quick else (16, 512),
                                             shapes=GROUPED_SHAPES[-1:] if args.quick else GROUPED_SHAPES)
         print(f"\nexperts of one layer: grouped_mm vs per-expert loop (medians of {args.rounds} interleaved rounds)")
-        print(f"{'E':>4} {'tokens':>6} {'slots':>6} {'grouped ms':>11} {'loop ms':>8} {'loop/grouped':>13} {'bit-equal':>9}")
+        print(f"{'E':>4} {'tokens':>6} {'slots':>6} {'grouped ms':>11} {'loop ms':>8} {'loop/grouped':>13} "
+              f"{'bit-equal':>9}")
         for g in report["grouped"]:
             print(f"{g['experts']:>4} {g['tokens']:>6} {g['slots']:>6} {g['grouped_s'] * 1e3:>11.3f} "
                   f"{g['loop_s'] * 1e3:>8.3f} {g['loop_over_grouped']:>12.2f}x {str(g['bit_equal']):>9}")
     if "serving" in args.sections:
         report["serving"] = serving(max(1, min(args.rounds, 7)), n_requests=2 if args.quick else 8, quick=args.quick)
-        print(f"\nserving (Engine.run, requests queued at once, medians of interleaved rounds)")
+        print("\nserving (Engine.run, requests queued at once, medians of interleaved rounds)")
         print(f"{'model':>18} {'experts path':>16} {'layers x E':>10} {'tok/s':>8} {'/ tiny-demo':>11}")
         for s in report["serving"]:
             print(f"{s['model']:>18} {s['experts_path']:>16} {s['moe_layers']:>4} x {s['experts']:<3} "

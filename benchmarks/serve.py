@@ -60,7 +60,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 300) -> None:
             return
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"server at {url} did not start (exit {proc.poll()})")
+                raise SystemExit(f"server at {url} did not start (exit {proc.poll()})") from None
             time.sleep(0.2)
 
 
@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for proc, url in servers.values():
                 wait_ready(proc, url)
-            for v, (_, url) in servers.items():  # warm-up: first forwards, connection pools
+            for _, (_, url) in servers.items():  # warm-up: first forwards, connection pools
                 asyncio.run(load(url, args.model, 2, 4, max_tokens, seed=-1))
             runs: dict = {(v, c): [] for v in VARIANTS for c in concurrency}
             for r in range(rounds):

@@ -50,7 +50,7 @@ class Serve:
             except OSError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError("serve did not start:\n" + self.log())
+                    raise RuntimeError("serve did not start:\n" + self.log()) from None
                 time.sleep(0.2)
 
     def log(self) -> str:

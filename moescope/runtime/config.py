@@ -128,8 +128,8 @@ class MoEConfig:
         if self.top_k > reachable:
             raise ConfigError(f"top_k ({self.top_k}) must be <= the experts in the topk_group best groups "
                               f"({self.groups_kept} x {self.n_experts // self.n_group} = {reachable})")
-        if not (isinstance(self.routed_scaling_factor, (int, float)) and not isinstance(self.routed_scaling_factor, bool)
-                and self.routed_scaling_factor > 0):
+        scale = self.routed_scaling_factor
+        if not (isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale > 0):
             raise ConfigError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
 
     # -- derived facts ---------------------------------------------------------------------------------

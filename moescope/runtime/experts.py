@@ -113,7 +113,8 @@ class Experts(nn.Module):
                 # CPU grouped_mm pays ~1 us per group, empty or not: with few experts in use (a decode step
                 # at 256 experts) pass only those. Same layout, same kernel: bit-equal to the full call.
                 idx = torch.tensor(used, device=rows.device)
-                gate_up, down, counts = gate_up.index_select(0, idx), down.index_select(0, idx), [counts[e] for e in used]
+                gate_up, down = gate_up.index_select(0, idx), down.index_select(0, idx)
+                counts = [counts[e] for e in used]
             offs = torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(rows.device)  # [E] ends
             gate, up = _grouped_mm(rows, gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)  # [S, F] each
             return _grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offs)  # [S, H]
