@@ -98,6 +98,7 @@ class TraceWriter(Observer):
             self._failed("packing steps")
         base = statistics.median(self._recent_tpot) if len(self._recent_tpot) >= 20 else None
         for rec in finished:
+            time.sleep(0)  # let the engine thread take the GIL between rows (else it can wait up to 5 ms)
             try:
                 self._request(rec, base)
             except Exception:
@@ -125,7 +126,9 @@ class TraceWriter(Observer):
     def _pack_pending(self) -> None:
         pending = self._pending
         self._pending = []
-        for (trace, rss), a in zip(pending, pack([tr for tr, _ in pending])):
+        for i, ((trace, rss), a) in enumerate(zip(pending, pack([tr for tr, _ in pending]))):
+            if i % 16 == 15:
+                time.sleep(0)  # yield the GIL to the engine now and then (see tick)
             step = trace.step
             if a is None:
                 continue
