@@ -9,6 +9,7 @@ import time
 import pytest
 from metrics_util import parse, series
 from servers import free_port, wait_http
+from tmux_screen import wait_screen
 from top_scale import COLLAPSED, DEAD, DEAD_LAYER, HOT_EXPERT, SKEWED, ScaleExporter, tokens_to_judge
 from moescope.tui.top_app import TopApp
 from moescope.tui.top_data import Poller, _fmt, scrape
@@ -300,29 +301,16 @@ def test_tmux_80x24_at_deepseek_v3_shape():
         cmd = f"{sys.executable} -m moescope top {exp.url} --interval 0.5; echo EXITED; sleep 30"
         subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
 
-        def screen():
-            return subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
-                                  text=True).stdout
-
-        text = _wait_screen(screen, "58 layers x 256 experts")
+        text = wait_screen(tmux, session, "58 layers x 256 experts")
         subprocess.run([tmux, "send-keys", "-t", session, "s"], check=True)
-        text = _wait_screen(screen, f"L{COLLAPSED}  ")
+        text = wait_screen(tmux, session, f"L{COLLAPSED}  ")
         lines = text.splitlines()
         assert all(len(line) <= 80 for line in lines) and len(lines) <= 24
         row = next(line for line in lines if line.startswith(f"L{COLLAPSED} "))
         assert "collapsed onto e5" in row and "quit" in text
         subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
-        _wait_screen(screen, "EXITED")
+        wait_screen(tmux, session, "EXITED")
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
         exp.stop()
 
-
-def _wait_screen(screen, needle: str, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    text = screen()
-    while needle not in text and time.monotonic() < deadline:
-        time.sleep(0.3)
-        text = screen()
-    assert needle in text, text
-    return text

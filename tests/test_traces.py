@@ -107,13 +107,20 @@ def test_tui_pilot_navigate_anomaly_search_quit(tiny_cfg, tmp_path):
     async def drive():
         app = TraceApp(doc)
         async with app.run_test(size=(80, 24)) as pilot:
-            tokens = app.query_one("#tokens", DataTable)
             layers = app.query_one("#layers", DataTable)
-            assert tokens.row_count == len(doc["tokens"])
-            await pilot.press("down", "down")
-            assert app.current == 2
-            assert layers.row_count == len(doc["layers"])
+            grid = str(app.query_one("#grid").render()).splitlines()
+            assert grid[1].startswith("   0 pre <bos") and len(grid[1]) == 14 + len(doc["layers"])  # a cell a layer
+            await pilot.press("down", "down", "right")
+            assert (app.current, app.col) == (2, 1)
+            la = doc["tokens"][2]["layers"][1]
+            cell = str(app.query_one("#cell").render())
+            assert f"layer {la['layer']} (2/{len(doc['layers'])})" in cell
+            assert " ".join(f"e{e}" for e in la["experts"]) in " ".join(w for w in cell.split() if w[0] == "e")
+            await pilot.press("enter")  # the token's table: every layer, the selected one highlighted
+            assert layers.row_count == len(doc["layers"]) and layers.cursor_row == 1
             assert layers.get_row_at(0)[1] == ",".join(map(str, doc["tokens"][2]["layers"][0]["experts"]))
+            await pilot.press("up", "escape")  # back to the grid, on the layer picked in the table
+            assert (app.current, app.col) == (2, 0)
             await pilot.press("home")
             await pilot.press("n")
             assert app.current == first_anomaly
@@ -224,13 +231,25 @@ def test_sampling_keeps_anomalies_and_otel_spans_link(tiny_cfg, tmp_path):
 def test_a_full_queue_drops_and_counts_without_blocking(tiny_cfg, tmp_path):
     path = tmp_path / "t.sqlite"
     rec = TraceRecorder(path, queue_size=1)
-    rec._queue.put(("request", None))  # occupy the queue: the writer will choke on this item (counted)
+    rec.queue._queue.put(("on_request", (None,)))  # occupy the queue: the writer chokes on this item (counted)
     model = MoETransformer(tiny_cfg).eval()
     with moescope.instrument(model, port=0, observers=[rec]) as inst:
         Engine(model, max_batch=2).run(traffic.generate(traffic.TrafficConfig(seed=1), 3), realtime=False)
         text = inst.exporter.exposition().decode()
     assert rec.dropped > 0
     assert f'moescope_capture_dropped_total{{model="test-tiny",queue="traces",rank="0"}} {float(rec.dropped)}' in text
+
+
+def test_a_request_the_writer_cannot_write_is_counted_and_loses_no_other(tiny_cfg, tmp_path):
+    """The writer does a tick's work in one go: one bad item must cost only itself."""
+    path = tmp_path / "t.sqlite"
+    rec = TraceRecorder(path, flush_interval_s=60)  # one tick, at shutdown: every request in the same batch
+    rec.queue.on_request(None)  # not a request: its row cannot be built
+    model = MoETransformer(tiny_cfg).eval()
+    with moescope.instrument(model, observers=[rec]):
+        records = Engine(model, max_batch=3).run(traffic.generate(traffic.TrafficConfig(seed=2), 5), realtime=False)
+    assert rec.errors == 1 and rec.written == len(records) == 5
+    assert {r.request_id for r in store.list_requests(store.open_store(path))} == {r.request_id for r in records}
 
 
 def test_retention_by_size(tiny_cfg, tmp_path):

@@ -1,13 +1,16 @@
-"""``moescope report --out DIR``: offline tables, heatmaps and a summary a person reads first.
+"""``moescope report --out DIR``: offline tables, figures and a summary a person reads first.
 
 From the trace store: load per layer and expert; per domain, per tenant and per phase (prefill/decode);
 co-activation of expert pairs; the drift between the window's earlier and later half attributed to the
-domain/tenant/phase whose traffic share moved. From an import (SGLang/Megatron dumps): load and the
-per-pass heatmap (the dumps hold no domains, phases or token-level pairs).
+domain/tenant/phase whose traffic share moved. From an import (SGLang/Megatron dumps): load and the per-pass
+heatmaps (the dumps hold no domains, phases or token-level pairs).
 
-Files: ``load.csv``, ``load_by_domain.csv``, ``load_by_tenant.csv``, ``load_by_phase.csv``,
-``coactivation.csv``, ``heatmap_layer<L>.png`` (expert x pass), ``domains_layer<L>.png`` (expert x domain)
-and ``summary.md``.
+Files: ``summary.md``, ``overview.png`` (layers x experts, every layer in one figure), ``load.csv``,
+``load_by_domain.csv``, ``load_by_tenant.csv``, ``load_by_phase.csv``, ``coactivation.csv`` (the
+``TOP_PAIRS`` most co-chosen pairs per layer; all of them at 256 experts would be millions of rows) and, for
+the layers asked for (``layers``), ``heatmap_layer<L>.png`` (expert x pass) and ``domains_layer<L>.png``
+(expert x domain). Every count is one ``np.bincount`` over the stored rows (``routing_counts``), so a report
+of a 58-layer x 256-expert store takes seconds, not minutes.
 """
 
 from __future__ import annotations
@@ -17,179 +20,235 @@ from pathlib import Path
 import numpy as np
 
 from moescope import stats
+from moescope.analysis import report_figures as figures
+from moescope.analysis import routing_counts as rc
+
+TOP_PAIRS = 50
+KINDS = ("domain", "tenant", "phase")
 
 
-def _frame(rows: list[dict]):
+def _frame(rows):
     import pandas as pd
 
     return pd.DataFrame(rows)
 
 
-def token_rows(window) -> list[dict]:
-    """One row per (request, layer, expert) with slot counts split by phase: the base of the group tables."""
-    rows = []
-    for i, rid in enumerate(window.ids):
-        r = window.routing[i].astype(np.int64)
-        n_prompt = window.n_prompt[i]
-        for j, layer in enumerate(window.layers):
-            for phase, sel in (("prefill", r[:n_prompt, j]), ("decode", r[n_prompt:, j])):
-                counts = np.bincount(sel.ravel(), minlength=window.n_experts + 1)[: window.n_experts]
-                for e in np.nonzero(counts)[0]:
-                    rows.append({"request_id": rid, "domain": window.domain[i] or "-",
-                                 "tenant": window.tenant[i] or "-", "phase": phase, "layer": layer,
-                                 "expert": int(e), "slots": int(counts[e]), "half": 0})
-    return rows
-
-
-def _heatmap(matrix: np.ndarray, path: Path, title: str, xlabel: str, xticks=None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 3.2), dpi=100)
-    im = ax.imshow(matrix, aspect="auto", cmap="viridis", interpolation="nearest", origin="lower")
-    ax.set_ylabel("expert")
-    ax.set_xlabel(xlabel)
-    ax.set_title(title)
-    ax.set_yticks(range(matrix.shape[0]))
-    if xticks is not None:
-        ax.set_xticks(range(len(xticks)))
-        ax.set_xticklabels(xticks, rotation=30, ha="right")
-    fig.colorbar(im, ax=ax, label="share of the column's slots")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
-def _shares(m: np.ndarray) -> np.ndarray:
-    """Column-normalised: each column (a pass, a domain) sums to 1."""
-    tot = m.sum(0, keepdims=True)
-    return np.divide(m, tot, out=np.zeros_like(m, dtype=float), where=tot > 0)
-
-
-def attribute_drift(df, layer: int, by: str) -> dict:
-    """How much of the load shift between the window's halves the traffic mix along ``by`` (domain, tenant
-    or phase) explains.
+def attribute_drift(by_half: np.ndarray, names: list[str], by: str) -> dict[int, dict]:
+    """How much of each layer's load shift between the window's halves the traffic mix along ``by`` (domain,
+    tenant or phase) explains. ``by_half`` [2, G, L, E]: slots per half, group, layer, expert.
 
     The per-expert distribution is p = sum_g w_g p_g (w_g: group g's share of slots). Holding each group's
     own distribution at its whole-window value q_g, a change of mix alone moves p by m = sum_g dw_g q_g. The
-    mix explains ||m|| / ||p_late - p_early|| (L1, capped at 1); a group's part of it is its term's norm."""
-    d = df[df.layer == layer]
-    n_exp = int(df.expert.max()) + 1
+    mix explains ||m|| / ||p_late - p_early|| (L1, capped at 1); a group's part of it is its term's norm.
+    Returns {layer index: attribution}; groups are those with slots in the layer, in ``names`` order."""
+    c = by_half.astype(float)
+    per_half = c.sum(1)  # [2, L, E]
+    totals = per_half.sum(-1)  # [2, L]
+    group_tot = c.sum((0, 3))  # [G, L]
+    q = np.divide(c.sum(0), np.maximum(1.0, group_tot)[..., None])  # [G, L, E]
+    w = np.divide(c.sum(3), np.where(totals > 0, totals, 1.0)[:, None, :])  # [2, G, L]
+    term = (w[1] - w[0])[..., None] * q  # [G, L, E]
+    norms = np.abs(term).sum(-1)  # [G, L]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        p = per_half / np.where(totals > 0, totals, 1.0)[..., None]
+    shift = np.abs(p[1] - p[0]).sum(-1)  # [L]
+    mix = np.abs(term.sum(0)).sum(-1)  # [L]
+    out = {}
+    for j in range(c.shape[2]):
+        if not totals[0, j] or not totals[1, j]:
+            out[j] = {"mix_explains": 0.0, "groups": []}
+            continue
+        present = [g for g in range(len(names)) if group_tot[g, j] > 0]
+        z = sum(norms[g, j] for g in present) or 1.0
+        groups = [{by: names[g], "share_before": round(float(w[0, g, j]), 4),
+                   "share_after": round(float(w[1, g, j]), 4), "part_of_mix_effect": round(norms[g, j] / z, 4)}
+                  for g in present]
+        explains = min(1.0, float(mix[j] / shift[j])) if shift[j] > 0 else 0.0
+        out[j] = {"mix_explains": round(explains, 4), "shift_l1": round(float(shift[j]), 4),
+                  "groups": sorted(groups, key=lambda r: -r["part_of_mix_effect"])}
+    return out
 
-    def dist(part):
-        v = np.zeros(n_exp)
-        np.add.at(v, part.expert.to_numpy(), part.slots.to_numpy())
-        return v
 
-    halves = {h: d[d.half == h] for h in (0, 1)}
-    totals = {h: halves[h].slots.sum() for h in (0, 1)}
-    if not totals[0] or not totals[1]:
-        return {"mix_explains": 0.0, "groups": []}
-    shift = np.abs(dist(halves[1]) / totals[1] - dist(halves[0]) / totals[0]).sum()
-    mix = np.zeros(n_exp)
-    groups = []
-    for g, sub in d.groupby(by):
-        q = dist(sub) / max(1, sub.slots.sum())
-        w = {h: sub[sub.half == h].slots.sum() / totals[h] for h in (0, 1)}
-        term = (w[1] - w[0]) * q
-        mix += term
-        groups.append({by: g, "share_before": round(float(w[0]), 4), "share_after": round(float(w[1]), 4),
-                       "_norm": float(np.abs(term).sum())})
-    z = sum(gr["_norm"] for gr in groups) or 1.0
-    for gr in groups:
-        gr["part_of_mix_effect"] = round(gr.pop("_norm") / z, 4)
-    explains = min(1.0, float(np.abs(mix).sum() / shift)) if shift > 0 else 0.0
-    return {"mix_explains": round(explains, 4), "shift_l1": round(float(shift), 4),
-            "groups": sorted(groups, key=lambda r: -r["part_of_mix_effect"])}
+def _index(values: list) -> tuple[list[str], dict]:
+    names = sorted({v or "-" for v in values})
+    return names, {n: i for i, n in enumerate(names)}
+
+
+def _long_table(counts: np.ndarray, layers: list[int], names: list[str], by: str):
+    """Rows (layer, group, expert, slots, share) of ``counts`` [G, L, E] where slots > 0, ordered by layer,
+    group, expert; share is within (layer, group)."""
+    g_idx, l_idx, e_idx = np.nonzero(counts)
+    order = np.lexsort((e_idx, g_idx, l_idx))
+    g_idx, l_idx, e_idx = g_idx[order], l_idx[order], e_idx[order]
+    slots = counts[g_idx, l_idx, e_idx]
+    tot = counts.sum(-1)[g_idx, l_idx]
+    return _frame({"layer": np.asarray(layers)[l_idx], by: np.asarray(names, dtype=object)[g_idx],
+                   "expert": e_idx, "slots": slots, "share": slots / tot})
+
+
+def _figure_layers(wanted: list[int] | str | None, layers: list[int]) -> list[int]:
+    """The layers that get per-layer figures: none (None), every one (``"all"``) or ``wanted`` (ids)."""
+    from moescope.traces.store import select_layers
+
+    if wanted is None:
+        return []
+    return [layers[j] for j in select_layers(layers, None if wanted == "all" else wanted, "here")]
 
 
 def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: str | None = None,
-          since: float | None = None) -> dict:
-    from moescope.analysis import profile as profile_mod
+          since: float | None = None, corrupt=None, layers: list[int] | str | None = None) -> dict:
+    """Write the report; returns its summary. ``layers``: the layers that get per-layer figures: None, ``"all"``
+    or layer ids (``cli.layer_select.parse``). Corrupt trace-store rows are skipped into ``corrupt``
+    (``store.CorruptRows``)."""
+    from moescope.traces.store import CorruptRows
 
+    corrupt = CorruptRows() if corrupt is None else corrupt
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    prof = profile_mod.load(traces_path, import_path, since=since)
-    files, summary = [], {"source": prof.source, "n_experts": prof.n_experts, "layers": prof.layers}
-
-    load_rows = []
-    for layer, tot in prof.load().items():
-        s = tot.sum()
-        for e, v in enumerate(tot):
-            load_rows.append({"layer": layer, "expert": e, "slots": int(v), "share": float(v / s) if s else 0.0})
-    load = _frame(load_rows)
-    load.to_csv(out / "load.csv", index=False)
-    files.append("load.csv")
-    per_layer = {}
-    for layer, tot in prof.load().items():
-        per_layer[layer] = {"cv": round(stats.load_cv(tot.tolist()), 4), "hottest": int(np.argmax(tot)),
-                            "hottest_share": round(float(tot.max() / max(1, tot.sum())), 4),
-                            "dead": [int(e) for e in np.nonzero(tot == 0)[0]]}
-        _heatmap(_shares(prof.passes[layer].T.astype(float)), out / f"heatmap_layer{layer}.png",
-                 f"layer {layer}: expert share per pass", "pass (forward / recorder pass / iteration)")
-        files.append(f"heatmap_layer{layer}.png")
-    summary["per_layer"] = per_layer
-
-    attributions = {}
-    if import_path is None:
-        from moescope.analysis.diagnose import load_window
-        from moescope.traces import store
-
-        conn = store.open_store(traces_path)
-        try:
-            window = load_window(conn, since=since, limit=100000)
-        finally:
-            conn.close()
-        df = _frame(token_rows(window))
-        order = np.argsort(window.started, kind="stable")
-        late = {window.ids[i] for i in order[len(order) // 2:]}
-        df["half"] = df.request_id.isin(late).astype(int)
-        for by in ("domain", "tenant", "phase"):
-            t = df.groupby(["layer", by, "expert"], as_index=False).slots.sum()
-            t["share"] = t.slots / t.groupby(["layer", by]).slots.transform("sum")
-            t.to_csv(out / f"load_by_{by}.csv", index=False)
-            files.append(f"load_by_{by}.csv")
-        for layer in window.layers:
-            t = df[df.layer == layer].groupby(["domain", "expert"]).slots.sum().unstack(fill_value=0)
-            t = t.reindex(columns=range(window.n_experts), fill_value=0)
-            _heatmap(_shares(t.to_numpy().T.astype(float)), out / f"domains_layer{layer}.png",
-                     f"layer {layer}: expert share per domain", "domain", list(t.index))
-            files.append(f"domains_layer{layer}.png")
-            attributions[layer] = {by: attribute_drift(df, layer, by) for by in ("domain", "tenant", "phase")}
-        co_rows = []
-        for layer, m in sorted(prof.coactivation.items()):
-            iu = np.triu_indices(m.shape[0], 1)
-            for a, b in zip(*iu):
-                if m[a, b]:
-                    co_rows.append({"layer": layer, "expert_a": int(a), "expert_b": int(b), "tokens": int(m[a, b])})
-        co = _frame(co_rows)
-        co.to_csv(out / "coactivation.csv", index=False)
-        files.append("coactivation.csv")
-        summary["requests"] = len(window.ids)
-        summary["top_pairs"] = {int(layer): g.nlargest(3, "tokens")[["expert_a", "expert_b", "tokens"]]
-                                .to_dict("records") for layer, g in co.groupby("layer")} if len(co) else {}
-        summary["drift_attribution"] = attributions
+    if import_path is not None:
+        summary, files = _from_import(out, import_path, layers)
+    else:
+        summary, files = _from_store(out, traces_path, since, corrupt, layers)
     (out / "summary.md").write_text(_markdown(summary, files))
     files.append("summary.md")
     summary["files"] = files
     return summary
 
 
+def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, source: str) -> tuple[dict, list]:
+    """load.csv, overview.png and the per-layer summary, from {layer: [E] slots}."""
+    layers = sorted(load)
+    m = np.stack([load[layer] for layer in layers])
+    tot = m.sum(1, keepdims=True)
+    n_exp = m.shape[1]
+    _frame({"layer": np.repeat(layers, n_exp), "expert": np.tile(np.arange(n_exp), len(layers)),
+            "slots": m.ravel(), "share": np.divide(m, np.maximum(tot, 1)).ravel()}).to_csv(out / "load.csv",
+                                                                                       index=False)
+    figures.overview(load, out / "overview.png", f"{model or source}: expert load per MoE layer")
+    per_layer = {layer: {"cv": round(stats.load_cv(load[layer].tolist()), 4), "slots": int(load[layer].sum()),
+                         "hottest": int(np.argmax(load[layer])),
+                         "hottest_share": round(float(load[layer].max() / max(1, load[layer].sum())), 4),
+                         "dead": [int(e) for e in np.nonzero(load[layer] == 0)[0]]} for layer in layers}
+    summary = {"source": source, "model": model, "n_experts": n_exp, "layers": layers, "per_layer": per_layer}
+    return summary, ["overview.png", "load.csv"]
+
+
+def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
+    from moescope.analysis import profile as profile_mod
+
+    prof = profile_mod.load(None, import_path)
+    summary, files = _load_files(out, prof.load(), prof.model, prof.source)
+    for layer in _figure_layers(wanted, prof.layers):
+        figures.layer_heatmap(prof.passes[layer].T, out / f"heatmap_layer{layer}.png",
+                              f"layer {layer}: expert load per pass", "pass (forward / recorder pass / iteration)")
+        files.append(f"heatmap_layer{layer}.png")
+    return summary, files
+
+
+def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[dict, list]:
+    from moescope.analysis.diagnose import load_window
+    from moescope.traces import store
+
+    conn = store.open_store(traces_path)
+    try:
+        w = load_window(conn, since=since, limit=100000, corrupt=corrupt)
+    finally:
+        conn.close()
+    n_exp, n_layers = w.n_experts, len(w.layers)
+    figure_layers = _figure_layers(wanted, w.layers)
+    sel = [w.layers.index(layer) for layer in figure_layers]
+    names, index = {}, {}
+    for kind, values in (("domain", w.domain), ("tenant", w.tenant)):
+        names[kind], index[kind] = _index(values)
+    names["phase"] = ["prefill", "decode"]
+    order = np.argsort(w.started, kind="stable")
+    late = np.zeros(len(w.ids), bool)
+    late[order[len(order) // 2:]] = True
+    n_steps = len(w.steps)
+    labels: dict[str, list[np.ndarray]] = {k: [] for k in (*KINDS, "half", "step")}
+    for i, r in enumerate(w.routing):
+        n = len(r)
+        labels["domain"].append(np.full(n, index["domain"][w.domain[i] or "-"]))
+        labels["tenant"].append(np.full(n, index["tenant"][w.tenant[i] or "-"]))
+        labels["phase"].append((np.arange(n) >= w.n_prompt[i]).astype(np.int64))
+        labels["half"].append(np.full(n, int(late[i])))
+        labels["step"].append(w.step_of[i])
+    load = np.zeros((n_layers, n_exp), np.int64)
+    by = {k: np.zeros((2, len(names[k]), n_layers, n_exp), np.int64) for k in KINDS}  # [half, G, L, E]
+    co = np.zeros((n_layers, n_exp, n_exp), np.int64)
+    passes = np.zeros((max(1, n_steps), len(sel), n_exp), np.int64)
+    for ch in rc.chunks(w.routing, labels):
+        load += rc.count(ch.ids, n_exp)[0]
+        for k in KINDS:
+            g = len(names[k])
+            by[k] += rc.count(ch.ids, n_exp, ch.groups["half"] * g + ch.groups[k], 2 * g).reshape(2, g, n_layers,
+                                                                                                  n_exp)
+        co += rc.pairs(ch.ids, n_exp)
+        if sel:
+            passes += rc.count(ch.ids[:, sel], n_exp, ch.groups["step"], max(1, n_steps))
+    summary, files = _load_files(out, dict(zip(w.layers, load)), w.model, "trace store")
+    for k in KINDS:
+        _long_table(by[k].sum(0), w.layers, names[k], k).to_csv(out / f"load_by_{k}.csv", index=False)
+        files.append(f"load_by_{k}.csv")
+    co_rows, top_pairs = [], {}
+    iu = np.triu_indices(n_exp, 1)
+    for j, layer in enumerate(w.layers):
+        v = co[j][iu]
+        keep = np.argsort(-v, kind="stable")[:TOP_PAIRS]
+        keep = keep[v[keep] > 0]
+        rows = [{"layer": layer, "expert_a": int(iu[0][x]), "expert_b": int(iu[1][x]), "tokens": int(v[x])}
+                for x in keep]
+        co_rows += rows
+        top_pairs[layer] = [{k: r[k] for k in ("expert_a", "expert_b", "tokens")} for r in rows[:3]]
+    _frame(co_rows or {"layer": [], "expert_a": [], "expert_b": [], "tokens": []}).to_csv(out / "coactivation.csv",
+                                                                                         index=False)
+    files.append("coactivation.csv")
+    step_order = sorted(range(n_steps), key=lambda i: (str(w.steps[i].get("run", "")), w.steps[i].get("index", i)))
+    for j, layer in enumerate(figure_layers):
+        figures.layer_heatmap(passes[step_order, j].T, out / f"heatmap_layer{layer}.png",
+                              f"layer {layer}: expert load per engine step", "engine step")
+        figures.layer_heatmap(by["domain"].sum(0)[:, sel[j]].T, out / f"domains_layer{layer}.png",
+                              f"layer {layer}: expert load per domain", "domain", names["domain"])
+        files += [f"heatmap_layer{layer}.png", f"domains_layer{layer}.png"]
+    attributions = {k: attribute_drift(by[k], names[k], k) for k in KINDS}
+    summary["drift_attribution"] = {layer: {k: attributions[k][j] for k in KINDS} for j, layer in enumerate(w.layers)}
+    summary["requests"] = len(w.ids)
+    summary["top_pairs"] = {layer: p for layer, p in top_pairs.items() if p}
+    return summary, files
+
+
 def _markdown(s: dict, files: list[str]) -> str:
-    lines = [f"# moescope report: {s['source']}", ""]
+    from moescope.thresholds import for_model
+
+    b = for_model(s.get("model"))
+    n_exp = s["n_experts"]
+    lines = [f"# moescope report: {s.get('model') or s['source']}", ""]
     if "requests" in s:
-        lines.append(f"{s['requests']} requests, {len(s['layers'])} MoE layers, {s['n_experts']} experts each.")
+        lines.append(f"{s['requests']} requests, {len(s['layers'])} MoE layers, {n_exp} experts each.")
     else:
-        lines.append(f"{len(s['layers'])} MoE layers, {s['n_experts']} experts each (an import: no domains, "
-                     "phases or token-level pairs).")
-    lines += ["", "## Load per layer", "", "| layer | load CV | hottest expert (share) | dead experts |",
-              "|---|---|---|---|"]
+        lines.append(f"{len(s['layers'])} MoE layers, {n_exp} experts each (an import: no domains, phases or "
+                     "token-level pairs).")
+    lines += ["", "`overview.png`: every layer (rows) x expert (columns), load against the fair share 1/E "
+              "(red over, blue under, black no slot). Per-layer figures: `moescope report --layers L,...`.",
+              "", "## Load per layer", "",
+              f"Excess CV: the load CV beyond the sampling noise of the layer's slots, judged against "
+              f"{b.load_cv:g} (the alert's bar for this model). Dead: experts with no slot, judged only where uniform"
+              f" routing would have sent each at least {b.dead_min_expected_slots:g} slots.", "",
+              "| layer | load CV | excess CV | hottest expert (share) | dead experts |", "|---|---|---|---|---|"]
     for layer, v in s["per_layer"].items():
-        lines.append(f"| {layer} | {v['cv']:.3f} | {v['hottest']} ({v['hottest_share']:.1%}) | "
-                     f"{', '.join(map(str, v['dead'])) or 'none'} |")
-    lines += ["", "A healthy layer's CV sits under 0.10-0.15; `moescope diagnose` says whether it is a problem."]
+        excess = b.excess_cv(v["cv"], n_exp, v["slots"])
+        mark = " **over**" if excess > b.load_cv else ""
+        dead = v["dead"]
+        if not dead:
+            dead_text = "none"
+        elif not b.judges_dead(n_exp, v["slots"]):
+            dead_text = f"{len(dead)} with no slot (too few slots to judge)"
+        else:
+            shown = ", ".join(map(str, dead[:8])) + (f" ... ({len(dead)})" if len(dead) > 8 else "")
+            dead_text = f"**{shown}**"
+        lines.append(f"| {layer} | {v['cv']:.3f} | {excess:.3f}{mark} | {v['hottest']} ({v['hottest_share']:.1%}) | "
+                     f"{dead_text} |")
+    lines += ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
     if s.get("drift_attribution"):
         lines += ["", "## What moved between the window's earlier and later half", ""]
         for layer, by_kind in s["drift_attribution"].items():
@@ -198,12 +257,13 @@ def _markdown(s: dict, files: list[str]) -> str:
             others = ", ".join(f"{k} mix {v['mix_explains']:.0%}" for k, v in by_kind.items() if k != kind)
             what = (f": {kind} **{top[kind]}** {top['share_before']:.0%} -> {top['share_after']:.0%} of the traffic"
                     if top else "")
-            lines.append(f"- layer {layer} (load moved by {att['shift_l1']:.3f} L1): the {kind} mix explains "
-                         f"{att['mix_explains']:.0%}{what} ({others})")
+            lines.append(f"- layer {layer} (load moved by {att.get('shift_l1', 0.0):.3f} L1): the {kind} mix "
+                         f"explains {att['mix_explains']:.0%}{what} ({others})")
         lines += ["", "When no mix explains the shift, the routing itself changed for the same traffic (a router"
                   " or weights change: see playbooks/MoERoutingDrift.md)."]
     if s.get("top_pairs"):
-        lines += ["", "## Experts chosen together most (co-activation)", ""]
+        lines += ["", f"## Experts chosen together most (co-activation; {TOP_PAIRS} per layer in coactivation.csv)",
+                  ""]
         for layer, pairs in s["top_pairs"].items():
             lines.append(f"- layer {layer}: " + ", ".join(f"{p['expert_a']}+{p['expert_b']} ({p['tokens']} tokens)"
                                                           for p in pairs))

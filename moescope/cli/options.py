@@ -65,9 +65,13 @@ since_option = click.option("--since", callback=_since, default=None, metavar="W
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")
 
 
-def emit_json(obj: Any) -> None:
-    """Print ``obj`` as JSON: the one rule for every command's ``--json`` (see the module docstring)."""
-    click.echo(json.dumps(obj, indent=1, ensure_ascii=True, default=str))
+def emit_json(obj: Any, *, compact: bool = False) -> None:
+    """Print ``obj`` as JSON: the one rule for every command's ``--json`` (see the module docstring).
+    ``compact``: no indentation, for documents of megabytes (json's C encoder only runs without indent)."""
+    if compact:
+        click.echo(json.dumps(obj, ensure_ascii=True, default=str, separators=(",", ":")))
+    else:
+        click.echo(json.dumps(obj, indent=1, ensure_ascii=True, default=str))
 
 
 def echo(text: str = "", *, err: bool = False) -> None:

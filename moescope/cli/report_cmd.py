@@ -2,28 +2,32 @@
 
 from __future__ import annotations
 
-import json
-
 import click
 
+from moescope.cli.layer_select import layers_option
+from moescope.cli.options import echo, emit_json, json_option, since_option, traces_option
 from moescope.cli.plan_cmd import IMPORT_OPTION
-from moescope.cli.requests_cmd import TRACES_OPTION, parse_since
 
 
 @click.command("report")
-@TRACES_OPTION
+@traces_option()
 @IMPORT_OPTION
-@click.option("--since", default=None, help="Trace store: only requests since (30s, 5m, 2h, 1d, ISO).")
+@since_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="moescope-report", show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
-def report_cmd(traces_path, import_path, since, out_dir, as_json) -> int:
-    """Write load tables, expert heatmaps and summary.md (read it first) to OUT."""
+@layers_option("Also draw per-layer figures (expert x step, expert x domain) for these layers: 'all' or ids and "
+               "ranges, e.g. 3,17,40-45. The overview figure always has every layer.")
+@json_option
+def report_cmd(traces_path, import_path, since, out_dir, layers, as_json) -> None:
+    """Write summary.md (read it first), a layers x experts overview figure and load tables to OUT."""
     from moescope.analysis import report
+    from moescope.traces.store import CorruptRows
 
+    corrupt = CorruptRows()
     summary = report.build(out_dir, traces_path=None if import_path else traces_path, import_path=import_path,
-                           since=parse_since(since) if since else None)
+                           since=since, corrupt=corrupt, layers=layers)
+    if import_path is None:
+        summary["corrupt_rows"] = corrupt.count
     if as_json:
-        click.echo(json.dumps(summary, indent=1, default=str))
+        emit_json(summary)
     else:
-        click.echo(f"wrote {len(summary['files'])} files to {out_dir}; start with {out_dir}/summary.md")
-    return 0
+        echo(f"wrote {len(summary['files'])} files to {out_dir}; start with {out_dir}/summary.md")

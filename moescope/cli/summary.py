@@ -12,11 +12,14 @@ import click
 import numpy as np
 
 from moescope import stats
-from moescope.tui.routing import NAMED, named
 
 
-def layer_summary(counts: list[int], n: int = NAMED) -> dict:
-    """One layer's load: CV, experts with no slot, the ``n`` hottest and coldest as (expert, share of slots)."""
+def layer_summary(counts: list[int], n: int | None = None) -> dict:
+    """One layer's load: CV, experts with no slot, the ``n`` hottest and coldest as (expert, share of slots)
+    (``n``: as many as `moescope top` names, by the same ranking)."""
+    from moescope.tui.routing import NAMED, named  # imported here: every CLI start imports this module
+
+    n = NAMED if n is None else n
     c = np.asarray(counts, dtype=np.float64)
     total = c.sum()
     hot, cold = named(c, n)
@@ -84,6 +87,8 @@ def print_human(s: dict) -> None:
 
 def load_lines(s: dict) -> list[str]:
     """The expert load part of the human summary: the model in one line, then one line per MoE layer."""
+    from moescope.tui.routing import NAMED
+
     per = s.get("expert_load_summary") or {k: layer_summary(v) for k, v in s["expert_load"].items()}
     if not per:
         return []

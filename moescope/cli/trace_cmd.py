@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from moescope.cli.layer_select import ALL, layers_option
 from moescope.cli.options import echo, emit_json, json_option, traces_option
 from moescope.traces import store
 from moescope.traces.sanitize import sanitize
@@ -24,7 +25,8 @@ def plain_lines(doc: dict) -> list[str]:
         lat = f"{tok['latency_s'] * 1e3:7.1f}" if tok["latency_s"] is not None else f"{'':>7}"
         routing = "  ".join(
             f"L{la['layer']}:" + ",".join(f"{e}({w:.2f})" for e, w in zip(la["experts"], la["weights"]))
-            + f" H{la['entropy']:.2f} m{la['margin']:.2f} " + "".join("M" if c == "miss" else "." for c in la["cache"])
+            + f" H{la['entropy']:.2f} m{la['margin']:.2f} "
+            + "".join("M" if s in la["misses"] else "." for s in range(len(la["experts"])))
             for la in tok["layers"])
         lines.append(f"{tok['index']:>5} {tok['phase']:<7} {sanitize(tok['text'], keep_newlines=False):<6} {lat}  "
                      f"{','.join(tok['flags']) or '-':<6} {routing}")
@@ -36,12 +38,16 @@ def plain_lines(doc: dict) -> list[str]:
 @traces_option()
 @json_option
 @click.option("--plain", is_flag=True, help="Plain text, one line per token (no TUI).")
-def trace_cmd(request_id, traces_path, as_json, plain) -> int:
+@layers_option("Only these MoE layers' routing: 'all' (the default) or ids and ranges, e.g. 3,17,40-45.")
+def trace_cmd(request_id, traces_path, as_json, plain, layers) -> int:
     """Show REQUEST_ID's prompt, output, timings, flags and each token's routing through every layer."""
     conn = store.open_store(traces_path)
-    doc = store.load_request(conn, request_id)
+    try:
+        doc = store.load_request(conn, request_id, layers=None if layers in (None, ALL) else layers)
+    finally:
+        conn.close()
     if as_json:
-        emit_json(doc)
+        emit_json(doc, compact=True)  # megabytes at 58 layers: one line, json's C encoder
         return 0
     if plain:
         for line in plain_lines(doc):

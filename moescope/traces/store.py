@@ -20,7 +20,6 @@ a ``CorruptRows``; ``load_request`` (one request) raises ``BadInput``.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sqlite3
 import sys
@@ -435,8 +434,13 @@ def iter_routed(conn, *, since: float | None = None, limit: int | None = None, n
             return
 
 
-def load_request(conn, request_id: str) -> dict[str, Any]:
-    """The whole trace of one request (the `moescope trace --json` document, before sanitising)."""
+def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> dict[str, Any]:
+    """The whole trace of one request (the `moescope trace --json` document). ``layers``: only these MoE
+    layers' routing (the document's ``layers`` lists them); None: every layer.
+
+    Each routed token's ``layers`` holds per MoE layer: ``layer``, ``experts`` (k ids; ``n_experts`` marks a
+    dropped slot), ``weights``, ``entropy``, ``margin`` and ``misses`` (the slots that missed the expert cache).
+    Timings are per step, once: ``steps[token["step"]]["layer_s"][str(layer)]`` = [router, experts, a2a] s."""
     cur = conn.execute("SELECT * FROM requests WHERE request_id = ?", (request_id,))
     row = cur.fetchone()
     if row is None:
@@ -446,9 +450,11 @@ def load_request(conn, request_id: str) -> dict[str, Any]:
     r = dict(zip([d[0] for d in cur.description], row))
     try:
         _check_document(r)
-        return _document(r)
+        return _document(r, layers)
     except CorruptRow as exc:
         raise BadInput(f"request {request_id!r}: corrupt row: {exc}") from None
+    except BadInput:  # a layer the trace does not hold
+        raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # what the checks do not foresee
         raise BadInput(f"request {request_id!r}: its stored columns do not decode (corrupt row)") from None
 
@@ -469,22 +475,43 @@ def _check_document(r: dict) -> None:
     _check(_is_blob(r["margin"], (2 * cells,)), "margins do not match the token counts")
 
 
-def _document(r: dict) -> dict[str, Any]:
+def select_layers(stored: list[int], wanted: list[int] | None, where: str = "in this trace") -> list[int]:
+    """Indices into ``stored`` of the ``wanted`` layers (every one for None); BadInput names what is stored."""
+    if wanted is None:
+        return list(range(len(stored)))
+    missing = sorted(set(wanted) - set(stored))
+    if missing and stored:
+        raise BadInput(f"no MoE layer {', '.join(map(str, missing))} {where} (layers {stored[0]}-{stored[-1]})")
+    return [stored.index(layer) for layer in sorted(set(wanted)) if layer in stored]
+
+
+def _document(r: dict, wanted: list[int] | None = None) -> dict[str, Any]:
     from moescope.runtime import tokenizer
 
     n_prompt, n_output = r["n_prompt"], r["n_output"]
     tokens = _ints(r["tokens"], n_prompt + n_output).tolist()
     lat = np.frombuffer(r["latencies"], dtype=np.float32).tolist()
-    layers = json.loads(r["layers"] or "[]")
-    n_l, k = len(layers), r["top_k"] or 0
+    stored = json.loads(r["layers"] or "[]")
+    sel = select_layers(stored, wanted)
+    layers = [stored[j] for j in sel]
+    n_l, k = len(stored), r["top_k"] or 0
     n_routed = n_prompt + max(0, n_output - 1)
     ids = _arr(r["ids"], np.int16, (n_routed, n_l, k))
-    weights = _arr(r["weights"], np.float16, (n_routed, n_l, k))
-    ent = _arr(r["entropy"], np.float16, (n_routed, n_l))
-    mar = _arr(r["margin"], np.float16, (n_routed, n_l))
+    ent = _arr(r["entropy"], np.float16, (n_routed, n_l)).astype(np.float64)
     miss = _arr(r["miss"], np.uint8, (n_routed, n_l))
-    step = _ints(r["step"], n_routed)
+    step = _ints(r["step"], n_routed).tolist()
     steps = json.loads(r["steps"] or "[]")
+    # Flags judge every stored layer; the entries hold the selected ones. Whole arrays become lists at once:
+    # at 58 layers x 300 tokens a Python loop per number would cost a second.
+    nonfinite = (~np.isfinite(ent)).any(1).tolist()
+    dropped = (ids == r["n_experts"]).any((1, 2)).tolist()
+    missed = miss.any(1).tolist()
+    ids_l = ids[:, sel].tolist()
+    w_l = np.round(_arr(r["weights"], np.float16, (n_routed, n_l, k))[:, sel].astype(np.float64), 4).tolist()
+    ent_l = np.round(ent[:, sel], 4).tolist()
+    mar_l = np.round(_arr(r["margin"], np.float16, (n_routed, n_l))[:, sel].astype(np.float64), 4).tolist()
+    miss_l = miss[:, sel].tolist()
+    misses = [[s for s in range(k) if (m >> s) & 1] for m in range(256)]  # bitmask -> slots
     out_tokens = []
     for i, tok in enumerate(tokens):
         phase = "prefill" if i < n_prompt else "decode"
@@ -492,22 +519,15 @@ def _document(r: dict) -> dict[str, Any]:
                                  "latency_s": lat[i - n_prompt] if i >= n_prompt else None, "flags": [],
                                  "layers": []}
         if i < n_routed:
-            st = steps[int(step[i])] if steps else {}
-            entry["step"] = int(step[i])
-            for j, layer in enumerate(layers):
-                e_ids = ids[i, j].tolist()
-                ls = (st.get("layer_s") or {}).get(str(layer), [None, None, None])
-                entry["layers"].append({
-                    "layer": layer, "experts": e_ids, "weights": [round(float(w), 4) for w in weights[i, j]],
-                    "entropy": float(ent[i, j]), "margin": float(mar[i, j]),
-                    "cache": ["miss" if (int(miss[i, j]) >> s) & 1 else "hit" for s in range(k)],
-                    "dropped": [e == r["n_experts"] for e in e_ids],
-                    "router_s": ls[0], "expert_s": ls[1], "all_to_all_s": ls[2], "rank": r["rank"]})
-            if any(not np.isfinite(float(ent[i, j])) for j in range(n_l)):
+            entry["step"] = step[i]
+            e_i, w_i, h_i, m_i, x_i = ids_l[i], w_l[i], ent_l[i], mar_l[i], miss_l[i]
+            entry["layers"] = [{"layer": layer, "experts": e_i[j], "weights": w_i[j], "entropy": h_i[j],
+                                "margin": m_i[j], "misses": misses[x_i[j]]} for j, layer in enumerate(layers)]
+            if nonfinite[i]:
                 entry["flags"].append("nonfinite")
-            if any(d for lay in entry["layers"] for d in lay["dropped"]):
+            if dropped[i]:
                 entry["flags"].append("dropped")
-            if int(miss[i].any()):
+            if missed[i]:
                 entry["flags"].append("cache_miss")
         out_tokens.append(entry)
     lat_sorted = sorted(lat)
