@@ -5,15 +5,14 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
+import numpy as np
+
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile (numpy's default method); NaN for no values. ``q`` in [0, 100]."""
-    if not values:
+    """``numpy.percentile`` (linear interpolation) as a float; NaN for no values. ``q`` in [0, 100]."""
+    if len(values) == 0:
         return math.nan
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
 
 
 def load_cv(load: Sequence[float]) -> float:

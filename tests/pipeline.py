@@ -26,10 +26,12 @@ class Delivered:
 
 
 def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=(), settle_s: float = 0.0,
-        thresholds: rules.Thresholds | None = None, during=None) -> Delivered:
-    """Run the demo under ``scenario`` and watch for ``watch_s``; stop early once ``stop_when(alerts)`` holds
-    and ``settle_s`` more seconds passed (so an alert that comes with the expected one is seen too).
-    ``during(prometheus)`` runs then, while everything is still up."""
+        thresholds: rules.Thresholds | None = None, during=None, model: str = "tiny-demo", rate: float = 8,
+        traces: str = "none") -> Delivered:
+    """Run the demo of ``model`` under ``scenario`` and watch for ``watch_s``; stop early once
+    ``stop_when(alerts)`` holds and ``settle_s`` more seconds passed (so an alert that comes with the expected one
+    is seen too). ``during(prometheus)`` runs then, while everything is still up. ``traces``: the demo's trace
+    store (``none``: no store)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     rule_file = tmp_path / "rules.yml"
     # The repo's rules with every `for` shrunk 30-fold (10m -> 20s, 5m -> 10s), so a test window of seconds can
@@ -40,9 +42,9 @@ def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=()
     am = Alertmanager(tmp_path, ROOT / "collectors" / "alertmanager" / "alertmanager.yml", hook.port)
     port = free_port(2 if "slow-rank" in scenario else 1)  # 2 ranks: rank r serves metrics on port + r
     log = open(tmp_path / "demo.log", "wb")
-    demo = subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--no-tui", "--scenario", scenario,
-                             "--duration", str(watch_s + 60), "--rate", "8", "--metrics-port", str(port),
-                             "--traces", "none", *demo_args], stdout=log, stderr=subprocess.STDOUT)
+    demo = subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--no-tui", "--model", model, "--scenario",
+                             scenario, "--duration", str(watch_s + 60), "--rate", str(rate), "--metrics-port",
+                             str(port), "--traces", str(traces), *demo_args], stdout=log, stderr=subprocess.STDOUT)
     prom = None
     try:
         targets = [f"127.0.0.1:{port}"]

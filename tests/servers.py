@@ -13,13 +13,12 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from conftest import in_ci
+from moescope import prom_http
 
 
 def require(binary: str, package: str) -> str:
@@ -67,9 +66,9 @@ def wait_http(url: str, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            urllib.request.urlopen(url, timeout=2).read()
+            prom_http.get(url, "a server", timeout=2)
             return
-        except OSError:
+        except prom_http.Unreachable:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.2)
@@ -112,18 +111,14 @@ class Prometheus(_Server):
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_http(self.url + "/-/ready")
-        except OSError:
+        except prom_http.Unreachable:
             self.stop()
-            raise RuntimeError("prometheus did not become ready: " + (tmp / "prometheus.log").read_text()[-2000:])
+            raise RuntimeError("prometheus did not become ready: "
+                               + (tmp / "prometheus.log").read_text()[-2000:]) from None
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
-        params = {"query": promql}
-        if at is not None:
-            params["time"] = f"{at:.3f}"
-        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"
-        body = json.loads(urllib.request.urlopen(url, timeout=10).read())
-        assert body["status"] == "success", body
-        return body["data"]["result"]
+        """The result vector (moescope's one Prometheus client: a refused query raises, naming it)."""
+        return prom_http.query(self.url, promql, timeout=10, at=at)
 
     def scalar(self, promql: str, at: float | None = None) -> float | None:
         result = self.query(promql, at)
@@ -196,7 +191,8 @@ class Alertmanager(_Server):
         self.address = f"127.0.0.1:{self.port}"
         try:
             wait_http(f"http://{self.address}/-/ready")
-        except OSError:
+        except prom_http.Unreachable:
             self.stop()
-            raise RuntimeError("alertmanager did not start: " + (tmp / "alertmanager.log").read_text()[-2000:])
+            raise RuntimeError("alertmanager did not start: "
+                               + (tmp / "alertmanager.log").read_text()[-2000:]) from None
 

@@ -101,7 +101,8 @@ def _identical_and_replayed(tiny_cfg, tmp_path, tier, policy, size):
             continue
         hits, misses, evictions = naive_replay(seq, policy, size, pinned[layer])
         assert (stats.hits, stats.misses, stats.evictions) == (hits, misses, evictions)
-        assert len(stats.load_seconds) == misses and stats.bytes_loaded == misses * 3 * tiny_cfg.hidden_size * tiny_cfg.ffn_size * 4
+        assert len(stats.load_seconds) == misses
+        assert stats.bytes_loaded == misses * 3 * tiny_cfg.hidden_size * tiny_cfg.ffn_size * 4
         sim = cache_policy.simulate(seq, policy, size, pinned=pinned[layer] if policy == "static" else None)
         assert (sim.hits, sim.evictions) == (hits, evictions)  # cache-sim agrees with the runtime
 

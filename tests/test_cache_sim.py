@@ -10,8 +10,8 @@ from moescope.cli import main
 
 def test_demo_cache_counts_equal_cache_sim_replay(tmp_path, capsys):
     log = tmp_path / "routing.json"
-    assert main(["demo", "--requests", "8", "--rate", "0", "--metrics-port", "-1", "--cache-size", "3", "--cache-policy", "lfu",
-                 "--record-routing", str(log), "--json"]) == 0
+    assert main(["demo", "--requests", "8", "--rate", "0", "--metrics-port", "-1", "--cache-size", "3",
+                 "--cache-policy", "lfu", "--record-routing", str(log), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert main(["cache-sim", str(log), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
@@ -22,7 +22,7 @@ def test_demo_cache_counts_equal_cache_sim_replay(tmp_path, capsys):
     assert row["evictions"] == sum(s["evictions"] for s in layers)
     # Belady bounds every policy at every size; a full-size cache misses only cold starts.
     by = {(r["policy"], r["size"]): r for r in report["results"]}
-    for (policy, size), r in by.items():
+    for (_, size), r in by.items():
         assert r["hit_rate"] <= by[("belady", size)]["hit_rate"] + 1e-12
         assert r["gap_to_optimal"] == pytest.approx(by[("belady", size)]["hit_rate"] - r["hit_rate"])
     n_experts = report["n_experts"]

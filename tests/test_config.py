@@ -60,7 +60,8 @@ def test_bad_config_files(tmp_path):
 @pytest.mark.parametrize("changes,message", [
     ({"n_experts": 256, "top_k": 8, "n_group": 3}, "n_experts (256) must be divisible by n_group (3)"),
     ({"n_experts": 16, "n_group": 4, "topk_group": 5}, "topk_group (5) must be <= n_group (4)"),
-    ({"n_experts": 16, "top_k": 6, "n_group": 4, "topk_group": 1}, "top_k (6) must be <= the experts in the topk_group"),
+    ({"n_experts": 16, "top_k": 6, "n_group": 4, "topk_group": 1},
+     "top_k (6) must be <= the experts in the topk_group"),
     ({"scoring": "relu"}, "scoring must be one of softmax, sigmoid"),
     ({"routed_scaling_factor": 0}, "routed_scaling_factor must be > 0"),
     ({"n_shared_experts": -1}, "n_shared_experts must be an integer >= 0"),

@@ -51,7 +51,7 @@ def test_exported_counts_equal_recomputation(family):
     got = by_label(parsed, "moescope_expert_tokens_total", "layer", "expert", model=family)
     adapter_layers = {int(layer) for layer, _ in got}
     assert len(adapter_layers) == len(blocks) > 0
-    for (name, block, router, experts), layer in zip(blocks, sorted(adapter_layers)):
+    for (name, _, router, _), layer in zip(blocks, sorted(adapter_layers)):
         k = model.config.num_experts_per_tok
         n_exp = router.weight.shape[0]
         counts = torch.zeros(n_exp, dtype=torch.long)

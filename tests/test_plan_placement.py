@@ -86,7 +86,8 @@ def _megatron_jsonl(path, counts):
     with open(path, "w") as f:
         for it, per_layer in enumerate(counts):
             for layer, tpe in enumerate(per_layer):
-                f.write(json.dumps({"iteration": it, "layer": layer, "tokens_per_expert": [int(x) for x in tpe]}) + "\n")
+                row = {"iteration": it, "layer": layer, "tokens_per_expert": [int(x) for x in tpe]}
+                f.write(json.dumps(row) + "\n")
 
 
 @pytest.mark.parametrize("fmt", ["sglang", "megatron"])

@@ -31,7 +31,6 @@ import numpy as np
 
 from moescope import stats
 from moescope.thresholds import Thresholds
-from moescope.errors import BadInput
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 PLAYBOOKS = "playbooks"
@@ -372,7 +371,7 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
     per_miss = []
     for j, layer in enumerate(w.layers):
         clean, costly = [], []
-        for (key, jj), experts in used.items():
+        for (key, jj), _ in used.items():
             if jj != j:
                 continue
             ls = (w.steps[key].get("layer_s") or {}).get(str(layer))
@@ -443,14 +442,14 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     pts = sorted((st["t"], st["rss"]) for st in w.steps if st.get("t") and st.get("rss"))
     if len(pts) < 30:
         return []
-    t = np.array([p[0] for p in pts])
+    ts = np.array([p[0] for p in pts])
     rss = np.array([p[1] for p in pts], dtype=float)
-    t, rss = t[len(t) // 5:], rss[len(rss) // 5:]  # skip start-up (allocator and caches warming)
-    if t[-1] - t[0] < MEMORY_MIN_SPAN_S:  # a process' first seconds grow and shrink: too short to call a trend
-        return [Finding("leak", "info", f"Memory: {t[-1] - t[0]:.0f} s of steps, too short to judge a trend "
-                        f"(needs {MEMORY_MIN_SPAN_S:.0f} s)", 0.0, {"over_s": round(float(t[-1] - t[0]), 1)})]
-    slope, _ = np.polyfit(t - t[0], rss, 1)
-    r = float(np.corrcoef(t, rss)[0, 1]) if rss.std() > 0 else 0.0
+    ts, rss = ts[len(ts) // 5:], rss[len(rss) // 5:]  # skip start-up (allocator and caches warming)
+    if ts[-1] - ts[0] < MEMORY_MIN_SPAN_S:  # a process' first seconds grow and shrink: too short to call a trend
+        return [Finding("leak", "info", f"Memory: {ts[-1] - ts[0]:.0f} s of steps, too short to judge a trend "
+                        f"(needs {MEMORY_MIN_SPAN_S:.0f} s)", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
+    slope, _ = np.polyfit(ts - ts[0], rss, 1)
+    r = float(np.corrcoef(ts, rss)[0, 1]) if rss.std() > 0 else 0.0
     per_step = (rss[-1] - rss[0]) / max(1, len(rss) - 1)
     growth = rss[-1] - rss[0]
     half = len(rss) // 2
@@ -464,7 +463,7 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     return [Finding("leak", "warning", "Memory grows with traffic", slope / (1 * 2**20),
                     {"rss_bytes_per_s": int(slope), "bytes_per_step": int(per_step), "correlation": round(r, 3),
                      "grew_bytes": int(growth), "first_half_bytes": int(first), "second_half_bytes": int(second),
-                     "over_s": round(float(t[-1] - t[0]), 1),
+                     "over_s": round(float(ts[-1] - ts[0]), 1),
                      "capacity_bytes": capacity, "hours_to_capacity": round(hours_left, 2)}, [],
                     "MoEMemoryGrowth")]
 
@@ -480,7 +479,7 @@ def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline: d
     if prometheus:
         from moescope.analysis import prom_evidence
 
-        findings += prom_evidence.findings(prometheus, w.model)
+        findings += [Finding(**f) for f in prom_evidence.findings(prometheus, w.model)]
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.score))
     for f in findings:
         if f.playbook:

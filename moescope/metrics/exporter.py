@@ -205,7 +205,10 @@ class Exporter:
                     self.send_header("Content-Encoding", "gzip")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.wfile.write(body)
+                except (BrokenPipeError, ConnectionResetError):  # the scraper gave up (its timeout): not ours
+                    pass
 
             def log_message(self, *args):
                 pass
