@@ -187,7 +187,8 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                            'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",le="+Inf"}': "0+60x20"},
                   boundary={'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",'
                             f'le="{d.all_to_all_p99_s}"}}': "0+60x20",
-                            'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",le="+Inf"}': "0+60x20"}),
+                            'moescope_all_to_all_seconds_bucket{model="m",rank="0",op="dispatch",le="+Inf"}':
+                                "0+60x20"}),
         AlertSpec("MoESlowRank", f"({slow}) and on (model, peer) ({slow_wait})", "warning",
                   "One rank makes the others wait in the all-to-all.",
                   "Rank {{ $labels.peer }} accounts for {{ $value | humanizePercentage }} of the time ranks of "
@@ -295,7 +296,8 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
 RECORDING = (
     ("model_layer_expert:moescope_expert_tokens:rate1m",
      "sum without (instance, rank) (rate(moescope_expert_tokens_total[1m]))"),
-    ("model_layer:moescope_router_tokens:rate1m", "sum without (instance, rank) (rate(moescope_router_tokens_total[1m]))"),
+    ("model_layer:moescope_router_tokens:rate1m",
+     "sum without (instance, rank) (rate(moescope_router_tokens_total[1m]))"),
     ("model_layer_expert:moescope_expert_load_share:ratio1m",
      "model_layer_expert:moescope_expert_tokens:rate1m / ignoring (expert) group_left "
      "sum without (expert) (model_layer_expert:moescope_expert_tokens:rate1m)"),

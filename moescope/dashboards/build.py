@@ -203,7 +203,8 @@ def experts(t: Thresholds = DEFAULT):
         _q(prometheus, f"topk(8, {expert_rate(LSEL)})", "expert {{expert}}")], "none", 0, 26))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Coldest 8 experts, layer $layer (slots/s)", [
         _q(prometheus, f"bottomk(8, {expert_rate(LSEL)})", "expert {{expert}}")], "none", 12, 26))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: load CV, sampling noise bound, beyond noise", [
+    cv_title = "Layer $layer: load CV, sampling noise bound, beyond noise"
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, cv_title, [
         _q(prometheus, f"max(moescope_expert_load_cv_ratio{{{LSEL}}})", "CV"),
         _q(prometheus, f"max(moescope_expert_load_cv_noise_ratio{{{LSEL}}})", "noise bound"),
         _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise")], "none", 0, 34))

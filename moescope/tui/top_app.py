@@ -79,7 +79,8 @@ class TopApp(App):
                 Binding("up", "move(-1)", show=False), Binding("down", "move(1)", show=False),
                 Binding("pageup", "page(-1)", show=False), Binding("pagedown", "page(1)", show=False),
                 Binding("home", "move(-10000)", show=False), Binding("end", "move(10000)", show=False),
-                Binding("left_square_bracket", "layer(-1)", "prev"), Binding("right_square_bracket", "layer(1)", "next"),
+                Binding("left_square_bracket", "layer(-1)", "prev"),
+                Binding("right_square_bracket", "layer(1)", "next"),
                 Binding("s", "sort", "sort"), Binding("space", "pause", "pause")]
 
     def __init__(self, poller: Poller, interval_s: float = 1.0) -> None:
