@@ -374,6 +374,9 @@ def _valid_shape(layers_json, top_k, n_experts) -> bool:
             and _is_count(top_k) and _is_count(n_experts) and 0 < top_k <= n_experts < 2**15)
 
 
+_TIME = frozenset({int, float, type(None)})  # what a layer time may be, as json.loads gives it (no bool)
+
+
 def _valid_step(st) -> bool:
     """A step record as the recorder writes it: numbers where numbers go, layer times as 3-lists."""
     if not isinstance(st, dict):
@@ -385,8 +388,8 @@ def _valid_step(st) -> bool:
     layer_s, peer_wait = st.get("layer_s") or {}, st.get("peer_wait") or {}
     if not isinstance(layer_s, dict) or not isinstance(peer_wait, dict):
         return False
-    if not all(isinstance(v, list) and len(v) == 3 and all(x is None or _is_num(x) for x in v)
-               for v in layer_s.values()):
+    times = layer_s.values()  # one entry per layer and step (~6k a request at 58 layers): checked by type sets
+    if not all(type(v) is list and len(v) == 3 for v in times) or not {type(x) for v in times for x in v} <= _TIME:
         return False
     return all(isinstance(v, list) and all(_is_num(x) for x in v) for v in peer_wait.values())
 
@@ -449,8 +452,8 @@ def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> d
         raise BadInput(f"no request {request_id!r} in the trace store{hint}")
     r = dict(zip([d[0] for d in cur.description], row))
     try:
-        _check_document(r)
-        return _document(r, layers)
+        routed = _check_document(r)
+        return _document(r, layers, routed.steps if routed is not None else None)
     except CorruptRow as exc:
         raise BadInput(f"request {request_id!r}: corrupt row: {exc}") from None
     except BadInput:  # a layer the trace does not hold
@@ -459,20 +462,23 @@ def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> d
         raise BadInput(f"request {request_id!r}: its stored columns do not decode (corrupt row)") from None
 
 
-def _check_document(r: dict) -> None:
+def _check_document(r: dict) -> Routed | None:
     """``CorruptRow`` unless the columns of ``trace``'s document decode: the listing's columns, the routing's
-    (as ``Routed.check``), and the per-token arrays only the document reads."""
+    (as ``Routed.check``), and the per-token arrays only the document reads. Returns the checked routing (its
+    decoded steps serve the document), None for a request without routing."""
     _row(tuple(r[c.strip()] for c in LIST_COLUMNS.split(",")))
     n_routed = r["n_prompt"] + max(0, r["n_output"] - 1)
     _check(_is_blob(r["latencies"], (4 * r["n_output"],), nullable=False), "latencies do not match the token "
            "counts")
     if r["ids"] is None:
         _check(r["layers"] in (None, "[]"), "layers without routing")
-        return
-    Routed(*(r[c.strip()] for c in _ROUTED_COLUMNS.split(","))).check()
+        return None
+    routed = Routed(*(r[c.strip()] for c in _ROUTED_COLUMNS.split(",")))
+    routed.check()
     cells = n_routed * len(json.loads(r["layers"]))
     _check(_is_blob(r["weights"], (2 * cells * r["top_k"],)), "weights do not match the token counts")
     _check(_is_blob(r["margin"], (2 * cells,)), "margins do not match the token counts")
+    return routed
 
 
 def select_layers(stored: list[int], wanted: list[int] | None, where: str = "in this trace") -> list[int]:
@@ -485,7 +491,7 @@ def select_layers(stored: list[int], wanted: list[int] | None, where: str = "in 
     return [stored.index(layer) for layer in sorted(set(wanted)) if layer in stored]
 
 
-def _document(r: dict, wanted: list[int] | None = None) -> dict[str, Any]:
+def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None = None) -> dict[str, Any]:
     from moescope.runtime import tokenizer
 
     n_prompt, n_output = r["n_prompt"], r["n_output"]
@@ -500,7 +506,7 @@ def _document(r: dict, wanted: list[int] | None = None) -> dict[str, Any]:
     ent = _arr(r["entropy"], np.float16, (n_routed, n_l)).astype(np.float64)
     miss = _arr(r["miss"], np.uint8, (n_routed, n_l))
     step = _ints(r["step"], n_routed).tolist()
-    steps = json.loads(r["steps"] or "[]")
+    steps = json.loads(r["steps"] or "[]") if steps is None else steps
     # Flags judge every stored layer; the entries hold the selected ones. Whole arrays become lists at once:
     # at 58 layers x 300 tokens a Python loop per number would cost a second.
     nonfinite = (~np.isfinite(ent)).any(1).tolist()
