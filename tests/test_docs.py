@@ -1,10 +1,191 @@
-"""Docs stay in step with the code: every catalogue metric is documented."""
+"""Docs stay in step with the code: every catalogue metric is documented, the README stays a front page, the
+site builds strict, every documented `moescope` command names real options, and the README's tour runs."""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+import yaml
 
 from conftest import ROOT
 from moescope.metrics import catalogue
+
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+README_MAX_LINES = 150
 
 
 def test_metrics_doc_names_every_catalogue_metric():
     doc = (ROOT / "docs" / "metrics.md").read_text()
     missing = [m.name for m in catalogue.CATALOGUE if f"`{m.name}`" not in doc]
     assert not missing, missing
+
+
+# --- the README as a front page, and the site ---------------------------------------------------------------
+
+def _nav_pages(nav) -> list[str]:
+    pages = []
+    for entry in nav:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        pages += _nav_pages(value) if isinstance(value, list) else [value]
+    return pages
+
+
+def test_readme_is_a_front_page():
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES, len(text.splitlines())
+    # The two set-up commands are Makefile targets, and every docs page is one link away.
+    assert "make demo" in text and "make test" in text
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^demo:", makefile, re.M) and re.search(r"^test:", makefile, re.M)
+    linked = set(re.findall(r"\]\(docs/([\w-]+\.md)", text))
+    pages = {p.name for p in DOCS.glob("*.md")}
+    assert pages <= linked, sorted(pages - linked)
+    for page in linked:
+        assert (DOCS / page).is_file(), page
+
+
+def test_every_docs_page_is_in_the_nav():
+    cfg = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    nav = _nav_pages(cfg["nav"])
+    pages = sorted(p.name for p in DOCS.glob("*.md"))
+    assert sorted(nav) == pages, (nav, pages)
+
+
+@pytest.mark.slow
+def test_site_builds_strict(tmp_path):
+    # Not --quiet: mkdocs 1.6 counts warnings for --strict only at the default log level, so `--quiet`
+    # lets a broken link or anchor through.
+    run = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "WARNING" not in run.stderr, run.stderr[-3000:]
+    assert (tmp_path / "site" / "quickstart" / "index.html").is_file()
+
+
+# --- documented commands --------------------------------------------------------------------------------------
+
+def _shell_blocks(text: str) -> list[str]:
+    return re.findall(r"```sh\n(.*?)```", text, re.S)
+
+
+def _commands(block: str) -> list[list[str]]:
+    """Each `moescope ...` command line of a shell block, as argv after `moescope` (comments, a trailing `&`
+    and line continuations handled)."""
+    out = []
+    for line in block.replace("\\\n", " ").splitlines():
+        words = shlex.split(line, comments=True)
+        if words and words[-1] == "&":
+            words = words[:-1]
+        if words and words[0] in (".venv/bin/moescope", "moescope"):
+            out.append(words[1:])
+    return out
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for path in [README, *sorted(DOCS.glob("*.md"))]:
+        for block in _shell_blocks(path.read_text()):
+            found += [(path.name, argv) for argv in _commands(block)]
+    return found
+
+
+def _resolve(argv: list[str]):
+    """The click command argv names, and the rest of argv."""
+    import click
+
+    from moescope.cli import cli
+
+    cmd, rest = cli, list(argv)
+    while isinstance(cmd, click.Group) and rest and not rest[0].startswith("-"):
+        sub = cmd.commands.get(rest[0])
+        assert sub is not None, f"no command {rest[0]!r} under {cmd.name!r}"
+        cmd, rest = sub, rest[1:]
+    return cmd, rest
+
+
+def test_docs_document_moescope_commands():
+    found = documented_commands()
+    assert len(found) >= 40, len(found)
+    assert {argv[0] for _, argv in found} >= {"demo", "serve", "top", "requests", "trace", "diagnose", "report",
+                                              "alerts", "dashboards", "cache-sim", "plan-placement", "check"}
+
+
+@pytest.mark.parametrize("where,argv", documented_commands(), ids=lambda x: x if isinstance(x, str) else None)
+def test_documented_command_uses_real_options(where, argv):
+    """Every documented command names a real subcommand, only options that subcommand accepts, and values its
+    choices and number ranges accept (paths and free text are the reader's)."""
+    import click
+
+    cmd, rest = _resolve(argv)
+    shown = f"{where}: `moescope {' '.join(argv)}`"
+    assert not isinstance(cmd, click.Group), f"{shown} names a group, not a command"
+    options = {o: p for p in cmd.params if isinstance(p, click.Option) for o in (*p.opts, *p.secondary_opts)}
+    checked = (click.Choice, click.types._NumberParamTypeBase)
+    i = 0
+    while i < len(rest):
+        word = rest[i]
+        if word.startswith("--") or (word.startswith("-") and len(word) == 2 and not word[1].isdigit()):
+            name, eq, value = word.partition("=")
+            assert name in options, f"{shown}: {name} is not an option of `{cmd.name}`"
+            opt = options[name]
+            if not (opt.is_flag or opt.count):
+                if not eq:
+                    i += 1
+                    assert i < len(rest), f"{shown}: {name} needs a value"
+                    value = rest[i]
+                if isinstance(opt.type, checked) and not value.startswith("$"):
+                    try:
+                        opt.type.convert(value, opt, None)
+                    except click.BadParameter as exc:
+                        raise AssertionError(f"{shown}: {name} {value}: {exc.format_message()}") from None
+        i += 1
+
+
+# --- the README's five-minute tour, run as written ---------------------------------------------------------------
+
+def _tour() -> list[list[str]]:
+    sections = README.read_text().split("\n## ")
+    (section,) = [s for s in sections if s.lower().startswith("a five-minute tour")]
+    return _commands(_shell_blocks(section)[0])
+
+
+def _run(argv, cwd, env, timeout=300):
+    return subprocess.run([sys.executable, "-m", "moescope", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_readme_tour_runs_as_written(tmp_path):
+    """The tour's commands, as the README writes them, against a fresh trace store. Only what a test needs is
+    appended (later options win in click): no exporter port (tests run side by side), a short duration for the
+    backgrounded fault run, `--plain` for `trace` (no terminal here); `top` is interactive (tests/test_top.py)."""
+    import json
+
+    env = {**os.environ, "MOESCOPE_TRACES": str(tmp_path / "traces.sqlite")}
+    tour = _tour()
+    assert [a[0] for a in tour] == ["demo", "requests", "trace", "demo", "top", "diagnose", "report"], tour
+    healthy, listed, trace, fault, _top, diagnose, report = tour
+
+    run = _run([*healthy, "--metrics-port", "-1", "--requests", "16"], tmp_path, env)
+    assert run.returncode == 0 and "served 16/16 requests" in run.stdout, run.stderr[-2000:]
+    run = _run(listed, tmp_path, env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    ids = [r["request_id"] for r in json.loads(_run([*listed, "--json"], tmp_path, env).stdout)["requests"]]
+    assert len(ids) == 5 and all(i in run.stdout for i in ids), run.stdout
+    assert trace[1] == "<request-id>"
+    run = _run([trace[0], ids[0], *trace[2:], "--plain"], tmp_path, env)
+    assert run.returncode == 0 and f"request {ids[0]}" in run.stdout, run.stderr[-2000:]
+
+    run = _run([*fault, "--metrics-port", "-1", "--duration", "8"], tmp_path, env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    run = _run([*diagnose, "--since", "30s"], tmp_path, env)
+    assert run.returncode == 1 and "imbalance" in run.stdout.lower(), (run.stdout[-2000:], run.stderr[-2000:])
+    run = _run(report, tmp_path, env)
+    out = tmp_path / report[report.index("--out") + 1]
+    assert run.returncode == 0 and (out / "summary.md").is_file() and (out / "overview.png").is_file(), run.stderr
