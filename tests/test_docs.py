@@ -176,7 +176,7 @@ def test_readme_tour_runs_as_written(tmp_path):
     assert run.returncode == 0 and "served 16/16 requests" in run.stdout, run.stderr[-2000:]
     run = _run(listed, tmp_path, env)
     assert run.returncode == 0, run.stderr[-2000:]
-    ids = [r["request_id"] for r in json.loads(_run([*listed, "--json"], tmp_path, env).stdout)["requests"]]
+    ids = [r["request_id"] for r in json.loads(_run([*listed, "--json"], tmp_path, env).stdout)]
     assert len(ids) == 5 and all(i in run.stdout for i in ids), run.stdout
     assert trace[1] == "<request-id>"
     run = _run([trace[0], ids[0], *trace[2:], "--plain"], tmp_path, env)
