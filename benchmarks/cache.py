@@ -8,6 +8,7 @@ Outputs are checked identical to the all-resident run. Medians of tokens/s over 
 percentiles over all decode tokens of all rounds.
 
     python benchmarks/cache.py [--rounds 3] [--requests 16] [--out benchmarks/results/cache.json]
+    python benchmarks/cache.py --quick   # 1 round, 3 short requests, hidden 128 (CI: it still runs) -> cache-quick.json
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from moescope.runtime.model import MoETransformer
 HERE = Path(__file__).resolve().parent
 CFG = MoEConfig(name="cache-bench", hidden_size=512, n_layers=3, n_heads=8, n_experts=8, top_k=2,
                 ffn_size=1408, max_seq_len=256)
+# --quick: a 16x smaller expert and short outputs (a smoke run of the script, seconds even on a busy CI machine)
+QUICK_CFG = MoEConfig(name="cache-bench-quick", hidden_size=128, n_layers=3, n_heads=2, n_experts=8, top_k=2,
+                      ffn_size=352, max_seq_len=256)
 
 
 def serve(model, requests, max_batch):
@@ -48,12 +52,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "cache.json")
+    ap.add_argument("--quick", action="store_true",
+                    help="one round of 3 short requests on a smaller model (CI keeps the script working)")
+    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rounds, args.requests = 1, 3
+    args.out = args.out or HERE / "results" / ("cache-quick.json" if args.quick else "cache.json")
 
-    model = MoETransformer(CFG).eval()
-    reqs = traffic.generate(traffic.TrafficConfig(seed=3, output_tokens_median=24, prompt_bytes_median=48), args.requests)
-    e = CFG.n_experts
+    cfg = QUICK_CFG if args.quick else CFG
+    model = MoETransformer(cfg).eval()
+    reqs = traffic.generate(traffic.TrafficConfig(seed=3, output_tokens_median=6 if args.quick else 24,
+                                                  prompt_bytes_median=48), args.requests)
+    e = cfg.n_experts
     variants = [("all", e, "memory"), ("E/2", e // 2, "memory"), ("E/4", e // 4, "memory"),
                 ("E/2", e // 2, "disk"), ("E/4", e // 4, "disk")]
     results = {v: {"tok_s": [], "lat": [], "hit_rate": [], "load_s": []} for v in variants}
@@ -86,10 +97,12 @@ def main(argv: list[str] | None = None) -> int:
                     res["load_s"].extend(x for s in st for x in s.load_seconds)
     base = statistics.median(results[variants[0]]["tok_s"])
     rows = []
-    print(f"expert cache, LRU; model hidden {CFG.hidden_size}, ffn {CFG.ffn_size} ({3 * CFG.hidden_size * CFG.ffn_size * 4 / 1e6:.1f} MB/expert), "
-          f"{len(CFG.moe_layers)} MoE layers x {e} experts, top-{CFG.top_k}; {args.requests} requests, "
+    mb = 3 * cfg.hidden_size * cfg.ffn_size * 4 / 1e6
+    print(f"expert cache, LRU; model hidden {cfg.hidden_size}, ffn {cfg.ffn_size} ({mb:.1f} MB/expert), "
+          f"{len(cfg.moe_layers)} MoE layers x {e} experts, top-{cfg.top_k}; {args.requests} requests, "
           f"max batch {args.max_batch}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads")
-    print(f"{'cache':>6} {'tier':>7} {'tok/s':>8} {'vs all':>7} {'p50 ms':>8} {'p99 ms':>8} {'hit rate':>9} {'load p50 ms':>12} {'load p99 ms':>12}")
+    print(f"{'cache':>6} {'tier':>7} {'tok/s':>8} {'vs all':>7} {'p50 ms':>8} {'p99 ms':>8} {'hit rate':>9} "
+          f"{'load p50 ms':>12} {'load p99 ms':>12}")
     for v in variants:
         label, size, tier = v
         res = results[v]
@@ -106,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:>6} {row['tier']:>7} {tok_s:8.1f} {row['vs_all']:6.2f}x {row['token_p50_s'] * 1e3:8.1f} "
               f"{row['token_p99_s'] * 1e3:8.1f} {row['hit_rate']:9.3f} {lp50} {lp99}")
     print("outputs identical to the all-resident run in every variant")
-    save({"config": CFG.to_dict(), "rounds": args.rounds, "requests": args.requests,
+    save({"config": cfg.to_dict(), "rounds": args.rounds, "requests": args.requests,
                                     "max_batch": args.max_batch, "rows": rows}, args.out)
     return 0
 

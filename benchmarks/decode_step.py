@@ -48,8 +48,9 @@ class _Uninitialised(MoETransformer):
 
 def build(name: str, device: str, dtype: torch.dtype, scale: int) -> MoETransformer:
     hidden, heads, experts, k, ffn = SHAPES[name]
-    cfg = MoEConfig(name=name, hidden_size=hidden // scale, n_layers=1, n_heads=heads if scale == 1 else hidden // scale // 64,
-                    n_experts=experts, top_k=k, ffn_size=ffn // scale, max_seq_len=HISTORY + 8)
+    cfg = MoEConfig(name=name, hidden_size=hidden // scale, n_layers=1,
+                    n_heads=heads if scale == 1 else hidden // scale // 64, n_experts=experts, top_k=k,
+                    ffn_size=ffn // scale, max_seq_len=HISTORY + 8)
     before = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -137,16 +138,18 @@ def measure(model: MoETransformer, batch: int, rounds: int, steps: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="fewer rounds; on CPU, shapes scaled down 16x")
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds; on CPU, one round, shapes scaled down 16x")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, help="[1 32; --quick on CPU: 1 4]")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
-    rounds = args.rounds or (3 if args.quick else 7)
-    steps = args.steps or (5 if args.quick else 30)
+    # --quick on CPU is a smoke run of the script (CI): one round of 3 steps; on CUDA a short measurement
+    rounds = args.rounds or ((3 if cuda else 1) if args.quick else 7)
+    steps = args.steps or ((5 if cuda else 3) if args.quick else 30)
+    batches = args.batch or ([1, 4] if args.quick and not cuda else [1, 32])
     scale = 16 if args.quick and not cuda else 1
     dtype = torch.bfloat16 if cuda else torch.float32
     rows = []
@@ -156,7 +159,7 @@ def main() -> None:
           f"{'ratio':>6} {'graph/eager':>11}")
     for name in args.shapes:
         model = build(name, args.device, dtype, scale)
-        for batch in args.batch:
+        for batch in batches:
             r = {"shape": name, **measure(model, batch, rounds, steps)}
             rows.append(r)
             print(f"{name:<18} {batch:>3} {r['eager_bare_s'] * 1e6:>9.0f} {r['eager_instrumented_s'] * 1e6:>9.0f} "
@@ -166,7 +169,7 @@ def main() -> None:
         if cuda:
             torch.cuda.empty_cache()
     here = Path(__file__).resolve().parent / "results"
-    out = args.out or here / ("decode_step.json" if cuda else "decode_step-cpu.json")
+    out = args.out or here / f"decode_step{'' if cuda else '-cpu'}{'-quick' if args.quick else ''}.json"
     save({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
           "dtype": str(dtype), "scale": scale, "rounds": rounds, "steps": steps, "rows": rows}, out)
 

@@ -5,11 +5,13 @@ collapse traffic, read from the exported counters, and the share of output token
 unmitigated run. Router smoothing (margin 0.02): canary flip rate under jitter off vs on (mean over repeated
 canary runs, per layer), and output tokens identical on the healthy model.
 
-    python benchmarks/mitigate.py        # -> benchmarks/results/mitigate.json
+    python benchmarks/mitigate.py            # -> benchmarks/results/mitigate.json
+    python benchmarks/mitigate.py --quick    # 16 requests, 3 canary runs (CI) -> mitigate-quick.json
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -57,24 +59,29 @@ def canary_flips(scenario: str, mitigation: Mitigation | None, runs: int = 11) -
     return {layer: round(float(np.mean([g[layer] for g in got])), 4) for layer in got[0]}
 
 
-def main() -> None:
-    report: dict = {"load_aware": {}, "smoothing": {}}
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="16 requests, 3 canary runs (CI keeps the script working)")
+    args = ap.parse_args(argv)
+    n, runs = (16, 3) if args.quick else (96, 11)
+    report: dict = {"load_aware": {}, "smoothing": {}, "requests": n, "canary_runs": runs}
     for scenario in ("healthy", "imbalance", "collapse"):
-        cv_off, out_off, _ = serve(scenario, None)
-        cv_on, out_on, rerouted = serve(scenario, Mitigation(load_bound=0.85))
+        cv_off, out_off, _ = serve(scenario, None, n)
+        cv_on, out_on, rerouted = serve(scenario, Mitigation(load_bound=0.85), n)
         report["load_aware"][scenario] = {"cv_off": cv_off, "cv_on": cv_on, "rerouted_slots": rerouted,
                                           "tokens_identical": agreement(out_off, out_on)}
         print(f"load-aware {scenario:9s} CV max {max(cv_off.values()):.3f} -> {max(cv_on.values()):.3f}  "
               f"({max(cv_on.values()) / max(cv_off.values()):.2f}x), tokens identical "
               f"{report['load_aware'][scenario]['tokens_identical']:.1%}")
-    off, on = canary_flips("jitter", None), canary_flips("jitter", Mitigation(smoothing_margin=0.02))
-    _, h_off, _ = serve("healthy", None)
-    _, h_on, _ = serve("healthy", Mitigation(smoothing_margin=0.02))
+    off = canary_flips("jitter", None, runs)
+    on = canary_flips("jitter", Mitigation(smoothing_margin=0.02), runs)
+    _, h_off, _ = serve("healthy", None, n)
+    _, h_on, _ = serve("healthy", Mitigation(smoothing_margin=0.02), n)
     report["smoothing"] = {"margin": 0.02, "jitter_flip_off": off, "jitter_flip_on": on,
                            "healthy_tokens_identical": agreement(h_off, h_on)}
     print(f"smoothing jitter flip rate max {max(off.values()):.2%} -> {max(on.values()):.2%}; healthy tokens "
           f"identical {report['smoothing']['healthy_tokens_identical']:.1%}")
-    save(report, Path(__file__).parent / "results" / "mitigate.json")
+    save(report, Path(__file__).parent / "results" / ("mitigate-quick.json" if args.quick else "mitigate.json"))
 
 
 if __name__ == "__main__":
