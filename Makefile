@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: the CPU build on this machine's disk (an unpinned torch pulls a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test test-main test-hf457 install system-deps bench clean
+.PHONY: demo test lint docs test-main test-hf457 install system-deps bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,9 +24,20 @@ demo: install
 system-deps:
 	bash .ci/system-deps
 
-# The whole suite, then the HF adapter tests again on transformers 4.57 (module names and router outputs
-# differ between 4.x and 5.x) in a second venv.
-test: test-main test-hf457
+# Lint and the docs site first (seconds; a failure stops here), then the whole suite (every benchmark's --quick
+# included: tests/test_benchmarks.py), then the HF adapter tests again on transformers 4.57 (module names and
+# router outputs differ between 4.x and 5.x) in a second venv.
+test: lint docs test-main test-hf457
+
+lint: install
+	$(BIN)/ruff check .
+
+# The docs site (mkdocs-material): --strict fails on a broken link, a missing page or a bad nav entry.
+# No --quiet: mkdocs 1.6 then hides the warnings --strict fails on. (NO_MKDOCS_2_WARNING: material's
+# end-of-life banner is not a docs problem.)
+SITE ?= build/site
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(SITE)
 
 test-main: install system-deps
 	bash .ci/pytest
@@ -46,4 +57,4 @@ bench: install
 	$(BIN)/python benchmarks/runtime.py
 
 clean:
-	rm -rf $(VENV) $(HF457) .pytest_cache
+	rm -rf $(VENV) $(HF457) .pytest_cache $(SITE)
