@@ -33,16 +33,27 @@ def _one_end(i: int):
 @pytest.mark.slow
 @pytest.mark.integration
 def test_twenty_two_rank_duration_runs_in_a_row_all_end_cleanly():
-    """The acceptance run: twenty `--world-size 2 --duration 5` demos, two at a time (four ranks on the CI's
-    two cores: contention makes a rank's clock drift from its peer's, which is what used to break the end)."""
+    """The acceptance run: twenty `--world-size 2 --duration 5` demos, all exit 0. Two at a time (four ranks on
+    the CI's two cores: contention makes a rank's clock drift from its peer's, which is what used to break the
+    end).
+
+    How many requests finish in 5 s is not the point and not asserted: with --rate 0 all 64 requests are queued
+    at once, 16 decode together, and on a busy 2-core machine a step can take a few hundred ms, so a run may
+    end before any request's last token (CI once saw completed == 0, exit 0, both ranks in step). What must
+    hold is the end itself: every run exits 0, ran to its deadline, and both ranks left after the same step."""
     with ThreadPoolExecutor(2) as pool:
         results = list(pool.map(_one_end, range(20)))
     failed = [(i, code, err[-600:]) for i, (code, _, err) in enumerate(results) if code != 0]
     assert not failed, failed
-    for _, out, _ in results:
+    for _, out, err in results:
+        assert "Traceback" not in err, err[-2000:]
         s = json.loads(out)
-        assert s["world_size"] == 2 and s["completed"] > 0
-        # Both ranks stopped after the same step: the same requests finished, the same exchanges made.
+        # Served until the deadline, not out of work. The stop is agreed when the first rank's own 5 s pass; the
+        # summary's wall time is rank 0's, whose clock may have started a little after its peer's (measured:
+        # 4.93 s with the machine at load 14), hence the margin.
+        assert s["world_size"] == 2 and s["wall_s"] >= 4.0
+        # Both ranks stopped after the same step: the same exchanges made (the dispatch and combine of every
+        # MoE layer of every step), so neither left the other waiting in a collective.
         assert s["ranks"][0]["exchanges"] == s["ranks"][1]["exchanges"] > 0
 
 
