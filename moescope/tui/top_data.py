@@ -7,17 +7,14 @@ per-expert slots, cache hit rate) come from the difference between two polls of 
 
 from __future__ import annotations
 
-import json
 import re
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
+from moescope import prom_http
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 from moescope.tui.routing import History, LayerRouting, layer_routing
@@ -62,13 +59,8 @@ def parse_exposition(text: str) -> Samples:
 
 
 def scrape(url: str, timeout: float = 2.0) -> Samples:
-    """One endpoint; raises OSError (unreachable) or ValueError (not an exposition)."""
-    if not url.startswith("http"):
-        url = "http://" + url
-    if not url.rstrip("/").endswith("/metrics"):
-        url = url.rstrip("/") + "/metrics"
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return parse_exposition(r.read().decode("utf-8", "replace"))
+    """One endpoint; raises ``prom_http.Unreachable`` or ValueError (not an exposition)."""
+    return parse_exposition(prom_http.exposition(url, timeout))
 
 
 def _sum(samples: Samples, name: str, by: tuple[str, ...] = ()) -> dict:
@@ -293,9 +285,7 @@ def _routing(cur: Samples, b: levels.Bars, history: History | None, totals: dict
 
 
 def firing_alerts(alertmanager: str, timeout: float = 2.0) -> list[str]:
-    url = alertmanager.rstrip("/") + "/api/v2/alerts?active=true&silenced=false&inhibited=false"
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        alerts = json.loads(r.read())
+    alerts = prom_http.alerts(alertmanager, timeout)
     out = []
     for a in alerts:
         labels = a.get("labels", {})
@@ -320,11 +310,8 @@ class Poller:
 
     def _from_prometheus(self) -> Samples:
         """The same metric names, from a Prometheus server: the latest value of every moescope series."""
-        url = f"{self.prometheus.rstrip('/')}/api/v1/query?" + urllib.parse.urlencode({"query": '{__name__=~"moescope_.+"}'})
-        with urllib.request.urlopen(url, timeout=self.timeout) as r:
-            body = json.loads(r.read())
         out: Samples = {}
-        for s in body["data"]["result"]:
+        for s in prom_http.query(self.prometheus, '{__name__=~"moescope_.+"}', self.timeout):
             m = dict(s["metric"])
             name = m.pop("__name__")
             for k in ("job", "instance"):
