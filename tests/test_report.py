@@ -1,5 +1,6 @@
-"""`moescope report`: tables equal a recomputation from the store's per-request traces, the heatmaps are real
-images whose pixels follow the load, and the summary attributes a drift to the domain that moved."""
+"""`moescope report`: tables (load, per group, the top co-chosen pairs) equal a recomputation from the store's
+per-request traces and naive loops, the heatmaps are real images whose pixels follow the load, the summary
+attributes a drift to the domain that moved, and at deepseek-v3 shape the report is one legible overview."""
 
 import collections
 
@@ -75,3 +76,83 @@ def test_heatmap_pixels_follow_the_load(tmp_path):
     a2 = _heatmap_pixels(tmp_path, uniform, "u2")
     assert a.std() > 0 and np.array_equal(a, a2)  # a real image, and the same load draws the same pixels
     assert a.shape == b.shape and np.abs(a - b).mean() > 0.001  # another load, other pixels
+
+
+def test_coactivation_top_pairs_equal_a_recomputation(drift_store, tmp_path):
+    """coactivation.csv keeps each layer's TOP_PAIRS most co-chosen pairs: their counts equal the pairs counted
+    token by token from load_request, and no pair left out was chosen together more often than one kept."""
+    from moescope.analysis.report import TOP_PAIRS
+
+    out = tmp_path / "co"
+    assert main(["report", "--traces", str(drift_store), "--out", str(out)]) == 0
+    conn = store.open_store(drift_store)
+    ref = collections.Counter()
+    for row in store.list_requests(conn, limit=10000):
+        doc = store.load_request(conn, row.request_id)
+        for tok in doc["tokens"]:
+            for lay in tok["layers"]:
+                chosen = sorted({e for e in lay["experts"] if e != doc["n_experts"]})
+                ref.update((lay["layer"], a, b) for i, a in enumerate(chosen) for b in chosen[i + 1:])
+    conn.close()
+    co = pd.read_csv(out / "coactivation.csv")
+    kept = {(r.layer, r.expert_a, r.expert_b): r.tokens for r in co.itertuples()}
+    assert kept and all(ref[key] == n for key, n in kept.items())
+    for layer in {key[0] for key in ref}:
+        counts = sorted((n for key, n in ref.items() if key[0] == layer), reverse=True)
+        mine = sorted((n for key, n in kept.items() if key[0] == layer), reverse=True)
+        assert mine == counts[:TOP_PAIRS]  # the same multiset of counts as the true top pairs
+
+
+def test_routing_counts_equal_naive_loops():
+    from moescope.analysis import routing_counts as rc
+
+    rng = np.random.default_rng(0)
+    n_exp, n_layers, k = 16, 3, 4
+    # k distinct ids per row, as top-k gives; id n_exp is a dropped slot, never counted
+    ids = np.argsort(rng.random((500, n_layers, n_exp + 1)), axis=-1)[..., :k]
+    group = rng.integers(0, 5, size=500)
+    want = np.zeros((5, n_layers, n_exp), np.int64)
+    pairs = np.zeros((n_layers, n_exp, n_exp), np.int64)
+    for t in range(500):
+        for j in range(n_layers):
+            for s in range(k):
+                if ids[t, j, s] < n_exp:
+                    want[group[t], j, ids[t, j, s]] += 1
+            for a in range(k):
+                for b in range(a + 1, k):
+                    ea, eb = ids[t, j, a], ids[t, j, b]
+                    if ea < n_exp and eb < n_exp:
+                        pairs[j, ea, eb] += 1
+                        pairs[j, eb, ea] += 1
+    assert np.array_equal(rc.count(ids, n_exp, group, 5), want)
+    assert np.array_equal(rc.count(ids, n_exp)[0], want.sum(0))
+    assert (ids == n_exp).any() and pairs.any()
+    assert np.array_equal(rc.pairs(ids, n_exp), pairs)  # symmetric, zero diagonal
+    chunked = sum(rc.count(c.ids, n_exp, c.groups["g"], 5)
+                  for c in rc.chunks(np.split(ids, [100, 130, 400]), {"g": np.split(group, [100, 130, 400])}, rows=64))
+    assert np.array_equal(chunked, want)
+
+
+def test_report_at_deepseek_v3_shape_is_one_overview_with_legible_axes(tmp_path):
+    """58 layers x 256 experts: one overview figure (no per-layer figures unless asked), tick labels thinned to
+    round ids, the drawn matrix is load against the fair share with an expert without slots masked (black)."""
+    from moescope.analysis import report_figures as figures
+
+    counts = np.full((4, 58, 256), 10)
+    counts[:, 7, 5] = 10 * 256  # layer 7 collapsed onto expert 5
+    counts[:, 20, 100] = 0  # layer 20: expert 100 has no slot
+    dump = tmp_path / "dsv3.pt"
+    torch.save({"logical_count": torch.tensor(counts)}, dump)
+    out = tmp_path / "rep"
+    assert main(["report", "--import", str(dump), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["load.csv", "overview.png", "summary.md"]
+    assert (out / "overview.png").stat().st_size > 5000
+    summary = (out / "summary.md").read_text()
+    assert "| 7 |" in summary and "5 (" in summary.split("| 7 |")[1].splitlines()[0]
+    pos, labels = figures.ticks(256)
+    assert len(labels) <= figures.MAX_TICKS and labels[:3] == ["0", "32", "64"]
+    pos, labels = figures.ticks(58, list(range(3, 61)), steps=(1, 2, 5, 10, 20, 50))
+    assert len(labels) <= figures.MAX_TICKS and all(int(v) % 5 == 0 for v in labels)
+    rel = figures._relative(counts.sum(0).astype(float))
+    assert rel[7, 5] == figures.SPAN and rel.mask[20, 100] and rel.mask.sum() == 1
+    assert abs(rel[0, 0]) < 0.01  # a fair layer sits at 1x
