@@ -69,6 +69,10 @@ class ModelThresholds:
     load_cv: float = 0.15  # excess load CV (beyond sampling noise); seeds: healthy trained routers < 0.10
     collapse_top_share: float = 0.75  # share of the routed tokens choosing the busiest expert (k/E balanced)
     dead_min_expected_slots: float = 20.0  # a zero-slot expert is dead only where uniform routing sends this many
+    # Imbalance is judged only where the window holds this many slots per expert (0: always). The noise bound
+    # takes slots as independent draws; a request's tokens route alike, so a window of one or two requests
+    # is a sample of requests, not of slots (see BY_MODEL).
+    imbalance_min_slots_per_expert: float = 0.0
     activation_band: tuple[float, float] = (0.9, 1.1)  # observed / expected activation ratio
     flip_ratio: float = 0.05  # a deterministic router flips nothing; the seeds' jitter fault flips ~12%
     drift_jsd_bits: float = 0.1
@@ -97,8 +101,12 @@ class ModelThresholds:
         (a raw CV above it has an excess CV above ``load_cv``). ``inf`` without slots."""
         return math.hypot(self.load_cv, noise_cv(n_experts, slots))
 
+    def judges_imbalance(self, n_experts: int, slots: float) -> bool:
+        """Whether a window of ``slots`` slots holds enough per expert to judge imbalance at all."""
+        return slots > 0 and slots / max(1, n_experts) >= self.imbalance_min_slots_per_expert
+
     def imbalanced(self, cv: float, n_experts: int, slots: float) -> bool:
-        return excess_cv(cv, n_experts, slots) > self.load_cv
+        return self.judges_imbalance(n_experts, slots) and excess_cv(cv, n_experts, slots) > self.load_cv
 
     def judges_dead(self, n_experts: int, slots: float) -> bool:
         """Whether ``slots`` slots over the window are enough to call a zero-slot expert dead."""
@@ -120,7 +128,13 @@ BY_MODEL: Mapping[str, Mapping[str, Any]] = MappingProxyType({
     # (sampling noise 0.11: a structural CV of ~0.31-0.38), the imbalance fault 0.94-1.34. And ~5 of its 14,848
     # (layer, expert) pairs get under 1% of the fair share: a zero there is evidence of death only where even 1%
     # would have brought ~5 slots (P(0) < 1%), i.e. 500 slots per expert in the window.
-    "deepseek-v3-shape": MappingProxyType({"load_cv": 0.5, "dead_min_expected_slots": 500.0}),
+    # Thin traffic (the detection matrix's ~0.15 requests/s, alone on 2 cores; max over the 58 layers of the
+    # excess CV): healthy 0.84-0.86 at 2.5-7.5 slots per expert (one to three requests in the window: a request's
+    # tokens route alike), 0.57 at 17, 0.50 at 21; the imbalance fault 0.94-1.31 at 17-21 (every layer over
+    # 0.9). Hence the bar 0.7 (healthy at 20k slots: structural 0.31-0.38; the fault 0.93-1.33), judged from 16
+    # slots per expert (4,096 slots, ~500 tokens in the window).
+    "deepseek-v3-shape": MappingProxyType({"load_cv": 0.7, "dead_min_expected_slots": 500.0,
+                                           "imbalance_min_slots_per_expert": 16.0}),
 })
 
 

@@ -51,8 +51,18 @@ def test_production_shapes_and_thin_windows_are_tested():
               "MoEActivationRatioOutOfBand healthy Mixtral-shaped (13B of 47B)",
               "MoEExpertLoadImbalance uniform routing at low traffic", "MoEDeadExperts uniform routing at low traffic",
               "MoEExpertLoadImbalance healthy deepseek-v3-shape (its worst layer)",
-              "MoEDeadExperts healthy deepseek-v3-shape", "MoESlowRank two healthy ranks"]
+              "MoEDeadExperts healthy deepseek-v3-shape", "MoESlowRank two healthy ranks",
+              "MoEExpertLoadImbalance healthy deepseek-v3-shape in a thin window (two requests)",
+              "MoEExpertLoadImbalance a skew on deepseek-v3-shape in a thin window is not judged"]
     assert not any(fired(n) for n in silent)
+    # the thin-window cases are silent by the slots-per-expert guard alone: their excess CV is over the bar
+    bars = thresholds.for_model("deepseek-v3-shape")
+    for name in silent[-2:]:
+        v = {x["series"].split("{")[0]: float(x["values"].split("x")[0]) for x in tests[name]["input_series"]}
+        slots = v["moescope_window_slots_per_expert"] * 256
+        assert thresholds.excess_cv(v["moescope_expert_load_cv_ratio"], 256, slots) > bars.load_cv
+        assert not bars.judges_imbalance(256, slots) and not bars.imbalanced(v["moescope_expert_load_cv_ratio"], 256,
+                                                                            slots)
     assert fired("MoEExpertLoadImbalance a real skew at low traffic")
     assert fired("MoEExpertLoadImbalance a real skew on deepseek-v3-shape")
     # the old fixed band (1.8-2.2%) would have paged on both healthy production shapes

@@ -20,16 +20,19 @@ def _lab(model: str) -> str:
     return f'model="{model}",rank="0",layer="1"'
 
 
-def _load(model: str, cv: float, noise: float) -> dict:
+def _load(model: str, cv: float, noise: float, per_expert: float | None = None) -> dict:
     lab = _lab(model)
-    return {f"moescope_expert_load_cv_ratio{{{lab}}}": f"{cv:.6g}x20",
-            f"moescope_expert_load_cv_noise_ratio{{{lab}}}": f"{noise:.6g}x20"}
+    out = {f"moescope_expert_load_cv_ratio{{{lab}}}": f"{cv:.6g}x20",
+           f"moescope_expert_load_cv_noise_ratio{{{lab}}}": f"{noise:.6g}x20"}
+    if per_expert is not None:
+        out[f"moescope_window_slots_per_expert{{{lab}}}"] = f"{per_expert:.6g}x20"
+    return out
 
 
 def imbalance(t: Thresholds) -> tuple[Case, ...]:
     low = noise_cv(256, 1000)
     ds_noise = noise_cv(256, 14000)
-    skew = _load(DS, 1.1, noise_cv(256, 7900))
+    skew = _load(DS, 1.1, noise_cv(256, 7900), 7900 / 256)
     ds_bar = t.for_model(DS).load_cv
     return (
         # 1,000 slots over 256 experts: uniform routing's CV is ~0.50 (the mean floor); a draw a little above it
@@ -37,7 +40,13 @@ def imbalance(t: Thresholds) -> tuple[Case, ...]:
         Case("a real skew at low traffic", _load("m", 0.9, low), {"model": "m", "rank": "0", "layer": "1"},
              "Layer 1 of m (rank 0) has a load CV of "
              f"{math.sqrt(0.81 - low * low):.2f} beyond sampling noise (this model's bar: {t.default.load_cv})."),
-        Case("healthy deepseek-v3-shape (its worst layer)", _load(DS, 0.40, ds_noise)),
+        Case("healthy deepseek-v3-shape (its worst layer)", _load(DS, 0.40, ds_noise, 14000 / 256)),
+        # measured: a healthy layer's window holding two requests (raw CV 1.11 over 640 slots; excess 0.86)
+        Case("healthy deepseek-v3-shape in a thin window (two requests)", _load(DS, 1.114, noise_cv(256, 640),
+                                                                                 640 / 256)),
+        # the same thin window, skewed far beyond the bar, is still not judged (too few slots per expert)
+        Case("a skew on deepseek-v3-shape in a thin window is not judged", _load(DS, 2.0, noise_cv(256, 640),
+                                                                                  640 / 256)),
         Case("a real skew on deepseek-v3-shape", skew, {"model": DS, "rank": "0", "layer": "1"},
              f"Layer 1 of {DS} (rank 0) has a load CV of {math.sqrt(1.21 - noise_cv(256, 7900) ** 2):.2f} beyond "
              f"sampling noise (this model's bar: {ds_bar})."),

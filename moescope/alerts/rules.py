@@ -107,6 +107,10 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
     # Load that moved with the traffic away from the baseline is drift (its own alert), not imbalance.
     imbalance = f"({per_model(t, 'load_cv', lambda m, b: f'{excess_cv(m)} > {b}')}) " \
         f"unless on (model, rank, layer) ({drift})"
+    # Models that judge imbalance only from a minimum of slots per expert (thin windows are samples of requests)
+    for m, b in t.overrides("imbalance_min_slots_per_expert").items():
+        imbalance = f"({imbalance}) unless on (model, rank, layer) " \
+            f"({sel('moescope_window_slots_per_expert', f'model={chr(34)}{m}{chr(34)}')} < {b})"
     band = per_model(t, "activation_band", lambda m, b: f"{activation_vs_expected(m)} < {b[0]} or "
                                                         f"{activation_vs_expected(m)} > {b[1]}")
     lo, hi = d.activation_band
@@ -128,7 +132,8 @@ def specs(t: Thresholds = Thresholds()) -> list[AlertSpec]:
                   "Layer {{ $labels.layer }} of {{ $labels.model }} (rank {{ $labels.rank }}) has a load CV of "
                   "{{ $value | printf \"%.2f\" }} beyond sampling noise (this model's bar: "
                   + bar_text(t, "load_cv") + ").",
-                  ("moescope_expert_load_cv_ratio", "moescope_expert_load_cv_noise_ratio"), "10m",
+                  ("moescope_expert_load_cv_ratio", "moescope_expert_load_cv_noise_ratio",
+                   "moescope_window_slots_per_expert"), "10m",
                   bad={f"moescope_expert_load_cv_ratio{{{L}}}": "0.3x20",
                        f"moescope_expert_load_cv_noise_ratio{{{L}}}": "0.1x20"},
                   healthy={f"moescope_expert_load_cv_ratio{{{L}}}": "0.05x20",
