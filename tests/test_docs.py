@@ -102,7 +102,7 @@ def _resolve(argv: list[str]):
 
     cmd, rest = cli, list(argv)
     while isinstance(cmd, click.Group) and rest and not rest[0].startswith("-"):
-        sub = cmd.commands.get(rest[0])
+        sub = cmd.get_command(click.Context(cmd), rest[0])
         assert sub is not None, f"no command {rest[0]!r} under {cmd.name!r}"
         cmd, rest = sub, rest[1:]
     return cmd, rest

@@ -3,6 +3,7 @@ escape as a traceback: usage errors and ``MoescopeError`` become one line on std
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
@@ -10,34 +11,32 @@ import click
 from moescope.errors import MoescopeError
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+# Subcommand -> "module:attribute". A command's module is imported when the command runs (or for --help):
+# `moescope trace ID` should not pay for the imports of demo, serve and report (half its start-up otherwise).
+COMMANDS = {
+    "alerts": "alerts_cmd:alerts", "baseline": "baseline_cmd:baseline", "cache-sim": "cache_sim:cache_sim",
+    "check": "check_cmd:check", "dashboards": "dashboards_cmd:dashboards", "demo": "demo:demo",
+    "diagnose": "diagnose_cmd:diagnose_cmd", "plan-placement": "plan_cmd:plan_cmd", "report": "report_cmd:report_cmd",
+    "requests": "requests_cmd:requests_cmd", "serve": "serve_cmd:serve", "top": "top_cmd:top_cmd",
+    "trace": "trace_cmd:trace_cmd", "train-demo": "train_demo:train_demo",
+}
+
+
+class _LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*COMMANDS, *self.commands})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMANDS:
+            module, attr = COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(f"moescope.cli.{module}"), attr), name)
+        return self.commands.get(name)
+
+
+@click.group(cls=_LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="moescope", prog_name="moescope")
 def cli() -> None:
     """moescope: observability and diagnostics for Mixture-of-Experts inference."""
-
-
-def _register() -> None:
-    from moescope.cli import (alerts_cmd, baseline_cmd, cache_sim, check_cmd, dashboards_cmd, demo, diagnose_cmd,
-                              plan_cmd, report_cmd, requests_cmd, serve_cmd, top_cmd, trace_cmd,
-                              train_demo)
-
-    cli.add_command(alerts_cmd.alerts)
-    cli.add_command(baseline_cmd.baseline)
-    cli.add_command(dashboards_cmd.dashboards)
-    cli.add_command(cache_sim.cache_sim)
-    cli.add_command(check_cmd.check)
-    cli.add_command(requests_cmd.requests_cmd)
-    cli.add_command(trace_cmd.trace_cmd)
-    cli.add_command(demo.demo)
-    cli.add_command(diagnose_cmd.diagnose_cmd)
-    cli.add_command(plan_cmd.plan_cmd)
-    cli.add_command(report_cmd.report_cmd)
-    cli.add_command(top_cmd.top_cmd)
-    cli.add_command(train_demo.train_demo)
-    cli.add_command(serve_cmd.serve)
-
-
-_register()
 
 
 def _one_line(message: str) -> str:
