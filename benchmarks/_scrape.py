@@ -8,15 +8,12 @@
 - two ranks: ``moescope demo --world-size 2`` (lock-step expert parallelism): rank 0 exports routing, rank 1
   does not (it routes the same tokens), so the pair costs about one rank.
 
-    python benchmarks/scrape.py           # -> benchmarks/results/scrape.json
-    python benchmarks/scrape.py --quick   # fewer scrapes and rounds (CI) -> scrape-quick.json
-
-Figures from a shared 2-core machine are noisy: compare medians and ratios, not single runs.
+``benchmarks/scale.py`` runs these (``measure``) and writes them with its other figures to
+benchmarks/results/scale.json. Figures from a shared 2-core machine are noisy: compare medians and ratios.
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import statistics
 import subprocess
@@ -24,14 +21,10 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import save  # noqa: E402
-
-import moescope  # noqa: E402
-from moescope.runtime import loader, traffic  # noqa: E402
-from moescope.runtime.engine import Engine  # noqa: E402
+import moescope
+from moescope.runtime import loader, traffic
+from moescope.runtime.engine import Engine
 
 MODEL = "deepseek-v3-shape"
 OM = "application/openmetrics-text; version=1.0.0"
@@ -150,18 +143,8 @@ def two_ranks(n: int, port: int) -> dict:
         demo.wait(30)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--port", type=int, default=19580)
-    args = ap.parse_args()
-    n, rounds, warm = (3, 3, 5.0) if args.quick else (9, 7, 20.0)
-    report = {"model": MODEL, "machine": "shared 2-core CPU machine (other jobs running): medians are noisy",
-              "scrapes_per_format": n, "one_rank": serving(n, warm), "writers": writers(rounds),
-              "two_ranks": two_ranks(n, args.port)}
-    out = Path(__file__).resolve().parent / "results" / ("scrape-quick.json" if args.quick else "scrape.json")
-    save(report, out)
-
-
-if __name__ == "__main__":
-    main()
+def measure(quick: bool, port: int) -> dict:
+    """Every scrape figure: one rank serving and idle, the two writers, two lock-step ranks."""
+    n, rounds, warm = (3, 3, 5.0) if quick else (9, 7, 20.0)
+    return {"scrapes_per_format": n, "one_rank": serving(n, warm), "writers": writers(rounds),
+            "two_ranks": two_ranks(n, port)}

@@ -1,0 +1,123 @@
+"""moescope at DeepSeek-V3's shape (deepseek-v3-shape: 58 MoE layers x 256 experts, top-8): what it costs and how
+fast its views are, in one run.
+
+- serving: ``Engine.run`` over the same workload bare, with ``moescope.instrument()`` (metrics) and with the
+  real TraceRecorder too, interleaved rounds, medians of per-round ratios (``overhead.run_workload``, the same
+  harness as the overhead benchmark);
+- scrape: milliseconds and bytes per scrape on 1 and 2 lock-step ranks, and the two exposition writers
+  (``_scrape.measure``);
+- store: a real trace store of long requests (~300 tokens each, every token's top-8 in every layer): bytes per
+  token-layer;
+- views: ``moescope requests``, ``moescope trace ID --json`` (the longest request) and ``moescope report`` on
+  that store, as subprocesses (what a user waits for, interpreter start included), best and median.
+
+    python benchmarks/scale.py            # -> benchmarks/results/scale.json (docs/metrics.md quotes it)
+    python benchmarks/scale.py --quick    # small: one round, short requests (CI) -> scale-quick.json
+
+Figures from a shared 2-core machine are noisy: compare medians and ratios, not single runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import _scrape
+from _results import save
+from overhead import run_workload
+
+import moescope
+from moescope.runtime import loader, traffic
+from moescope.runtime.engine import Engine
+from moescope.traces.recorder import TraceRecorder
+
+HERE = Path(__file__).resolve().parent
+MODEL = _scrape.MODEL
+
+
+def _free_pair() -> int:
+    """A port p with p + 1 free as well (rank r of the 2-rank demo serves metrics on p + r)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def build_store(model, path: Path, n_requests: int, output_tokens: int) -> dict:
+    """Serve ``n_requests`` requests of ~``output_tokens`` generated tokens into a real trace store."""
+    cfg = traffic.TrafficConfig(seed=1, output_tokens_median=output_tokens,
+                                output_tokens_range=(output_tokens * 3 // 4, output_tokens * 5 // 4))
+    reqs = traffic.generate(cfg, n_requests)
+    recorder = TraceRecorder(path, model=model.cfg.name)
+    with moescope.instrument(model, observers=[recorder]):
+        records = Engine(model, max_batch=16).run(reqs, realtime=False)
+    tokens = sum(len(r.prompt_tokens) + r.n_output for r in records)
+    layers = len(model.cfg.moe_layers)
+    size = path.stat().st_size
+    return {"requests": n_requests, "stored": recorder.written, "dropped": recorder.dropped, "tokens": tokens,
+            "moe_layers": layers, "top_k": model.cfg.top_k, "bytes": size,
+            "bytes_per_token_layer": round(size / (tokens * layers), 1)}
+
+
+def _timed(args: list[str], n: int) -> tuple[dict, subprocess.CompletedProcess]:
+    times, run = [], None
+    for _ in range(n):
+        t = time.perf_counter()
+        run = subprocess.run([sys.executable, "-m", "moescope", *args], capture_output=True, text=True, timeout=600)
+        times.append(time.perf_counter() - t)
+        if run.returncode != 0:
+            raise RuntimeError(f"moescope {' '.join(args)} exited {run.returncode}: {run.stderr[-2000:]}")
+    return {"best_s": round(min(times), 2), "median_s": round(statistics.median(times), 2), "runs": n}, run
+
+
+def views(store: Path, out: Path, n: int) -> dict:
+    """Seconds of ``requests``, ``trace ID --json`` (the longest request) and ``report`` on ``store``."""
+    listed, run = _timed(["requests", "--traces", str(store), "--json", "--limit", "1000"], n)
+    longest = max(json.loads(run.stdout), key=lambda r: r["prompt_tokens"] + r["output_tokens"])
+    rid = longest["request_id"]
+    trace, run = _timed(["trace", rid, "--traces", str(store), "--json"], n)
+    trace.update(request_id=rid, json_bytes=len(run.stdout.encode()),
+                 tokens=longest["prompt_tokens"] + longest["output_tokens"])
+    report, _ = _timed(["report", "--traces", str(store), "--out", str(out)], n)
+    report["files"] = sum(1 for p in out.rglob("*") if p.is_file())
+    return {"requests": listed, "trace_json": trace, "report": report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="one round, short requests, few scrapes (CI)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rounds = 1 if args.quick else args.rounds
+    n_serve, n_store, out_tokens, n_view = (4, 2, 24, 1) if args.quick else (16, 8, 240, 3)
+    out = args.out or HERE / "results" / ("scale-quick.json" if args.quick else "scale.json")
+    model = loader.build_model(MODEL)  # --weights auto: the balanced init (built once, then cached)
+    report = {"model": MODEL, "machine": "shared 2-core CPU machine (other jobs running): figures are noisy",
+              "quick": args.quick}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        report["serving"] = run_workload(MODEL, model, 16, n_serve, rounds, tmp)
+        report["store"] = build_store(model, tmp / "store.sqlite", n_store, out_tokens)
+        report["views"] = views(tmp / "store.sqlite", tmp / "report", n_view)
+    report["scrape"] = _scrape.measure(args.quick, _free_pair())
+    save(report, out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
