@@ -23,8 +23,10 @@ def stores(tmp_path_factory):
     out = {}
     for scenario in ["healthy", *EXPECTED]:
         path = base / f"{scenario}.sqlite"
-        # every miss of switch-jitter waits 20-60 ms; a memory trend needs more than a few seconds of steps
-        n = {"switch-jitter": "24", "leak": "480"}.get(scenario, "48")
+        # every miss of switch-jitter waits 20-60 ms. A memory trend is judged over >= MEMORY_MIN_SPAN_S (10 s)
+        # of steps after the first fifth: 720 requests at 40/s arrive over 18 s (~14 s judged); with 480 (12 s of
+        # arrivals) a run once left 8 s to judge: "too short", no finding
+        n = {"switch-jitter": "24", "leak": "720"}.get(scenario, "48")
         # a process per run, as a deployment has: the memory check reads the process' resident memory
         run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--json", "--rate", "40",
                               "--requests", n, "--scenario", scenario, "--metrics-port", "-1", "--traces", str(path)],
