@@ -15,6 +15,8 @@ benchmarks/results/scale.json. Figures from a shared 2-core machine are noisy: c
 from __future__ import annotations
 
 import gzip
+import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -121,7 +123,8 @@ def writers(rounds: int) -> dict:
 def two_ranks(n: int, port: int) -> dict:
     demo = subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--model", MODEL, "--world-size", "2",
                              "--duration", "600", "--rate", "0", "--metrics-port", str(port), "--traces", "none",
-                             "--no-tui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--no-tui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # its own process group: the launcher and both ranks end together
     try:
         deadline = time.monotonic() + 300
         url0 = f"http://127.0.0.1:{port}/metrics"
@@ -139,8 +142,13 @@ def two_ranks(n: int, port: int) -> dict:
             time.sleep(1)
         return {"rank0": series(url0, n, 0.5), "rank1": series(f"http://127.0.0.1:{port + 1}/metrics", n, 0.5)}
     finally:
-        demo.terminate()
-        demo.wait(30)
+        # (a SIGTERM to the launcher alone left its rank processes serving on: end the whole group)
+        os.killpg(demo.pid, signal.SIGTERM)
+        try:
+            demo.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(demo.pid, signal.SIGKILL)
+            demo.wait()
 
 
 def measure(quick: bool, port: int) -> dict:

@@ -27,11 +27,12 @@ class Delivered:
 
 def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=(), settle_s: float = 0.0,
         thresholds: rules.Thresholds | None = None, during=None, model: str = "tiny-demo", rate: float = 8,
-        traces: str = "none") -> Delivered:
+        traces: str = "none", scrape_interval: str = "1s", start_timeout_s: float = 90) -> Delivered:
     """Run the demo of ``model`` under ``scenario`` and watch for ``watch_s``; stop early once
     ``stop_when(alerts)`` holds and ``settle_s`` more seconds passed (so an alert that comes with the expected one
     is seen too). ``during(prometheus)`` runs then, while everything is still up. ``traces``: the demo's trace
-    store (``none``: no store)."""
+    store (``none``: no store). ``scrape_interval``: Prometheus' (and so its scrape timeout). ``start_timeout_s``:
+    how long the demo may take to serve metrics (several large models starting at once on two cores take long)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     rule_file = tmp_path / "rules.yml"
     # The repo's rules with every `for` shrunk 30-fold (10m -> 20s, 5m -> 10s), so a test window of seconds can
@@ -51,14 +52,14 @@ def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=()
         if "slow-rank" in scenario:  # 2 ranks: rank r serves metrics on port + r
             targets.append(f"127.0.0.1:{port + 1}")
         for target in targets:
-            wait_http(f"http://{target}/metrics", timeout=90)  # scrape only live exporters
+            wait_http(f"http://{target}/metrics", timeout=start_timeout_s)  # scrape only live exporters
         # Warm-up: the exporter's ratio gauges cover a 60 s window; in its first seconds a handful of tokens
         # make a noisy CV or a "dead" expert, which production's 10-minute `for` would never see.
         time.sleep(WARMUP_S)
         # resend-delay: alerts that fired before Prometheus discovered the Alertmanager are resent within 2 s
         # (the default waits a minute)
         prom = Prometheus(tmp_path, targets, rule_files=[str(rule_file)], alertmanager=am.address,
-                          extra_args=["--rules.alert.resend-delay=2s"])
+                          extra_args=["--rules.alert.resend-delay=2s"], scrape_interval=scrape_interval)
         start = time.monotonic()
         deadline, met = start + watch_s, None
         while time.monotonic() < deadline:

@@ -93,10 +93,11 @@ class Prometheus(_Server):
     """A Prometheus scraping ``targets`` every second (and evaluating ``rule_files`` every second)."""
 
     def __init__(self, tmp: Path, targets: list[str], *, rule_files: list[str] = (),
-                 alertmanager: str | None = None, extra_args: list[str] = ()) -> None:
+                 alertmanager: str | None = None, extra_args: list[str] = (), scrape_interval: str = "1s") -> None:
         self.binary = require("prometheus", "prometheus")
         self.tmp, self.port = tmp, free_port()
-        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        # (the scrape timeout defaults to the interval: a longer interval is a longer timeout)
+        cfg = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": "1s"},
                "scrape_configs": [{"job_name": "moescope", "static_configs": [{"targets": targets}]}],
                "rule_files": [str(Path(r).resolve()) for r in rule_files]}
         if alertmanager:
