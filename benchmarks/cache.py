@@ -9,6 +9,14 @@ percentiles over all decode tokens of all rounds.
 
     python benchmarks/cache.py [--rounds 3] [--requests 16] [--out benchmarks/results/cache.json]
     python benchmarks/cache.py --quick   # 1 round, 3 short requests, hidden 128 (CI: it still runs) -> cache-quick.json
+
+cache-sim section (-> cache-sim.json, cache-sim-quick.json): the one-pass sweep over every size 1..E
+(``cache_sim.simulate_all``) against the per-size simulation it replaced (``cache_policy.simulate``) at one
+size, on deepseek-v3-shaped lookups (256 experts, top-8, 58 layers; synthetic: each step's sorted union of
+the top-8 picks of 1-16 tokens from a skewed per-layer distribution). Medians of interleaved rounds; the
+sweep's rows at that size are checked equal to the per-size simulation.
+
+    python benchmarks/cache.py --only sim [--sim-rounds 7] [--sim-steps 120]
 """
 
 from __future__ import annotations
@@ -22,10 +30,12 @@ from pathlib import Path
 
 from _results import save
 
+import numpy as np
 import torch
 
 from moescope import stats
-from moescope.runtime import traffic
+from moescope.analysis import cache_sim
+from moescope.runtime import cache_policy, traffic
 from moescope.runtime.cache import attach_cache
 from moescope.runtime.config import MoEConfig
 from moescope.runtime.engine import Engine
@@ -47,6 +57,51 @@ def serve(model, requests, max_batch):
     return records, wall
 
 
+def sim_lookups(n_layers: int, n_steps: int, *, n_experts: int = 256, top_k: int = 8, seed: int = 0):
+    """deepseek-v3-shaped lookup sequences: per layer and step, the sorted union of 1-16 tokens' top-k."""
+    rng = np.random.default_rng(seed)
+    seqs = {}
+    for layer in range(n_layers):
+        p = rng.dirichlet(np.full(n_experts, 0.5))
+        steps = []
+        for _ in range(n_steps):
+            tokens = int(rng.integers(1, 17))
+            picks = [rng.choice(n_experts, size=top_k, replace=False, p=p) for _ in range(tokens)]
+            steps.extend(np.unique(np.concatenate(picks)).tolist())
+        seqs[layer + 3] = steps
+    return n_experts, seqs
+
+
+def bench_sim(rounds: int, n_layers: int, n_steps: int, out: Path) -> None:
+    n_experts, seqs = sim_lookups(n_layers, n_steps)
+    size = n_experts // 4
+    sweep_s, naive_s = [], []
+    for r in range(rounds):
+        for which in (("sweep", "naive") if r % 2 == 0 else ("naive", "sweep")):
+            t0 = time.perf_counter()
+            if which == "sweep":
+                report = cache_sim.simulate_all(n_experts, seqs)
+                sweep_s.append(time.perf_counter() - t0)
+            else:
+                naive = {p: [cache_policy.simulate(seq, p, size) for seq in seqs.values()]
+                         for p in cache_policy.SIM_POLICIES}
+                naive_s.append(time.perf_counter() - t0)
+    for p, results in naive.items():
+        row = next(x for x in report["results"] if x["policy"] == p and x["size"] == size)
+        if (row["hits"], row["evictions"]) != (sum(x.hits for x in results), sum(x.evictions for x in results)):
+            raise SystemExit(f"cache-sim sweep differs from the per-size simulation: {p} at size {size}")
+    lookups = sum(len(s) for s in seqs.values())
+    sweep, one = statistics.median(sweep_s), statistics.median(naive_s)
+    print(f"cache-sim: {n_layers} layers x {n_experts} experts, top-8, {n_steps} steps ({lookups} lookups), "
+          f"{rounds} interleaved rounds")
+    print(f"  sweep, all {n_experts} sizes x 4 policies: {sweep:.2f} s; per-size simulation, one size (E/4) x 4 "
+          f"policies: {one:.2f} s (x {n_experts} sizes ~ {one * n_experts:.0f} s); equal at size {size}")
+    save({"n_layers": n_layers, "n_experts": n_experts, "top_k": 8, "steps": n_steps, "lookups": lookups,
+          "rounds": rounds, "sweep_all_sizes_s": sweep, "per_size_one_size_s": one, "compared_size": size,
+          "per_size_all_sizes_estimate_s": one * n_experts, "speedup_vs_per_size_all_sizes": one * n_experts / sweep,
+          "sweep_s": sweep_s, "per_size_s": naive_s}, out)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
@@ -55,10 +110,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="one round of 3 short requests on a smaller model (CI keeps the script working)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--only", choices=("serve", "sim"), default=None, help="run one section (default: both)")
+    ap.add_argument("--sim-rounds", type=int, default=7)
+    ap.add_argument("--sim-layers", type=int, default=58)
+    ap.add_argument("--sim-steps", type=int, default=120)
     args = ap.parse_args(argv)
     if args.quick:
         args.rounds, args.requests = 1, 3
+        args.sim_rounds, args.sim_layers, args.sim_steps = 1, 4, 20
     args.out = args.out or HERE / "results" / ("cache-quick.json" if args.quick else "cache.json")
+    if args.only != "serve":
+        bench_sim(args.sim_rounds, args.sim_layers, args.sim_steps,
+                  HERE / "results" / ("cache-sim-quick.json" if args.quick else "cache-sim.json"))
+    if args.only == "sim":
+        return 0
 
     cfg = QUICK_CFG if args.quick else CFG
     model = MoETransformer(cfg).eval()

@@ -19,7 +19,8 @@ from moescope.cli.options import echo, emit_json, json_option, read_store, trace
 def cache_sim(routing_log: str | None, traces_path: str, import_path: str | None, target: float,
               as_json: bool) -> None:
     """Replay ROUTING_LOG (from `moescope demo --record-routing`), an --import dump, or else the trace store
-    through LRU, LFU, static and Belady's optimal at cache sizes 1..E."""
+    through LRU, LFU, static and Belady's optimal at every cache size 1..E (one pass per policy). The table
+    shows sizes 1, 2, 4, ..., E and each policy's smallest size reaching --target; --json has every size."""
     from moescope.analysis import cache_sim as sim
     from moescope.errors import BadInput
 
