@@ -80,10 +80,10 @@ def depths(n_experts: int, seqs: list[np.ndarray]) -> dict[str, list[tuple[np.nd
     keys = (keys * e + ids).astype(dtype)  # unique per expert (its id in the low digits): a key finds its slot
     n_top = (len(STACK_POLICIES) - 1) * n_seq  # lru and lfu rows: the looked-up expert goes on top
     keys_t = keys.T.copy()
-    first0 = keys_t.copy()
-    first0[:, :n_top] = -1  # what starts the carry: nothing (on top) or the incoming expert (MIN)
-    cur_idx = (np.arange(n_rows)[:, None] * e + ids).T.copy()
+    cur_idx = (np.arange(n_rows, dtype=np.int64)[:, None] * e + ids).T.astype(np.intp)
+    del keys, ids
     stack = np.full((n_rows, e + 1), big, dtype)  # column 0: the carry's start; 1..e: the stack
+    stack[:n_top, 0] = -1  # nothing starts the carry (on top); MIN rows: the incoming expert, set per lookup
     body, flat = stack[:, 1:], stack.reshape(-1)
     slot_base = np.arange(n_rows) * (e + 1) + 1
     cur = np.full(n_rows * e, big, dtype)  # each expert's key in the stack
@@ -100,7 +100,7 @@ def depths(n_experts: int, seqs: list[np.ndarray]) -> dict[str, list[tuple[np.nd
         d = (body == cur[ci][:, None]).argmax(axis=1)  # a new expert's big matches the first empty slot
         depth_t[t] = d
         flat[slot_base + d] = big
-        stack[:, 0] = first0[t]
+        stack[n_top:, 0] = k[n_top:]
         torch.cummax(cummax_in, 1, out=cummax_out)
         np.minimum(carry[:, :-1], body, out=body)  # slot j keeps the better of itself and the carry
         body[:n_top, 0] = k[:n_top]
