@@ -70,6 +70,17 @@ def test_balanced_init_is_cached_and_deterministic(cache_dir, balanced):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), c.state_dict().values()))
 
 
+def test_a_capacity_limit_serves_the_same_balanced_routers_from_the_same_cache(cache_dir, balanced):
+    """Capacity is a serving setting (the drop fault sets it): same weights as the healthy model, no rebuild."""
+    before = sorted(cache_dir.glob("ds-test-*.safetensors"))
+    limited = MoETransformer(SHAPE.replace(capacity_factor=0.5)).eval()
+    limited.blocks[1].ffn.router.weight.data.zero_()  # only the cache can restore it without a rebuild
+    balance.balanced_init(limited, seed=SHAPE.seed)
+    assert sorted(cache_dir.glob("ds-test-*.safetensors")) == before
+    assert all(torch.equal(x, y) for x, y in zip(balanced.state_dict().values(), limited.state_dict().values()))
+    assert all(m.router.capacity_factor == 0.5 for m in limited.moe_layers())  # the limit itself is kept
+
+
 def test_loader_auto_balances_and_random_does_not(balanced, tmp_path):
     path = tmp_path / "ds.yaml"
     path.write_text("preset: deepseek-v3-shape\nname: ds-test\nn_layers: 4\ndense_layers: [0]\n")

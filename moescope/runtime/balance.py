@@ -94,12 +94,22 @@ def _balance_router(router: Router, x: torch.Tensor, top_k: int, logit_std: floa
 @torch.no_grad()
 def balance_routing(model: MoETransformer, *, seed: int = 0, n_prompts: int = 96, logit_std: float = 1.0,
                     passes: int = 2, rounds: int = 15, rate: float = 0.04) -> None:
-    """Balance ``model``'s routing on calibration traffic, in place (see the module docstring)."""
+    """Balance ``model``'s routing on calibration traffic, in place (see the module docstring). The capacity
+    limit is a serving setting, not the model's: calibration runs without it (so a ``drop`` fault serves the
+    same weights as the healthy model, and reuses their cache)."""
     tokens, segments = calibration_batch(seed, n_prompts)
-    for p in range(passes):
-        for layer, x in router_inputs(model, tokens, segments).items():
-            _balance_router(model.blocks[layer].ffn.router, x, model.cfg.top_k, logit_std,
-                            rounds if p == passes - 1 else 0, rate)
+    routers = [m for m in model.modules() if isinstance(m, Router)]
+    limits = [r.capacity_factor for r in routers]
+    try:
+        for r in routers:
+            r.capacity_factor = None
+        for p in range(passes):
+            for layer, x in router_inputs(model, tokens, segments).items():
+                _balance_router(model.blocks[layer].ffn.router, x, model.cfg.top_k, logit_std,
+                                rounds if p == passes - 1 else 0, rate)
+    finally:
+        for r, limit in zip(routers, limits):
+            r.capacity_factor = limit
 
 
 BALANCE_VERSION = 1  # bump when the procedure changes: cached results of an older one are not reused
@@ -117,7 +127,8 @@ def _cache_key(model: MoETransformer, seed: int) -> str:
     # The routers are balanced for this exact init: the key holds the config and a fingerprint of the
     # parameters the seed produced (a different torch RNG would give other hidden states).
     fingerprint = [float(p.detach().double().sum()) for name, p in model.named_parameters() if "router" not in name][:8]
-    text = json.dumps([BALANCE_VERSION, model.cfg.to_dict(), seed, fingerprint], sort_keys=True)
+    cfg = {k: v for k, v in model.cfg.to_dict().items() if k != "capacity_factor"}  # serving, not the model
+    text = json.dumps([BALANCE_VERSION, cfg, seed, fingerprint], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
