@@ -142,3 +142,37 @@ def test_a_rank_that_dies_has_its_own_last_words_reported_by_the_launcher(tmp_pa
     survivor = [ln for ln in lines if ln.startswith("moescope: error: rank 0:")]
     assert survivor and "rank 1" in survivor[0] and "stopped responding" in survivor[0], err
     assert lines[-1].startswith("moescope: error: 2 of 2 ranks failed; first: rank 1 killed by SIGKILL"), err
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_sigterm_to_the_launcher_ends_its_ranks_too(tmp_path):
+    """A supervisor stops `demo --world-size 2` with SIGTERM: no rank is left running as an orphan."""
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--duration", "120",
+         "--metrics-port", "0", "--traces", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ranks = {}
+    try:
+        deadline = time.monotonic() + 120
+        while len(ranks) < 2:
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
+            ranks = _children(launcher.pid)
+            time.sleep(0.2)
+        launcher.send_signal(signal.SIGTERM)
+        launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 128 + signal.SIGTERM
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [r for r, pid in ranks.items() if _alive(pid)], "ranks outlived their launcher"

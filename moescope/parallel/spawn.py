@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -59,6 +60,17 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
                                       stdin=subprocess.DEVNULL))
     ended: dict[int, float] = {}
     first_failure = None
+    terminated: list[int] = []
+
+    def forward(signum, _frame) -> None:  # a SIGTERM/SIGHUP to the launcher ends its ranks, never orphans them
+        terminated.append(signum)
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while len(ended) < world_size:
             for r, p in enumerate(procs):
@@ -76,8 +88,12 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
             p.kill()
         raise
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         for log in logs:
             log.close()
+    if terminated:  # the ranks ended on the forwarded signal: end as it would have ended us (128 + N)
+        raise SystemExit(128 + terminated[0])
     summaries, failures = [], []
     for r, p in enumerate(procs):
         path = tmp / f"rank{r}.json"
