@@ -59,9 +59,10 @@ PARALLEL = int(os.environ.get("MOESCOPE_MATRIX_PARALLEL", "4"))
 # window by its sampling noise: that is what these rows test.
 SHAPE = "deepseek-v3-shape"
 AT_SHAPE = ("healthy", "collapse", "imbalance", "nan", "drop")
-# diagnose's ids. (Imbalance is left out: at this shape diagnose's drift check, a permutation test per layer
-# over 58 layers, finds "drift" between the halves of a dozen requests by chance and then holds back imbalance.)
-CAUSE = {"collapse": "collapse", "nan": "nonfinite", "drop": "drop"}
+# diagnose's ids (its drift check tests the model once before naming layers: 58 layers tested alone at 95%
+# would find "drift" by chance and hold back imbalance); the healthy row names no routing cause.
+CAUSE = {"collapse": "collapse", "imbalance": "imbalance", "nan": "nonfinite", "drop": "drop"}
+ROUTING_CAUSES = {"collapse", "imbalance", "drift", "dead-experts", "nonfinite", "drop", "jitter"}
 SHAPE_RATE = 0.15
 # drop: the drop rule's rate() sees drops at prefills only (a decode step of one request fits every expert's
 # capacity): a request every ~7 s lets MoEActivationRatioOutOfBand, the drops' symptom, fire before its cause
@@ -206,3 +207,5 @@ def test_at_deepseek_v3_shape_scenario_delivers_its_alert_and_no_other(matrix_at
     assert row["delivered"] == want, row
     if scenario in CAUSE:  # diagnose names the cause from the trace store
         assert row["diagnose_exit"] == 1 and CAUSE[scenario] in row["diagnose_named"], row
+    if scenario == "healthy":
+        assert row["diagnose_exit"] in (0, 1) and not ROUTING_CAUSES & set(row["diagnose_named"]), row

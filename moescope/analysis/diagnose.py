@@ -190,7 +190,9 @@ def _check_load(w: Window, t: Thresholds, drift_found: bool, per_request: np.nda
                      for _ in range(200)])  # [200, L]
     with np.errstate(invalid="ignore"):
         low = np.percentile(np.sqrt(np.clip(boot ** 2 - noise ** 2, 0, None)), 10, axis=0)
-    over = [j for j in range(len(cvs)) if low[j] > cv_bar and j not in collapsed]
+    # As the alert: judged only where the window holds enough slots per expert (ModelThresholds.judges_imbalance)
+    over = [j for j in range(len(cvs)) if low[j] > cv_bar and j not in collapsed
+            and b.judges_imbalance(w.n_experts, float(slots[j]))]
     if over and not drift_found:
         out.append(Finding(
             "imbalance", "warning", "Expert load is imbalanced", max(excess[j] for j in over) / cv_bar,
@@ -234,17 +236,21 @@ def _check_drift(w: Window, t: Thresholds, baseline: dict | None, per_request: n
            for j, layer in enumerate(w.layers) if layer in ref and ref[layer].sum() > 0}
     over = {layer: round(v, 4) for layer, v in jsd.items() if v > bar}
     if over and baseline is None:
-        # Two halves of a few dozen requests differ by chance: keep only layers whose divergence beats 95% of
-        # random splits of the same requests (a permutation test).
+        # Two halves of a few dozen requests differ by chance. One permutation test for the model (the sum of
+        # the layers' divergences against the same sum over random splits of the same requests, at 95%), then
+        # per layer the same test to name the layers: 58 layers each tested alone at 95% would find "drift" in
+        # about three of them by chance every time.
         rng = np.random.default_rng(RNG_SEED)
-        null = {layer: [] for layer in over}
-        for _ in range(100):
+        tested = [j for j, layer in enumerate(w.layers) if layer in jsd]
+        null = np.empty((100, len(tested)))
+        for i in range(100):
             perm = rng.permutation(n)
             a, b = per_request[perm[: n // 2]].sum(0), per_request[perm[n // 2:]].sum(0)
-            for j, layer in enumerate(w.layers):
-                if layer in null:
-                    null[layer].append(stats.jensen_shannon(b[j].tolist(), a[j].tolist()))
-        over = {layer: v for layer, v in over.items() if v > np.percentile(null[layer], 95)}
+            null[i] = [stats.jensen_shannon(b[j].tolist(), a[j].tolist()) for j in tested]
+        if sum(jsd.values()) <= np.percentile(null.sum(1), 95):
+            return []
+        p95 = dict(zip((w.layers[j] for j in tested), np.percentile(null, 95, axis=0)))
+        over = {layer: v for layer, v in over.items() if v > p95[layer]}
     if not over:
         return []
     evidence: dict[str, Any] = {"jsd_bits": over, "threshold": bar, "against": against}
