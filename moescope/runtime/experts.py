@@ -60,6 +60,10 @@ class DenseFFN(nn.Module):
         return swiglu(x, self.gate_up_proj, self.down_proj)
 
 
+# What one empty group costs CPU grouped_mm (~1 us), in bytes of weights copied in that time (~10-16 GB/s here).
+EMPTY_GROUP_BYTES = 12_000
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stored as stacked tensors, computed grouped: slots sorted by expert, each expert over
     its contiguous slice, each token's slots then combined in slot order.
@@ -109,9 +113,12 @@ class Experts(nn.Module):
                 and grouped_mm_native(rows.device, rows.dtype)):
             gate_up, down = self.gate_up_proj, self.down_proj  # [E, 2F, H], [E, H, F]
             used = [e for e, n in enumerate(counts) if n]
-            if len(used) < len(counts) // 2:
-                # CPU grouped_mm pays ~1 us per group, empty or not: with few experts in use (a decode step
-                # at 256 experts) pass only those. Same layout, same kernel: bit-equal to the full call.
+            expert_bytes = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+            if len(used) * expert_bytes < (len(counts) - len(used)) * EMPTY_GROUP_BYTES:
+                # CPU grouped_mm pays ~1 us per group, empty or not: when copying the used experts' weights
+                # costs less than the empty groups (a decode step at 256 small experts), pass only those. Same
+                # layout, same kernel: bit-equal to the full call. Never for large experts (Mixtral-sized: a
+                # 1-token step would copy 69 MB of weights, 5x the whole step).
                 idx = torch.tensor(used, device=rows.device)
                 gate_up, down = gate_up.index_select(0, idx), down.index_select(0, idx)
                 counts = [counts[e] for e in used]
