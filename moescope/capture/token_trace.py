@@ -81,6 +81,8 @@ def pack(traces: Sequence[StepTrace]) -> list[TraceArrays | None]:
         rows = np.zeros(sum(d.ids.shape[0] for d in decs), dtype=dtype)  # [sum L*T], step- then layer-major
         for name in ("ids", "weights", "entropy", "margin"):
             src = "active_ids" if name == "ids" else name
+            # The one device->host copy per quantity for a whole batch of steps, on the writer's thread (its
+            # tick): never on the engine's, never per token or per step.
             rows[name] = torch.cat([getattr(d, src) for d in decs]).detach().cpu().numpy()
         raw = rows.view(np.uint8).reshape(len(rows), dtype.itemsize)
         off = 0

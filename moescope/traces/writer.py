@@ -38,8 +38,6 @@ ALWAYS_KEEP = ("nonfinite", "dropped", "cache_miss", "slow")
 
 @dataclass
 class _Step:
-    index: int  # the engine's step number (with the writer's run id: a global step id)
-    layers: tuple[int, ...]
     arrays: TraceArrays  # [T, L] routing records (ids, weights, entropy, margin, miss) as bytes
     json: str  # the step's entry of a request's ``steps`` column (phase, timings, t, rss, peer waits)
     refs: int  # requests still to be sliced out of it
@@ -145,7 +143,7 @@ class TraceWriter(Observer):
                      "t": round(trace.t, 4), "rss": rss}
             if trace.peer_wait:
                 entry["peer_wait"] = {str(k): [round(w, 6) for w in v] for k, v in trace.peer_wait.items()}
-            self._steps[step.index] = _Step(step.index, a.layers, a, json.dumps(entry), len(step.segments))
+            self._steps[step.index] = _Step(a, json.dumps(entry), len(step.segments))
 
     def _request(self, rec, base_tpot: float | None) -> None:
         """The row of one finished request (or nothing, when sampled out)."""
