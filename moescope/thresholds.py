@@ -1,56 +1,140 @@
-"""The thresholds object: every bar moescope judges a model by, resolved per model.
+"""The thresholds object: every bar moescope judges a deployment by. One object for every model.
 
-One source for the alert rules (``moescope/alerts/rules.py`` generates their expressions, per-model selectors
-and descriptions from it), the dashboards' colour steps (``moescope/dashboards/build.py``), ``moescope top``'s
-tiles (``moescope/tui/levels.py``) and ``moescope diagnose``. A bar written anywhere else would drift.
+One source for the alert rules (``moescope/alerts/rules.py`` writes their expressions and descriptions from
+it), the dashboards' colour steps, ``moescope top``, ``moescope diagnose``, ``report`` and the demo's summary.
+A bar written anywhere else would drift.
 
-Where a bar depends on the model it is derived, not guessed:
+No bar here belongs to a model, and none was placed between a healthy and a faulty run. What depends on the
+deployment comes from three places, never from a model's name:
+- the model's config: experts E, top-k, layers L (the noise floor's degrees of freedom, the Bonferroni z for
+  L x E experts, the expected activation ratio);
+- the traffic's own sampling noise, with requests as the independent draws (``moescope.sampling``), exported
+  as gauges (``moescope_expert_load_cv_noise_ratio``, ``moescope_routing_drift_noise_bits``, ...);
+- the user's own healthy baseline (``moescope baseline save``), which the exporter exports as series
+  (``moescope_baseline_load_cv_ratio``, ``moescope_baseline_expert_share_ratio``): rules compare live series
+  with baseline series in PromQL, one expression for every model.
 
-- activation: the expected ratio comes from the model's config (``expected_activation``, exported as
-  ``moescope_activation_expected_ratio``); the band is on observed / expected, so Mixtral (~27%), DeepSeek-V3
-  (~5.5%) and the demo (~45%) are judged by the same band;
-- imbalance: judged on the *excess* load CV, what is left of the window's CV once the multinomial sampling noise
-  of its slots is taken out (``noise_cv``, ``excess_cv``): a 256-expert layer with a thin window does not page;
-- dead experts: judged only where uniform routing would have sent every expert ``dead_min_expected_slots``
-  slots over the window (with fewer, an empty expert is chance).
-
-What stays per model is the structural part of a model's healthy routing (``BY_MODEL``: each number has its
-measurement beside it). Every other model gets the defaults.
+What stays here is model-independent: z-scores, factors and SLO-like limits, each with its meaning beside it.
+Without a baseline only what needs none is judged tightly (collapse, non-finite logits, drops, hot experts
+against the fair share, latencies); imbalance waits for a baseline below the no-baseline bar, and views say so.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, replace
-from types import MappingProxyType
-from typing import Any, Mapping
+from dataclasses import dataclass
 
-# The noise bound: N * CV^2 of N slots routed uniformly over E experts is Pearson's chi-square statistic,
-# chi2(E - 1): mean E - 1, standard deviation sqrt(2 (E - 1)). The bound is its mean plus NOISE_Z deviations
-# (uniform routing exceeds it about once in a thousand windows).
-NOISE_Z = 3.0
+import numpy as np
+
+from moescope import sampling
+
 # Views colour a value "warn" from this fraction of the way to its bar (dashboards' yellow, top's warn).
 WARN_FRACTION = 2 / 3
 
 
-def noise_cv(n_experts: int, slots: float, z: float = NOISE_Z) -> float:
-    """The load CV that sampling noise alone stays under (``z`` deviations) when ``slots`` slots are routed
-    uniformly over ``n_experts`` experts: ``sqrt((E - 1 + z * sqrt(2 (E - 1))) / N)``. ``inf`` without slots."""
-    if n_experts < 2:
-        return 0.0
-    if slots <= 0:
-        return math.inf
-    e1 = n_experts - 1
-    return math.sqrt((e1 + z * math.sqrt(2 * e1)) / slots)
+@dataclass(frozen=True)
+class Thresholds:
+    """The bars. Rates and shares are per window (the exporter's, 60 s by default).
 
+    ``for_scale`` shrinks every alert ``for`` (end-to-end tests: 10m -> 20s at 1/30, keeping production's order).
+    """
 
-def excess_cv(cv: float, n_experts: int, slots: float, z: float = NOISE_Z) -> float:
-    """The load CV beyond sampling noise, ``sqrt(max(0, cv^2 - noise_cv^2))``: 0 when noise explains it all.
-    (E[CV^2] = CV_structural^2 + (E - 1 - CV_structural^2) / N, so this slightly under-states the structure.)"""
-    noise = noise_cv(n_experts, slots, z)
-    if math.isinf(noise):
-        return 0.0
-    return math.sqrt(max(0.0, cv * cv - noise * noise))
+    # -- noise -------------------------------------------------------------------------------------------
+    # A window-level judgement (one gauge per layer) counts as noise up to NOISE_Z deviations of its noise:
+    # healthy routing exceeds it about once in a thousand windows.
+    noise_z: float = 3.0
+    # Per-expert judgements (hot, dead) test L x E experts at once: the z is Bonferroni's for this
+    # family-wide false-alarm probability per window (``hot_z``), from the model's L and E.
+    family_alpha: float = 0.001
+
+    # -- routing -----------------------------------------------------------------------------------------
+    # Imbalance, the load CV beyond sampling noise (``excess_cv``):
+    # - without a baseline: an excess CV of 1, the load's spread as wide as its mean (e.g. half the experts
+    #   idle and the other half at twice their fair share: half the expert capacity doing nothing). A model's
+    #   own healthy structure (untrained or specialised routers: ~0.3-0.4 on the bundled shapes) stays under it;
+    # - with a baseline: the structure grew by half over the baseline's own structural CV, and by at least
+    #   0.1 (so a near-uniform baseline is not judged on relative changes of nothing).
+    imbalance_cv: float = 1.0
+    imbalance_baseline_factor: float = 1.5
+    imbalance_baseline_margin: float = 0.1
+    # A hot expert: its window share at least 4x its reference share (the baseline's, else 1/E), and
+    # significantly above the reference. 4x: one expert doing the work of four; on an expert-parallel rank
+    # holding 8 experts it alone adds 3/8 to the rank's load, which every all-to-all then waits for.
+    hot_factor: float = 4.0
+    # Ranks of an expert-parallel placement: the busiest rank's load over the mean (TensorRT-LLM's
+    # straggler factor; EPLB's objective). 1.5: the other ranks idle a third of every dispatch.
+    rank_max_over_mean: float = 1.5
+    # Collapse: most of the routed tokens (3 in 4) choose one expert; k/E when balanced.
+    collapse_top_share: float = 0.75
+    # Dead: an expert with no slot where its reference share predicts at least this many effective slots
+    # (Poisson P(0) = e^-5 < 1%). Without a baseline the reference is this fraction of the fair share: an
+    # expert getting under 1% of its fair share is as good as dead, so zero is evidence only at 500 slots per
+    # expert (models keep a few nearly idle experts by design).
+    dead_min_expected_slots: float = 5.0
+    dead_floor_share: float = 0.01
+    # Activation: observed / expected activation ratio (the config's): below 0.9 a tenth of the configured
+    # expert compute is skipped (dropped slots, experts not computed). It cannot exceed 1 (top-k caps it).
+    activation_floor: float = 0.9
+    # A deterministic router flips nothing; the canary's flip ratio above 5% is nondeterminism.
+    flip_ratio: float = 0.05
+    # Drift: JS divergence from the baseline beyond its sampling noise (``drift_noise_bits``). 0.02 bits is
+    # about 4% of the load moving to experts the baseline leaves idle (5% -> 0.025 bits, 10% -> 0.052).
+    drift_bits: float = 0.02
+    drop_ratio: float = 0.01  # dropped slots per routed token: 1% of the configured compute thrown away
+
+    # -- expert cache --------------------------------------------------------------------------------------
+    # A cache hitting less than half as often as a random choice of resident experts would (capacity / E)
+    # is thrashing: its eviction order works against the routing.
+    cache_floor_of_capacity: float = 0.5
+    fetch_p99_s: float = 0.05  # p99 time to make an expert resident: 50 ms stalls a decode step visibly
+
+    # -- expert parallelism ----------------------------------------------------------------------------------
+    all_to_all_p99_s: float = 0.002  # a healthy NVLink/IB exchange is well under 1 ms; raise on CPU deployments
+    slow_rank_share: float = 0.5  # one peer's share of all the time ranks wait on peers ...
+    slow_rank_wait_s: float = 0.005  # ... and how long a rank waits on it per dispatch exchange
+
+    # -- memory -------------------------------------------------------------------------------------------
+    memory_capacity_bytes: int = 24 * 2**30
+    memory_horizon_s: int = 4 * 3600
+    # The trend's window; a process without samples a window ago is too young to judge (start-up growth).
+    memory_window_s: int = 1800
+
+    for_scale: float | None = None
+
+    # -- judgements (the same methods for every view) ------------------------------------------------------
+    def hot_z(self, n_layers: int, n_experts: int) -> float:
+        """The z at which L x E per-expert tests false-alarm with ``family_alpha`` per window together."""
+        return sampling.family_z(n_layers * n_experts, self.family_alpha)
+
+    def imbalance_bar(self, baseline_cv: float | None) -> float:
+        """The excess load CV above which a layer is imbalanced: from its baseline's structural CV, else the
+        no-baseline bar."""
+        if baseline_cv is None or not math.isfinite(baseline_cv):
+            return self.imbalance_cv
+        return self.imbalance_baseline_factor * baseline_cv + self.imbalance_baseline_margin
+
+    def imbalanced(self, excess: float | None, baseline_cv: float | None) -> bool:
+        """Whether a layer's excess CV (NaN/None: not judged) means imbalance."""
+        return excess is not None and math.isfinite(excess) and excess > self.imbalance_bar(baseline_cv)
+
+    def dead_reference(self, n_experts: int) -> float:
+        """Without a baseline, the share a living expert gets at least: ``dead_floor_share`` of 1/E."""
+        return self.dead_floor_share / n_experts
+
+    def cache_floor(self, capacity_ratio: float) -> float:
+        """The hit rate below which a cache holding ``capacity_ratio`` of the experts thrashes."""
+        return self.cache_floor_of_capacity * capacity_ratio
+
+    def drifted(self, jsd_bits: float | None, noise_bits: float | None) -> bool:
+        if jsd_bits is None or noise_bits is None or not (math.isfinite(jsd_bits) and math.isfinite(noise_bits)):
+            return False
+        return jsd_bits - noise_bits > self.drift_bits
+
+    def activation_low(self, observed: float, expected: float) -> bool:
+        return expected > 0 and observed / expected < self.activation_floor
+
+    def rank_overloaded(self, max_over_mean: float | None) -> bool:
+        return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean
 
 
 def expected_activation(dense_params: int, expert_params: int, n_moe_layers: int, top_k: int,
@@ -60,115 +144,24 @@ def expected_activation(dense_params: int, expert_params: int, n_moe_layers: int
     return (dense_params + n_moe_layers * top_k * expert_params) / total_params
 
 
-@dataclass(frozen=True)
-class ModelThresholds:
-    """The bars one model is judged by. Rates and shares are per window (the exporter's, 60 s by default)."""
-
-    model: str | None = None  # None: the defaults, for every model without its own entry
-    # routing
-    load_cv: float = 0.15  # excess load CV (beyond sampling noise); seeds: healthy trained routers < 0.10
-    collapse_top_share: float = 0.75  # share of the routed tokens choosing the busiest expert (k/E balanced)
-    dead_min_expected_slots: float = 20.0  # a zero-slot expert is dead only where uniform routing sends this many
-    # Imbalance is judged only where the window holds this many slots per expert (0: always). The noise bound
-    # takes slots as independent draws; a request's tokens route alike, so a window of one or two requests
-    # is a sample of requests, not of slots (see BY_MODEL).
-    imbalance_min_slots_per_expert: float = 0.0
-    activation_band: tuple[float, float] = (0.9, 1.1)  # observed / expected activation ratio
-    flip_ratio: float = 0.05  # a deterministic router flips nothing; the seeds' jitter fault flips ~12%
-    drift_jsd_bits: float = 0.1
-    drop_ratio: float = 0.01  # dropped slots per routed token
-    # expert cache
-    cache_hit_rate: float = 0.85  # a floor
-    fetch_p99_s: float = 0.05  # p99 time to make an expert resident
-    # expert parallelism
-    all_to_all_p99_s: float = 0.002  # seeds: healthy < 1 ms; raise on CPU deployments
-    slow_rank_share: float = 0.5  # one peer's share of all the time ranks wait on peers ...
-    slow_rank_wait_s: float = 0.005  # ... and how long a rank waits on it per dispatch exchange
-    # memory
-    memory_capacity_bytes: int = 24 * 2**30
-    memory_horizon_s: int = 4 * 3600
-    # The trend's window; a process without samples a window ago is too young to judge (start-up growth).
-    memory_window_s: int = 1800
-
-    def noise_cv(self, n_experts: int, slots: float) -> float:
-        return noise_cv(n_experts, slots)
-
-    def excess_cv(self, cv: float, n_experts: int, slots: float) -> float:
-        return excess_cv(cv, n_experts, slots)
-
-    def load_cv_bar(self, n_experts: int, slots: float) -> float:
-        """The raw load CV that means imbalance for a window of ``slots`` slots: ``sqrt(load_cv^2 + noise^2)``
-        (a raw CV above it has an excess CV above ``load_cv``). ``inf`` without slots."""
-        return math.hypot(self.load_cv, noise_cv(n_experts, slots))
-
-    def judges_imbalance(self, n_experts: int, slots: float) -> bool:
-        """Whether a window of ``slots`` slots holds enough per expert to judge imbalance at all."""
-        return slots > 0 and slots / max(1, n_experts) >= self.imbalance_min_slots_per_expert
-
-    def imbalanced(self, cv: float, n_experts: int, slots: float) -> bool:
-        return self.judges_imbalance(n_experts, slots) and excess_cv(cv, n_experts, slots) > self.load_cv
-
-    def judges_dead(self, n_experts: int, slots: float) -> bool:
-        """Whether ``slots`` slots over the window are enough to call a zero-slot expert dead."""
-        return slots > 0 and slots / max(1, n_experts) >= self.dead_min_expected_slots
-
-    def activation_in_band(self, observed: float, expected: float) -> bool:
-        lo, hi = self.activation_band
-        return lo <= observed / expected <= hi
+def rank_loads(slots: np.ndarray, owner: np.ndarray, world: int) -> np.ndarray:
+    """[L, world] slots each rank computes per layer: ``slots`` [L, E], ``owner`` [L, E] the rank holding each
+    (layer, expert) (a replicated expert's slots are split over its replicas by the caller). Each layer's
+    all-to-all waits for its busiest rank, so the straggler factor is max/mean per layer."""
+    slots = np.asarray(slots, dtype=np.float64)
+    owner = np.asarray(owner, dtype=np.int64)
+    out = np.zeros((slots.shape[0], world))
+    rows = np.repeat(np.arange(slots.shape[0]), slots.shape[1])
+    np.add.at(out, (rows, owner.ravel()), slots.ravel())
+    return out
 
 
-# Per-model bars: only what a model's healthy routing needs beyond the defaults, measured.
-BY_MODEL: Mapping[str, Mapping[str, Any]] = MappingProxyType({
-    # 8 experts serving 4 domains in a skewed mix: healthy CV over a minute 0.07-0.15 (noise ~0.03 at ~7k
-    # slots); nearly every expert is needed every forward, so even 7 of 8 resident hits ~0.87; healthy
-    # traffic sits ~0.002 bits from its baseline, a 70/30 numbers/code mix 0.033-0.055.
-    "tiny-demo": MappingProxyType({"load_cv": 0.25, "cache_hit_rate": 0.6, "drift_jsd_bits": 0.02}),
-    # Seeded init balanced on calibration traffic (`--weights auto`): the untrained network routes mostly by
-    # byte. Measured on the served mix (24 requests, 20.6k slots a layer): raw load CV 0.33-0.40 per layer
-    # (sampling noise 0.11: a structural CV of ~0.31-0.38), the imbalance fault 0.94-1.34. And ~5 of its 14,848
-    # (layer, expert) pairs get under 1% of the fair share: a zero there is evidence of death only where even 1%
-    # would have brought ~5 slots (P(0) < 1%), i.e. 500 slots per expert in the window.
-    # Thin traffic (the detection matrix's ~0.15 requests/s, alone on 2 cores; max over the 58 layers of the
-    # excess CV): healthy 0.84-0.86 at 2.5-7.5 slots per expert (one to three requests in the window: a request's
-    # tokens route alike), 0.57 at 17, 0.50 at 21; the imbalance fault 0.94-1.31 at 17-21 (every layer over
-    # 0.9). Hence the bar 0.7 (healthy at 20k slots: structural 0.31-0.38; the fault 0.93-1.33), judged from 16
-    # slots per expert (4,096 slots, ~500 tokens in the window).
-    "deepseek-v3-shape": MappingProxyType({"load_cv": 0.7, "dead_min_expected_slots": 500.0,
-                                           "imbalance_min_slots_per_expert": 16.0}),
-})
-
-
-@dataclass(frozen=True)
-class Thresholds:
-    """Defaults plus per-model overrides; ``for_model(name)`` resolves one model's bars.
-
-    ``for_scale`` shrinks every alert ``for`` (end-to-end tests: 10m -> 20s at 1/30, keeping production's order).
-    """
-
-    default: ModelThresholds = ModelThresholds()
-    by_model: Mapping[str, Mapping[str, Any]] = field(default_factory=lambda: BY_MODEL)
-    for_scale: float | None = None
-
-    def __post_init__(self) -> None:
-        known = {f.name for f in fields(ModelThresholds)} - {"model"}
-        for model, bars in self.by_model.items():
-            unknown = set(bars) - known
-            if unknown:
-                raise ValueError(f"thresholds for {model}: unknown bar(s) {', '.join(sorted(unknown))}")
-
-    def for_model(self, model: str | None) -> ModelThresholds:
-        return replace(self.default, model=model, **dict(self.by_model.get(model or "", {})))
-
-    def overrides(self, name: str) -> dict[str, Any]:
-        """{model: value} for the models whose bar ``name`` differs from the default (rules and dashboards
-        write these as per-model selectors; every other model gets the default)."""
-        base = getattr(self.default, name)
-        return {m: v[name] for m, v in sorted(self.by_model.items()) if name in v and v[name] != base}
+def max_over_mean(loads: np.ndarray) -> np.ndarray:
+    """Row-wise max / mean (NaN for an empty row)."""
+    loads = np.asarray(loads, dtype=np.float64)
+    mean = loads.mean(-1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, loads.max(-1) / mean, np.nan)
 
 
 DEFAULT = Thresholds()
-
-
-def for_model(model: str | None) -> ModelThresholds:
-    """The default thresholds object's bars for ``model``."""
-    return DEFAULT.for_model(model)

@@ -76,13 +76,35 @@ CATALOGUE: tuple[MetricSpec, ...] = (
         _g("moescope_activation_expected_ratio", "Parameters a token touches / total parameters when every layer "
            "computes its top-k: the model config's own activation ratio."),
         _g("moescope_expert_load_cv_ratio", "Coefficient of variation of expert load over the window.", "layer"),
-        _g("moescope_expert_load_cv_noise_ratio", "The load CV that multinomial sampling noise alone stays under "
-           "(3 standard deviations) for uniform routing of the window's slots.", "layer"),
+        _g("moescope_expert_load_cv_noise_ratio", "The load CV that sampling noise alone stays under (3 "
+           "standard deviations) for the window's draws, requests as the independent draws (never below the "
+           "multinomial bound of independent slots). NaN: too few draws to judge.", "layer"),
         _g("moescope_expert_load_max_over_mean_ratio", "Busiest expert's load / mean load over the window.",
            "layer"),
         _g("moescope_expert_load_top_share_ratio", "Share of the routed tokens that chose the busiest expert, over "
            "the window (k/E balanced, 1 = collapsed).", "layer"),
         _g("moescope_dead_experts", "Experts with no slot over the window.", "layer"),
+        _g("moescope_dead_experts_unexpected", "Experts with no slot over the window where their reference share "
+           "(the baseline's, else 1% of the fair share) predicts at least 5 effective slots (expected slots / "
+           "design effect; Poisson P(0) < 1%): the dead experts the rule judges. NaN: too few draws to judge.",
+           "layer"),
+        _g("moescope_expert_load_excess_cv_ratio", "The load CV beyond sampling noise, sqrt(max(0, cv^2 - "
+           "noise^2)): the quantity the imbalance rule judges. NaN: too few draws (requests) to judge.", "layer"),
+        _g("moescope_window_draws", "Independent draws the window's noise estimates rest on: requests that "
+           "finished in the window (forward passes where requests are unknown)."),
+        _g("moescope_expert_hot_factor_ratio", "Window share / reference share (the baseline's, else the fair "
+           "share 1/E) of the hottest experts whose share is significantly above their reference (Bonferroni z "
+           "over L x E experts); absent where none is.", "layer", "expert", "reference"),
+        _g("moescope_routing_drift_noise_bits", "The JS divergence against the baseline that sampling noise "
+           "alone stays under (3 standard deviations), for the window's draws.", "layer"),
+        _g("moescope_baseline_load_cv_ratio", "The loaded baseline's structural load CV (beyond its sampling "
+           "noise), per layer; absent without a baseline.", "layer"),
+        _g("moescope_baseline_expert_share_ratio", "The loaded baseline's share of each expert (full tier; the "
+           "reduced tier exports the experts of moescope_expert_window_slots).", "layer", "expert"),
+        _g("moescope_rank_load_max_over_mean_ratio", "Expert-parallel placement: the busiest rank's slots over "
+           "the mean rank's, over the window, per layer (the straggler factor EPLB minimises).", "layer"),
+        _g("moescope_rank_window_slots", "Expert-parallel placement: slots each rank computed over the window, "
+           "summed over layers (peer = the rank holding the experts).", "peer"),
         _g("moescope_window_slots_per_expert", "Slots computed over the window / experts: what uniform routing "
            "would have sent each expert.", "layer"),
         MetricSpec("moescope_expert_load_relative", "gaugehistogram", "Experts by their load over the window "
@@ -106,6 +128,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("moescope_expert_cache_hits_total", "Lookups that found the expert resident.", "layer"),
     _c("moescope_expert_cache_misses_total", "Lookups that had to make the expert resident.", "layer"),
     _c("moescope_expert_cache_evictions_total", "Experts evicted to make room.", "layer"),
+    _g("moescope_expert_cache_capacity_ratio", "Experts the cache holds resident / experts (a random resident set "
+       "would hit this often).", "layer"),
     _c("moescope_expert_cache_prefetch_hits_total", "Misses served by a prefetched copy.", "layer"),
     _c("moescope_expert_cache_prefetch_wasted_total", "Prefetched copies never used.", "layer"),
     _c("moescope_expert_cache_loaded_bytes_total", "Bytes of expert weights loaded on misses.", "layer"),

@@ -1,0 +1,199 @@
+"""Sampling noise of routing windows, with requests as the independent draws.
+
+A window's expert load is a sample of the traffic. Its slots are not independent draws: the tokens of one
+request route alike (same domain, same prompt), so a window of three requests says about as much as three
+draws, whatever its slot count. The multinomial bound (slots as independent draws) is therefore only a floor;
+the noise moescope judges by is the *cluster-robust* (sandwich) variance of each expert's share, with the
+request as the cluster:
+
+    p_e = sum_r c_re / sum_r n_r                       (c_re: request r's slots on expert e; n_r = sum_e c_re)
+    Var(p_e) = R / (R - 1) * sum_r (c_re - p_e n_r)^2 / (sum_r n_r)^2
+
+computed from six running sums per layer (``Draws``), so a window never keeps a request's vector. Where the
+unit cannot be a request (an instrumented HF model without request ids), a forward pass is the draw: a batch
+routes alike too.
+
+From ``Var(p_e)``:
+- ``noise_cv``: E[CV^2] = CV_structural^2 + E * sum_e Var(p_e), so the noise part of the load CV is
+  ``sqrt(E * sum_e Var(p_e))``, raised to its ``z``-deviation bound as a chi-square with ``df = min(E, R) - 1``
+  degrees of freedom would be (mean df, sd sqrt(2 df): a factor ``1 + z sqrt(2 / df)``). With independent slots
+  (df = E - 1) this is exactly the multinomial bound, which stays the floor.
+- ``excess_cv``: ``sqrt(max(0, cv^2 - noise_cv^2))``, the structure beyond noise (NaN: not judged).
+- ``hot``: an expert's window share over its reference share (the baseline's, else the fair share 1/E), kept
+  only where the excess over the reference is significant at a Bonferroni ``z`` for all L x E experts.
+- ``dead``: a zero-slot expert is evidence only where its reference share predicts at least
+  ``min_expected`` slots after dividing by the design effect (the cluster variance over the multinomial one).
+- ``drift_noise_bits``: the Jensen-Shannon divergence sampling alone gives a window against its reference,
+  ``sum_e Var(p_e) / (8 m_e ln 2)`` (the second-order expansion of JSD), at the same chi-square bound.
+
+All functions take arrays with a leading layer axis ([L, E] and [L]); docs/metrics.md has the formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import NormalDist
+
+import numpy as np
+
+# Fewer draws than this: no variance to estimate (one request is one draw); the window is not judged.
+MIN_DRAWS = 2
+
+
+@dataclass
+class Draws:
+    """Running sums over the draws (requests) of a window, per layer: ``draws`` [L], ``slots`` [L] (sum n_r),
+    ``slots_sq`` [L] (sum n_r^2), ``counts`` [L, E] (sum c_re), ``counts_sq`` [L, E] (sum c_re^2), ``cross``
+    [L, E] (sum n_r c_re). Add and subtract whole draws; every array float64."""
+
+    draws: np.ndarray
+    slots: np.ndarray
+    slots_sq: np.ndarray
+    counts: np.ndarray
+    counts_sq: np.ndarray
+    cross: np.ndarray
+
+    @classmethod
+    def zeros(cls, n_layers: int, n_experts: int) -> "Draws":
+        z = np.zeros
+        return cls(z(n_layers), z(n_layers), z(n_layers), z((n_layers, n_experts)), z((n_layers, n_experts)),
+                   z((n_layers, n_experts)))
+
+    @classmethod
+    def of(cls, per_draw: np.ndarray) -> "Draws":
+        """From per-draw counts [R, L, E] (a draw with no slot in a layer is not a draw of that layer)."""
+        c = np.asarray(per_draw, dtype=np.float64)
+        n = c.sum(2)  # [R, L]
+        return cls((n > 0).sum(0).astype(np.float64), n.sum(0), (n * n).sum(0), c.sum(0), (c * c).sum(0),
+                   (n[:, :, None] * c).sum(0))
+
+    def add(self, other: "Draws", sign: float = 1.0) -> None:
+        for name in ("draws", "slots", "slots_sq", "counts", "counts_sq", "cross"):
+            getattr(self, name).__iadd__(sign * getattr(other, name))
+
+    def rows(self, idx) -> "Draws":
+        return Draws(self.draws[idx], self.slots[idx], self.slots_sq[idx], self.counts[idx], self.counts_sq[idx],
+                     self.cross[idx])
+
+    def share_var(self) -> np.ndarray:
+        """[L, E] variance of each expert's share, cluster-robust, floored by the multinomial p(1-p)/N; NaN
+        where the layer has fewer than ``MIN_DRAWS`` draws."""
+        r, n = self.draws[:, None], self.slots[:, None]
+        ok = (r >= MIN_DRAWS) & (n > 0)
+        safe_n = np.where(n > 0, n, 1.0)
+        p = self.counts / safe_n
+        resid = np.maximum(self.counts_sq - 2 * p * self.cross + p * p * self.slots_sq[:, None], 0.0)
+        cluster = np.where(r > 1, r / np.maximum(r - 1, 1), 0.0) * resid / (safe_n * safe_n)
+        var = np.maximum(cluster, p * (1 - p) / safe_n)
+        return np.where(ok, var, np.nan)
+
+    def design_effect(self) -> np.ndarray:
+        """[L] the cluster variance of the shares over the multinomial one (1: slots as good as independent;
+        NaN: not judged)."""
+        r, n = self.draws[:, None], self.slots[:, None]
+        safe_n = np.where(n > 0, n, 1.0)
+        p = self.counts / safe_n
+        multi = (p * (1 - p) / safe_n).sum(1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            d = self.share_var().sum(1) / multi
+        return np.where((r[:, 0] >= MIN_DRAWS) & (multi > 0), np.maximum(d, 1.0), np.nan)
+
+
+def _df(n_experts: int, draws: np.ndarray) -> np.ndarray:
+    return np.maximum(np.minimum(n_experts, draws) - 1, 1)
+
+
+def chi2_bound(df, z: float):
+    """The mean-plus-``z``-deviations bound of a chi-square with ``df`` degrees of freedom, over its mean."""
+    return 1 + z * np.sqrt(2 / np.asarray(df, dtype=np.float64))
+
+
+def multinomial_noise_cv(n_experts: int, slots, z: float):
+    """The load CV that noise alone stays under (``z`` deviations) when ``slots`` slots are routed uniformly and
+    independently over ``n_experts`` experts: ``sqrt((E - 1 + z sqrt(2 (E - 1))) / N)``; inf without slots."""
+    slots = np.asarray(slots, dtype=np.float64)
+    if n_experts < 2:
+        return np.zeros_like(slots)
+    e1 = n_experts - 1
+    with np.errstate(divide="ignore"):
+        return np.where(slots > 0, np.sqrt((e1 + z * math.sqrt(2 * e1)) / np.where(slots > 0, slots, 1)), np.inf)
+
+
+def scaled_var(draws: Draws, window_slots: np.ndarray) -> np.ndarray:
+    """[L, E] share variance for a window of ``window_slots`` slots per layer: the draws' variance scaled by
+    their slots over the window's (variance falls as 1/draws; in-flight requests are draws of the same kind)."""
+    w = np.asarray(window_slots, dtype=np.float64)
+    ratio = np.where(w > 0, draws.slots / np.where(w > 0, w, 1.0), np.nan)
+    return draws.share_var() * ratio[:, None]
+
+
+def noise_cv(n_experts: int, window_slots, draws: Draws | None, z: float) -> np.ndarray:
+    """[L] the load CV sampling noise stays under: the cluster bound where the window has draws, never below
+    the multinomial bound; NaN where fewer than ``MIN_DRAWS`` draws (not judged). Without ``draws`` at all
+    (no request information), the multinomial bound."""
+    w = np.asarray(window_slots, dtype=np.float64)
+    multi = multinomial_noise_cv(n_experts, w, z)
+    if draws is None:
+        return multi
+    var = scaled_var(draws, w).sum(1) * n_experts
+    cluster = np.sqrt(var * chi2_bound(_df(n_experts, draws.draws), z))
+    return np.where(np.isnan(cluster), np.nan, np.maximum(cluster, multi))
+
+
+def excess_cv(cv, noise) -> np.ndarray:
+    """The load CV beyond sampling noise, ``sqrt(max(0, cv^2 - noise^2))``; NaN where noise is (not judged)."""
+    cv, noise = np.asarray(cv, dtype=np.float64), np.asarray(noise, dtype=np.float64)
+    out = np.sqrt(np.maximum(0.0, cv * cv - np.where(np.isfinite(noise), noise, 0.0) ** 2))
+    return np.where(np.isfinite(noise), out, np.nan)
+
+
+def family_z(n_tests: int, alpha: float) -> float:
+    """The one-sided z at which ``n_tests`` tests together false-alarm with probability ``alpha`` (Bonferroni)."""
+    return NormalDist().inv_cdf(1 - alpha / max(1, n_tests))
+
+
+def reference_shares(n_experts: int, baseline: np.ndarray | None, n_layers: int) -> np.ndarray:
+    """[L, E] each expert's reference share: the baseline's where given (rows normalised), else 1/E."""
+    if baseline is None:
+        return np.full((n_layers, n_experts), 1.0 / n_experts)
+    b = np.asarray(baseline, dtype=np.float64)
+    s = b.sum(1, keepdims=True)
+    return np.where(s > 0, b / np.where(s > 0, s, 1.0), 1.0 / n_experts)
+
+
+def hot_factor(window: np.ndarray, draws: Draws, ref: np.ndarray, z: float) -> np.ndarray:
+    """[L, E] window share / reference share where the share is significantly above the reference (``z``
+    deviations of the cluster-robust noise), NaN elsewhere and where the layer is not judged."""
+    window = np.asarray(window, dtype=np.float64)
+    n = window.sum(1)
+    share = window / np.where(n > 0, n, 1.0)[:, None]
+    sd = np.sqrt(scaled_var(draws, n))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        factor = share / ref
+        significant = (share - ref) > z * sd
+    return np.where(significant & (ref > 0), factor, np.nan)
+
+
+def dead_unexpected(window: np.ndarray, draws: Draws, ref: np.ndarray, min_expected: float) -> np.ndarray:
+    """[L] experts with no slot whose reference share predicts at least ``min_expected`` effective slots
+    (expected slots / design effect; Poisson P(0) = exp(-min_expected)); NaN where not judged."""
+    window = np.asarray(window, dtype=np.float64)
+    n = window.sum(1)
+    deff = draws.design_effect()
+    expected = ref * n[:, None] / np.where(np.isfinite(deff), deff, 1.0)[:, None]
+    count = ((window == 0) & (expected >= min_expected)).sum(1).astype(np.float64)
+    return np.where(np.isfinite(deff), count, np.nan)
+
+
+def drift_noise_bits(window: np.ndarray, draws: Draws, ref: np.ndarray, z: float) -> np.ndarray:
+    """[L] the JS divergence (bits) between a window and its reference that sampling noise stays under:
+    ``sum_e Var(p_e) / (8 m_e ln 2)`` with m the midpoint of the two shares, at the chi-square bound; NaN where
+    not judged."""
+    window = np.asarray(window, dtype=np.float64)
+    n = window.sum(1)
+    share = window / np.where(n > 0, n, 1.0)[:, None]
+    var = scaled_var(draws, n)
+    m = np.maximum((share + ref) / 2, 1e-12)
+    e = window.shape[1]
+    return (var / m).sum(1) / (8 * math.log(2)) * chi2_bound(_df(e, draws.draws), z)
