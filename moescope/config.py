@@ -117,7 +117,8 @@ class Mitigations:
 class Config:
     """Everything ``moescope.instrument`` wires around a model. ``observers``: more observers to fan out to
     (a rank's all-to-all stats, your own). ``routing_log``: write every forward's experts per layer there
-    at close (the input of ``moescope cache-sim``). ``scenarios``: fault scenario names. A part left unset
+    at close (the input of ``moescope cache-sim``). ``scenarios``: fault scenario names, each optionally with
+    its size (``"drop=0.8"``, ``"hot=3:17:4x"``: ``runtime/faults.py``). A part left unset
     (None, no scenarios, ``router_impl`` None) leaves the model as the caller built it."""
 
     metrics: Metrics = field(default_factory=Metrics)

@@ -56,9 +56,11 @@ instrument_options = _stack(
     click.option("--cache-file", type=click.Path(dir_okay=False), default=None,
                  help="Disk tier file (default: a temporary file, removed at exit)."),
     click.option("--scenario", default="healthy", show_default=True,
-                 help="Fault scenario(s), comma-separated: healthy, collapse, imbalance, jitter, nan, thrash, "
-                      "switch-jitter, slow-rank, drop, drift, leak (real changes to the engine, never to "
-                      "metrics)."),
+                 help="Fault scenario(s), comma-separated: healthy, collapse, imbalance, hot, jitter, nan, "
+                      "thrash, switch-jitter, slow-rank, drop, drift, leak (real changes to the engine, never to "
+                      "metrics). Sizes: collapse=BIAS, imbalance=SCALE, jitter=SD, drop=CAPACITY_FACTOR; "
+                      "hot=LAYER:EXPERT:Fx (one expert of one MoE layer at F times its fair share on "
+                      "calibration traffic) or hot=LAYER:EXPERT:BIAS (a logit bias)."),
     click.option("--canary-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
                  help="Seconds between canary routing runs (flip ratio per layer); 0: off."),
     click.option("--canary-steps", type=click.IntRange(min=1), default=None,
