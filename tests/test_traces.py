@@ -318,7 +318,7 @@ def test_baseline_from_the_store_equals_the_runs_own_load(tmp_path, capsys):
     capsys.readouterr()
     from moescope.analysis import baseline
 
-    assert baseline.load(a) == baseline.load(b)  # the canary's routing is kept out of both
+    assert baseline.load(a).load_map() == baseline.load(b).load_map()  # the canary's routing is kept out of both
     (tmp_path / "bad.json").write_text("{}")
     assert main(["demo", "--baseline", str(tmp_path / "bad.json"), "--requests", "1"]) == 2
 

@@ -79,10 +79,11 @@ def demo(**o) -> int | None:
     reqs, n_requests, rate = _workload(o, settings, world)
     baseline = None
     if settings.get("traffic_shift") and not o["baseline_path"]:  # drift needs a known-good reference
-        from moescope.runtime.calibration import calibration_load
+        from moescope.analysis.baseline import calibration_profile
 
-        baseline = calibration_load(model, o["seed"], 64)
-        click.echo("drift baseline: a calibration pass over held-out traffic of the normal mix", err=True)
+        baseline = calibration_profile(model, o["seed"], 64)
+        click.echo("drift baseline: a calibration pass over 64 held-out requests of the normal mix", err=True)
+    run_started = time.time()
     with ExitStack() as stack:
         import moescope
 
@@ -111,10 +112,8 @@ def demo(**o) -> int | None:
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"])
         if o["linger"]:
             time.sleep(o["linger"])
-    if o["save_baseline"]:
-        from moescope.analysis import baseline as bl
-
-        bl.save(o["save_baseline"], {int(k): v for k, v in summary["expert_load"].items()}, model.cfg.name)
+    if o["save_baseline"] and rank == 0:  # (lock-step ranks route alike; rank 0 holds the traces)
+        _save_baseline(o["save_baseline"], summary, model.cfg.name, run_started)
     if world > 1 and demo_parallel.write_summary(summary):
         return None
     if o["record_routing"]:
@@ -124,6 +123,31 @@ def demo(**o) -> int | None:
     else:
         _print_human(summary)
     return None
+
+
+def _save_baseline(path: str, summary: dict, model_name: str, run_started: float) -> None:
+    """The run's baseline profile: from its own requests in the trace store (per-request routing: the
+    structural CV, design effect and share spread), else from the run's totals (a v1-equivalent profile)."""
+    from moescope.analysis import baseline as bl
+    from moescope.traces import store
+
+    profile = None
+    if summary.get("traces"):
+        conn = store.open_store(summary["traces"])
+        try:
+            profile = bl.from_store(conn, since=run_started - 1.0, only=set(summary["request_ids"]))
+        except BadInput as exc:
+            click.echo(f"baseline: the trace store gave no profile ({exc})", err=True)
+        finally:
+            conn.close()
+    if profile is None:
+        profile = bl.from_loads({int(k): v for k, v in summary["expert_load"].items()}, model_name)
+        click.echo("baseline: from the run's totals only (no per-request routing in a trace store): no share "
+                   "spread or design effect, structural CV from the multinomial expectation", err=True)
+    else:
+        n = max(lp.draws for lp in profile.layers.values())
+        click.echo(f"baseline: {n} of {len(summary['request_ids'])} requests from the trace store", err=True)
+    bl.save(path, profile)
 
 
 def _workload(o: dict, settings: dict, world: int):

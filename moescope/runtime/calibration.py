@@ -10,18 +10,25 @@ from __future__ import annotations
 HELD_OUT_SEED_OFFSET = 7919
 
 
-def calibration_load(model, seed: int, n_requests: int = 16) -> dict[int, list[int]]:
-    """Slots per expert per MoE layer of ``n_requests`` short held-out requests; the model's observer is
-    restored afterwards, so the pass reaches no metric, trace or log of the served run."""
-    from moescope.capture.probes import ExpertLoadProbe
+def held_out_pass(model, seed: int, n_requests: int, observer) -> None:
+    """Serve ``n_requests`` short held-out requests of the normal mix to ``observer`` alone; the model's
+    observer is restored afterwards, so the pass reaches no metric, trace or log of the served run."""
     from moescope.runtime import traffic
     from moescope.runtime.engine import Engine
 
-    calib, previous = ExpertLoadProbe(), model.observer
+    previous = model.observer
     try:
-        Engine(model, max_batch=8, observer=[calib]).run(
+        Engine(model, max_batch=8, observer=[observer]).run(
             traffic.generate(traffic.TrafficConfig(seed=seed + HELD_OUT_SEED_OFFSET, output_tokens_median=8),
                              n_requests), realtime=False)
     finally:
         model.observer = previous
+
+
+def calibration_load(model, seed: int, n_requests: int = 16) -> dict[int, list[int]]:
+    """Slots per expert per MoE layer of ``n_requests`` short held-out requests (``held_out_pass``)."""
+    from moescope.capture.probes import ExpertLoadProbe
+
+    calib = ExpertLoadProbe()
+    held_out_pass(model, seed, n_requests, calib)
     return calib.snapshot()
