@@ -1,16 +1,21 @@
-"""Alert rules, their promtool unit tests, Alertmanager routing, playbooks: checked with the real tools."""
+"""Alert rules, their promtool unit tests, Alertmanager routing and inhibitions, playbooks: checked with the real
+tools (promtool, amtool, a real Alertmanager)."""
 
+import dataclasses
+import json
 import re
 import subprocess
+import time
+import urllib.request
 
 import pytest
 import yaml
 
 from conftest import ROOT
 from moescope import thresholds
-from moescope.alerts import rules, unit_tests
+from moescope.alerts import cases, rules, unit_tests
 from moescope.metrics import catalogue
-from servers import require
+from servers import Alertmanager, require
 
 PROM = ROOT / "collectors" / "prometheus"
 AM = ROOT / "collectors" / "alertmanager" / "alertmanager.yml"
@@ -20,6 +25,14 @@ def test_generated_rules_are_stable():
     for path, doc in ((PROM / "moescope-rules.yml", rules.rules_document()),
                       (PROM / "tests" / "moescope-rules.test.yml", unit_tests.tests_document())):
         assert yaml.safe_load(path.read_text()) == doc, f"{path} is stale: run `moescope alerts build`"
+
+
+def _promtool_test(rules_doc: dict, tests_doc: dict, tmp_path) -> subprocess.CompletedProcess:
+    promtool = require("promtool", "prometheus")
+    (tmp_path / "tests").mkdir(exist_ok=True)
+    (tmp_path / "moescope-rules.yml").write_text(yaml.safe_dump(rules_doc, sort_keys=False))
+    (tmp_path / "tests" / "t.yml").write_text(yaml.safe_dump(tests_doc, sort_keys=False))
+    return subprocess.run([promtool, "test", "rules", "tests/t.yml"], cwd=tmp_path, capture_output=True, text=True)
 
 
 def test_promtool_check_and_unit_tests_pass():
@@ -32,48 +45,80 @@ def test_promtool_check_and_unit_tests_pass():
     assert test.returncode == 0, test.stdout + test.stderr
     # Every alert is tested: firing, healthy, at the boundary and its extra cases (the Watchdog just fires).
     names = [t["name"] for t in unit_tests.tests_document()["tests"]]
+    suites = cases.suites()
     for s in rules.specs():
-        cases = {"fires", "healthy", "boundary", *(c.name for c in s.cases)} if s.name != "Watchdog" else \
-            {"always fires"}
-        assert {n.split(" ", 1)[1] for n in names if n.split(" ", 1)[0] == s.name} == cases
-    assert {"recording rules sum over ranks", "excess CV in PromQL equals moescope.thresholds.excess_cv"} <= set(names)
+        expected = {"always fires"} if s.name == "Watchdog" else {c.name for c in suites[s.name].all()}
+        assert {n.split(" ", 1)[1] for n in names if n.split(" ", 1)[0] == s.name} == expected
+        if s.name != "Watchdog":
+            suite = suites[s.name]
+            assert suite.fires.fires and not suite.healthy.fires and not suite.boundary.fires, s.name
+    assert "recording rules sum over ranks" in names
 
 
-def test_production_shapes_and_thin_windows_are_tested():
-    """The [at-scale] acceptance cases are among the promtool tests: healthy DeepSeek-V3-shaped and Mixtral-shaped
-    activation and uniform routing at low traffic stay silent; a real skew fires (at low traffic and at shape)."""
-    tests = {t["name"]: t for t in unit_tests.tests_document()["tests"]}
+# (Thresholds field, the alert whose boundary case sits exactly on it)
+BARS = (("imbalance_cv", "MoEExpertLoadImbalance"), ("hot_factor", "MoEExpertHot"),
+        ("rank_max_over_mean", "MoERankLoadImbalance"), ("collapse_top_share", "MoEExpertCollapse"),
+        ("drift_bits", "MoERoutingDrift"), ("cache_floor_of_capacity", "MoEExpertCacheHitRateLow"),
+        ("activation_floor", "MoEActivationRatioLow"), ("flip_ratio", "MoERoutingFlips"),
+        ("drop_ratio", "MoETokensDropped"))
+FLOORS = {"cache_floor_of_capacity", "activation_floor"}  # alerts below the bar
 
-    def fired(name):
-        return bool(tests[name]["alert_rule_test"][0]["exp_alerts"])
 
-    silent = ["MoEActivationRatioOutOfBand healthy deepseek-v3-shape (7.7%)",
-              "MoEActivationRatioOutOfBand healthy Mixtral-shaped (13B of 47B)",
-              "MoEExpertLoadImbalance uniform routing at low traffic", "MoEDeadExperts uniform routing at low traffic",
-              "MoEExpertLoadImbalance healthy deepseek-v3-shape (its worst layer)",
-              "MoEDeadExperts healthy deepseek-v3-shape", "MoESlowRank two healthy ranks",
-              "MoEExpertLoadImbalance healthy deepseek-v3-shape in a thin window (two requests)",
-              "MoEExpertLoadImbalance a skew on deepseek-v3-shape in a thin window is not judged"]
-    assert not any(fired(n) for n in silent)
-    # the thin-window cases are silent by the slots-per-expert guard alone: their excess CV is over the bar
-    bars = thresholds.for_model("deepseek-v3-shape")
-    for name in silent[-2:]:
-        v = {x["series"].split("{")[0]: float(x["values"].split("x")[0]) for x in tests[name]["input_series"]}
-        slots = v["moescope_window_slots_per_expert"] * 256
-        assert thresholds.excess_cv(v["moescope_expert_load_cv_ratio"], 256, slots) > bars.load_cv
-        assert not bars.judges_imbalance(256, slots) and not bars.imbalanced(v["moescope_expert_load_cv_ratio"], 256,
-                                                                            slots)
-    assert fired("MoEExpertLoadImbalance a real skew at low traffic")
-    assert fired("MoEExpertLoadImbalance a real skew on deepseek-v3-shape")
-    # the old fixed band (1.8-2.2%) would have paged on both healthy production shapes
-    for name in silent[:2]:
-        series = tests[name]["input_series"]
-        observed = next(float(x["values"].split("x")[0]) for x in series if "activation_ratio{" in x["series"])
-        assert not 0.018 <= observed <= 0.022
-    # the low-traffic series are what uniform routing of 1,000 slots over 256 experts gives
-    series = tests["MoEExpertLoadImbalance uniform routing at low traffic"]["input_series"]
-    noise = next(float(x["values"].split("x")[0]) for x in series if "noise" in x["series"])
-    assert noise == pytest.approx(thresholds.noise_cv(256, 1000), rel=1e-5)
+@pytest.mark.parametrize("field,alert", BARS)
+def test_boundary_cases_sit_exactly_on_the_bar(field, alert, tmp_path):
+    """The rules read their bars from the thresholds object: moving one bar by 1% across the boundary series
+    (down for a ceiling, up for a floor) makes that alert's boundary case fire, and no other alert's case."""
+    t = thresholds.DEFAULT
+    moved = dataclasses.replace(t, **{field: getattr(t, field) * (1.01 if field in FLOORS else 0.99)})
+    run = _promtool_test(rules.rules_document(moved), unit_tests.tests_document(t), tmp_path)
+    assert run.returncode == 1, run.stdout[-2000:]
+    failed = set(re.findall(r"name: (.+?),\n", run.stdout + run.stderr))
+    assert f"{alert} boundary" in failed, run.stdout[-3000:]
+    assert all(name.startswith(alert + " ") for name in failed), failed
+
+
+def test_imbalance_rule_is_the_thresholds_judgement(tmp_path):
+    """One judgement: over a grid of (excess CV or NaN, baseline CV or none, drift beyond noise or within it),
+    the rule fires exactly where ``Thresholds.imbalanced`` and not ``Thresholds.drifted`` say so, with the
+    description naming the bar it was judged against."""
+    t = thresholds.DEFAULT
+    grid = [(excess, base, jsd, noise)
+            for excess in (float("nan"), 0.2, 0.5, 0.6, 0.9, 1.05, 1.4, 2.0)
+            for base in (None, 0.0, 0.3, 0.8)
+            for jsd, noise in ((None, None), (0.3, 0.01), (0.3, 0.29))]
+    series, expected = {}, []
+    for i, (excess, base, jsd, noise) in enumerate(grid):
+        series.update(cases._load(excess, base, layer=str(i), jsd=jsd, noise=noise))
+        if t.imbalanced(excess, base) and not t.drifted(jsd, noise):
+            labels = cases.LAYER | {"layer": str(i)}
+            expected.append((labels, cases.imbalance_description(excess, base, t, labels)))
+    assert 0 < len(expected) < len(grid)
+    suite = cases.imbalance(t)
+    spec = next(s for s in rules.specs(t) if s.name == "MoEExpertLoadImbalance")
+    doc = {"rule_files": ["../moescope-rules.yml"], "evaluation_interval": "1m",
+           "tests": [unit_tests._test(spec, suite, cases.Case("grid", series, tuple(expected)))]}
+    run = _promtool_test(rules.rules_document(t), doc, tmp_path)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr
+
+
+def test_no_model_selector_and_no_typed_bar():
+    """No expression names a model; every number an expression compares with is a thresholds value."""
+    t = thresholds.DEFAULT
+    values = {rules.num(getattr(t, f.name)) for f in dataclasses.fields(t) if isinstance(getattr(t, f.name), float)}
+    values |= {str(getattr(t, f.name)) for f in dataclasses.fields(t) if isinstance(getattr(t, f.name), int)}
+    for s in rules.specs():
+        assert "model=" not in s.expr and "model!" not in s.expr, s.name
+        for n in re.findall(r"(?:[<>]|[*+]) (\d[\d.e+-]*)\b", s.expr):
+            assert n in values or n == "0", (s.name, n)
+
+
+def test_alerts_doc_holds_the_generated_table_and_the_bars():
+    doc = (ROOT / "docs" / "alerts.md").read_text()
+    assert rules.markdown_table() in doc, "docs/alerts.md's rules table is stale: paste rules.markdown_table()"
+    t = thresholds.DEFAULT
+    for quoted in (f"{t.imbalance_cv:g}", f"{t.imbalance_baseline_factor:g} x", f"{t.hot_factor:g}x",
+                   f"{t.rank_max_over_mean:g}", f"{t.drift_bits:g} bits", f"{t.activation_floor:g}"):
+        assert quoted in doc, quoted
 
 
 def test_every_rule_metric_is_in_the_catalogue_and_every_alert_is_complete():
@@ -82,6 +127,7 @@ def test_every_rule_metric_is_in_the_catalogue_and_every_alert_is_complete():
         used = {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"\bmoescope_[a-z_]+", s.expr)}
         assert used <= known, (s.name, used - known)
         assert set(s.metrics) <= known
+        assert used <= {re.sub(r"_(bucket|sum|count)$", "", m) for m in s.metrics}, s.name
     doc = rules.rules_document()
     recording, alerting = doc["groups"]
     for rule in recording["rules"]:  # recording rules read catalogue series and follow level:metric:operations
@@ -93,6 +139,13 @@ def test_every_rule_metric_is_in_the_catalogue_and_every_alert_is_complete():
         assert rule["annotations"]["runbook_url"].endswith(f"/{rule['alert']}.md")
     nonfinite = next(r for r in alerting["rules"] if r["alert"] == "MoERouterNonFiniteLogits")
     assert "for" not in nonfinite and nonfinite["labels"]["severity"] == "critical"
+    fors = {r["alert"]: r.get("for") for r in alerting["rules"]}
+    assert fors["MoEExpertHot"] == "5m" and fors["MoERankLoadImbalance"] == "10m"
+    # for_scale shrinks every `for`, keeping their order
+    scaled = {r["alert"]: r.get("for") for r in rules.rules_document(thresholds.Thresholds(for_scale=1 / 30))[
+        "groups"][1]["rules"]}
+    assert scaled["MoEExpertHot"] == "10s" and scaled["MoEExpertLoadImbalance"] == "20s"
+    assert {a for a, f in scaled.items() if f} == {a for a, f in fors.items() if f}
 
 
 def test_every_alert_has_a_playbook_and_every_playbook_an_alert():
@@ -112,6 +165,7 @@ def test_every_alert_has_a_playbook_and_every_playbook_an_alert():
     (["alertname=MoEExpertCollapse", "severity=critical", "model=m", "layer=1"], "critical"),
     (["alertname=MoERouterNonFiniteLogits", "severity=critical"], "critical"),
     (["alertname=MoEExpertLoadImbalance", "severity=warning", "model=m", "layer=1"], "warning"),
+    (["alertname=MoEExpertHot", "severity=warning", "model=m", "layer=1", "expert=5"], "warning"),
     (["alertname=MoEExpertCacheHitRateLow", "severity=warning"], "warning"),
     (["alertname=Watchdog", "severity=none"], "watchdog"),
     (["alertname=SomethingElse"], "default"),
@@ -128,15 +182,54 @@ def test_alertmanager_routes(labels, receiver):
     assert bad.returncode == 1  # amtool really checks
 
 
-def test_alertmanager_inhibits_warnings_by_criticals_of_the_same_layer():
-    # (that inhibition works in a real Alertmanager is shown by tests/test_detection_matrix.py)
+def test_alertmanager_inhibition_rules_name_real_alerts():
     cfg = yaml.safe_load(AM.read_text())
     first, *cause_rules = cfg["inhibit_rules"]
     assert first["source_matchers"] == ['severity="critical"'] and first["target_matchers"] == ['severity="warning"']
     assert set(first["equal"]) == {"model", "layer"}
-    names = {s.name: s for s in rules.specs()}
-    for rule in cause_rules:  # a cause mutes its symptom: both must be real alerts, sharing the equal labels
+    names = {s.name for s in rules.specs()}
+    for rule in cause_rules:  # a cause mutes its symptoms: all must be real alerts
         (src,), (dst,) = rule["source_matchers"], rule["target_matchers"]
-        src, dst = src.split('"')[1], dst.split('"')[1]
-        assert src in names and dst in names and src != dst
+        src, dst = src.split('"')[1], set(dst.split('"')[1].split("|"))
+        assert src in names and dst <= names and src not in dst, (src, dst)
     assert cfg["route"]["group_by"] == ["alertname", "model", "layer"]
+
+
+def _alert(name: str, severity: str = "warning", **labels) -> dict:
+    return {"labels": {"alertname": name, "severity": severity, "rank": "0", **labels},
+            "annotations": {"summary": name}}
+
+
+@pytest.mark.integration
+def test_a_real_alertmanager_mutes_the_symptoms_of_a_cause(tmp_path):
+    """Alerts posted to a real Alertmanager with the repository's config: a collapse mutes imbalance and hot
+    experts of its model (any layer); a hot expert mutes imbalance and rank load of its own layer only; an
+    unrelated model keeps its alerts."""
+    am = Alertmanager(tmp_path, AM, webhook_port=9)
+    try:
+        posted = [
+            _alert("MoEExpertCollapse", "critical", model="a", layer="1"),
+            _alert("MoEExpertHot", model="a", layer="2", expert="5", reference="fair"),
+            _alert("MoEExpertLoadImbalance", model="a", layer="3"),
+            _alert("MoEExpertHot", model="b", layer="2", expert="5", reference="baseline"),
+            _alert("MoEExpertLoadImbalance", model="b", layer="2"),
+            _alert("MoERankLoadImbalance", model="b", layer="2"),
+            _alert("MoEExpertLoadImbalance", model="b", layer="3"),
+            _alert("MoEExpertHot", model="c", layer="1", expert="0", reference="fair"),
+        ]
+        req = urllib.request.Request(f"http://{am.address}/api/v2/alerts", json.dumps(posted).encode(),
+                                     {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).read()
+        muted = {("a", "MoEExpertHot", "2"), ("a", "MoEExpertLoadImbalance", "3"),
+                 ("b", "MoEExpertLoadImbalance", "2"), ("b", "MoERankLoadImbalance", "2")}
+        deadline = time.monotonic() + 20
+        while True:
+            got = json.loads(urllib.request.urlopen(f"http://{am.address}/api/v2/alerts", timeout=10).read())
+            state = {(a["labels"]["model"], a["labels"]["alertname"], a["labels"]["layer"]):
+                     bool(a["status"]["inhibitedBy"]) for a in got}
+            if len(state) == len(posted) and {k for k, v in state.items() if v} == muted:
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.5)
+    finally:
+        am.stop()

@@ -1,119 +1,376 @@
-"""promtool cases beyond fires/healthy/boundary: what production shapes and thin windows must (not) page on.
+"""promtool cases of every alert: ``fires`` (with the labels and the rendered description expected),
+``healthy``, ``boundary`` (exactly at the bar: silent) and what else each rule must (not) page on.
 
-The numbers are measured or derived, never tuned to pass: DeepSeek-V3's shape (256 experts, top-8) sends a
-60 s window ~14,000 slots per layer at the demo's 4 requests/s; its healthy layers show a raw load CV of
-0.33-0.40 and the imbalance fault 0.94-1.34 (docs/metrics.md, "Thresholds"); uniform routing of N slots over
-E experts has a CV near sqrt((E - 1) / N) and leaves ~E exp(-N / E) experts empty by chance.
+Every bar a case sits on is computed from the thresholds object's own methods (``Thresholds.imbalance_bar``,
+``cache_floor``, ...), never typed here; the expected descriptions are worked out from the series in Python,
+so the test checks the templates too. Series carry the labels the exporter gives them (model, rank, layer).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from moescope.alerts.rules import Case
-from moescope.thresholds import Thresholds, noise_cv
+from moescope.thresholds import DEFAULT, Thresholds
 
 DS = "deepseek-v3-shape"
+LAYER = {"model": "m", "rank": "0", "layer": "1"}
+L = 'model="m",rank="0",layer="1"'  # labels of most unit-test series
 
 
-def _lab(model: str) -> str:
-    return f'model="{model}",rank="0",layer="1"'
+@dataclass(frozen=True)
+class Case:
+    """``series`` -> promtool values; the alerts expected at ``eval_time`` as (labels, rendered description)
+    pairs (none: silent)."""
+
+    name: str
+    series: dict
+    fires: tuple[tuple[dict, str], ...] = ()
+    eval_time: str | None = None
 
 
-def _load(model: str, cv: float, noise: float, per_expert: float | None = None) -> dict:
-    lab = _lab(model)
-    out = {f"moescope_expert_load_cv_ratio{{{lab}}}": f"{cv:.6g}x20",
-           f"moescope_expert_load_cv_noise_ratio{{{lab}}}": f"{noise:.6g}x20"}
-    if per_expert is not None:
-        out[f"moescope_window_slots_per_expert{{{lab}}}"] = f"{per_expert:.6g}x20"
+@dataclass(frozen=True)
+class Suite:
+    """An alert's cases: ``fires``, ``healthy``, ``boundary`` and its ``extra`` cases."""
+
+    fires: Case
+    healthy: Case
+    boundary: Case
+    extra: tuple[Case, ...] = ()
+    eval_time: str = "15m"
+    interval: str = "1m"
+
+    def all(self) -> tuple[Case, ...]:
+        return (self.fires, self.healthy, self.boundary, *self.extra)
+
+
+def v(x: float, n: int = 20) -> str:
+    """A constant series of ``n + 1`` samples (NaN written out: promtool has no ``NaNxN``)."""
+    if isinstance(x, float) and math.isnan(x):
+        return " ".join(["NaN"] * (n + 1))
+    return f"{x!r}x{n}"
+
+
+def lab(layer: str = "1", model: str = "m", **more) -> str:
+    return ",".join(f'{k}="{val}"' for k, val in {"model": model, "rank": "0", "layer": layer, **more}.items())
+
+
+# -- MoEExpertLoadImbalance ----------------------------------------------------------------------------------
+def _load(excess: float, baseline: float | None = None, layer: str = "1", model: str = "m",
+          jsd: float | None = None, noise: float | None = None) -> dict:
+    out = {f"moescope_expert_load_excess_cv_ratio{{{lab(layer, model)}}}": v(excess)}
+    if baseline is not None:
+        out[f"moescope_baseline_load_cv_ratio{{{lab(layer, model)}}}"] = v(baseline)
+    if jsd is not None:
+        out[f"moescope_routing_drift_jsd_bits{{{lab(layer, model)}}}"] = v(jsd)
+        out[f"moescope_routing_drift_noise_bits{{{lab(layer, model)}}}"] = v(noise)
     return out
 
 
-def imbalance(t: Thresholds) -> tuple[Case, ...]:
-    low = noise_cv(256, 1000)
-    ds_noise = noise_cv(256, 14000)
-    skew = _load(DS, 1.1, noise_cv(256, 7900), 7900 / 256)
-    ds_bar = t.for_model(DS).load_cv
-    return (
-        # 1,000 slots over 256 experts: uniform routing's CV is ~0.50 (the mean floor); a draw a little above it
-        Case("uniform routing at low traffic", _load("m", 1.05 * math.sqrt(255 / 1000), low)),
-        Case("a real skew at low traffic", _load("m", 0.9, low), {"model": "m", "rank": "0", "layer": "1"},
-             "Layer 1 of m (rank 0) has a load CV of "
-             f"{math.sqrt(0.81 - low * low):.2f} beyond sampling noise (this model's bar: {t.default.load_cv})."),
-        Case("healthy deepseek-v3-shape (its worst layer)", _load(DS, 0.40, ds_noise, 14000 / 256)),
-        # measured: a healthy layer's window holding two requests (raw CV 1.11 over 640 slots; excess 0.86)
-        Case("healthy deepseek-v3-shape in a thin window (two requests)", _load(DS, 1.114, noise_cv(256, 640),
-                                                                                 640 / 256)),
-        # the same thin window, skewed far beyond the bar, is still not judged (too few slots per expert)
-        Case("a skew on deepseek-v3-shape in a thin window is not judged", _load(DS, 2.0, noise_cv(256, 640),
-                                                                                  640 / 256)),
-        Case("a real skew on deepseek-v3-shape", skew, {"model": DS, "rank": "0", "layer": "1"},
-             f"Layer 1 of {DS} (rank 0) has a load CV of {math.sqrt(1.21 - noise_cv(256, 7900) ** 2):.2f} beyond "
-             f"sampling noise (this model's bar: {ds_bar})."),
-        Case("tiny-demo keeps its own bar", _load("tiny-demo", 0.22, 0.03)),
-    )
+def imbalance_description(excess: float, baseline: float | None, t: Thresholds = DEFAULT,
+                          labels: dict = LAYER) -> str:
+    if baseline is None:
+        bar = f"{t.imbalance_cv:g} (no baseline loaded: `moescope baseline save` records one)"
+    else:
+        bar = (f"{t.imbalance_bar(baseline):.2f} ({t.imbalance_baseline_factor:g} x its baseline's structural CV + "
+               f"{t.imbalance_baseline_margin:g})")
+    return (f"Layer {labels['layer']} of {labels['model']} (rank {labels['rank']}) has a load CV of {excess:.2f} "
+            f"beyond sampling noise, over its bar {bar}.")
 
 
-def dead(t: Thresholds) -> tuple[Case, ...]:
-    def series(model, n_dead, per_expert):
-        return {f"moescope_dead_experts{{{_lab(model)}}}": f"{n_dead}x20",
-                f"moescope_window_slots_per_expert{{{_lab(model)}}}": f"{per_expert:.6g}x20"}
+def imbalance(t: Thresholds) -> Suite:
+    no_base = 1.2 * t.imbalance_cv
+    b = 0.3  # a baseline's structural CV (the bundled shapes' healthy routers: ~0.3-0.4)
+    over, under = t.imbalance_bar(b) + 0.05, t.imbalance_bar(b) - 0.05
+    wide = 0.8  # a baseline whose own bar lies above the no-baseline bar
+    wide_case = (t.imbalance_cv + t.imbalance_bar(wide)) / 2
+    assert t.imbalance_cv < wide_case < t.imbalance_bar(wide)
+    other = {**_load(wide_case), **_load(0.1, wide, layer="2")}
+    return Suite(
+        Case("fires", _load(no_base), ((LAYER, imbalance_description(no_base, None, t)),)),
+        # the healthy structure of the bundled shapes' routers (excess ~0.3-0.4), no baseline
+        Case("healthy", _load(0.4)),
+        Case("boundary", _load(t.imbalance_cv)),
+        (
+            Case("with a baseline: above its bar fires", _load(over, b),
+                 ((LAYER, imbalance_description(over, b, t)),)),
+            Case("with a baseline: below its bar is silent", _load(under, b)),
+            Case("with a baseline: exactly at its bar is silent", _load(t.imbalance_bar(b), b)),
+            Case("with a baseline: its bar replaces the no-baseline bar", _load(wide_case, wide)),
+            Case("another layer's baseline does not set this layer's bar", other,
+                 ((LAYER, imbalance_description(wide_case, None, t)),)),
+            Case("NaN excess (too few draws) is not judged", _load(float("nan"))),
+            Case("NaN excess with a baseline is not judged", _load(float("nan"), 0.0)),
+            Case("a drifted layer is drift, not imbalance", _load(no_base, jsd=0.3, noise=0.01)),
+            Case("a divergence within its noise does not hold imbalance back",
+                 _load(no_base, jsd=0.3, noise=0.295), ((LAYER, imbalance_description(no_base, None, t)),)),
+        ))
 
-    return (
-        # 1,000 slots over 256 experts: ~256 exp(-3.9) = 5 experts empty by chance
-        Case("uniform routing at low traffic", series("m", 5, 1000 / 256)),
-        # the demo's traffic: ~56 slots per expert a window, and a few structurally cold experts
-        Case("healthy deepseek-v3-shape", series(DS, 2, 14000 / 256)),
-    )
+
+# -- MoEExpertHot -----------------------------------------------------------------------------------------------
+def _hot(factor: float, expert: str = "17", reference: str = "fair") -> dict:
+    return {f"moescope_expert_hot_factor_ratio{{{lab(expert=expert, reference=reference)}}}": v(factor)}
 
 
-def activation(t: Thresholds) -> tuple[Case, ...]:
-    def series(model, observed, expected):
-        lab = f'model="{model}",rank="0"'
-        return {f"moescope_activation_ratio{{{lab}}}": f"{observed}x20",
-                f"moescope_activation_expected_ratio{{{lab}}}": f"{expected}x20"}
-
-    lo, hi = t.for_model(DS).activation_band
-    return (
-        Case("healthy deepseek-v3-shape (7.7%)", series(DS, 0.0768, 0.0768)),
-        Case("healthy DeepSeek-V3 (37B of 671B)", series("deepseek-v3", 0.0551, 0.0551)),
-        Case("healthy Mixtral-shaped (13B of 47B)", series("mixtral-8x7b", 0.277, 0.277)),
-        Case("a quarter of deepseek-v3-shape's slots dropped", series(DS, 0.06, 0.08),
-             {"model": DS, "rank": "0"},
-             f"{DS} (rank 0) touches 75% of the parameters its config says a token touches (band: {lo:.0%}-{hi:.0%})."),
-    )
+def hot_description(factor: float, expert: str, reference: str, t: Thresholds = DEFAULT) -> str:
+    ref = "its baseline share" if reference == "baseline" else "its fair share 1/E (no baseline loaded)"
+    return (f"Expert {expert} of layer 1 in m (rank 0) gets {factor:.1f}x {ref}, beyond sampling noise "
+            f"(bar: {t.hot_factor:g}x).")
 
 
+def hot(t: Thresholds) -> Suite:
+    f = 5.1  # the issue's hot expert at deepseek-v3-shape
+    labels = {**LAYER, "expert": "17", "reference": "fair"}
+    base = {**LAYER, "expert": "3", "reference": "baseline"}
+    two = {**_hot(f), **_hot(2 * t.hot_factor, "200")}
+    return Suite(
+        Case("fires", _hot(f), ((labels, hot_description(f, "17", "fair", t)),)),
+        Case("healthy", _hot(0.6 * t.hot_factor)),  # healthy layers show 2-3x their fair share
+        Case("boundary", _hot(t.hot_factor)),
+        (
+            Case("against its baseline share", _hot(t.hot_factor + 0.5, "3", "baseline"),
+                 ((base, hot_description(t.hot_factor + 0.5, "3", "baseline", t)),)),
+            Case("two hot experts of one layer page apart", two,
+                 ((labels, hot_description(f, "17", "fair", t)),
+                  ({**labels, "expert": "200"}, hot_description(2 * t.hot_factor, "200", "fair", t)))),
+            Case("pending before its for", _hot(f), eval_time="4m"),
+        ))
+
+
+# -- MoERankLoadImbalance ---------------------------------------------------------------------------------------
+def rank(t: Thresholds) -> Suite:
+    def s(x):
+        return {f"moescope_rank_load_max_over_mean_ratio{{{L}}}": v(x)}
+
+    x = 1.56  # TensorRT-LLM's DeepSeek-R1 rank imbalance without EPLB: (max - mean) / mean 0.56
+    desc = (f"Layer 1 of m: the busiest expert-parallel rank computes {1 + x:.2f}x the mean rank's slots (bar: "
+            f"{t.rank_max_over_mean:g}x); every all-to-all of the layer waits for it.")
+    return Suite(Case("fires", s(1 + x), ((LAYER, desc),)), Case("healthy", s(1.1)),
+                 Case("boundary", s(t.rank_max_over_mean)),
+                 (Case("NaN (an empty window) is not judged", s(float("nan"))),))
+
+
+# -- MoEExpertCollapse --------------------------------------------------------------------------------------------
+def collapse(t: Thresholds) -> Suite:
+    def s(x):
+        return {f"moescope_expert_load_top_share_ratio{{{L}}}": v(x)}
+
+    return Suite(Case("fires", s(0.9), ((LAYER, "90% of layer 1's tokens choose one expert in m (rank 0)."),)),
+                 Case("healthy", s(0.3)), Case("boundary", s(t.collapse_top_share)))
+
+
+# -- MoEDeadExperts -------------------------------------------------------------------------------------------
+def dead(t: Thresholds) -> Suite:
+    def s(unexpected, raw=None):
+        out = {f"moescope_dead_experts_unexpected{{{L}}}": v(unexpected)}
+        if raw is not None:
+            out[f"moescope_dead_experts{{{L}}}"] = v(raw)
+        return out
+
+    desc = ("2 experts of layer 1 in m got no slot in the window where their reference share (the baseline's, else "
+            f"{t.dead_floor_share:.0%} of the fair share) predicts at least {t.dead_min_expected_slots:g} effective "
+            "slots.")
+    return Suite(
+        Case("fires", s(2, 2), ((LAYER, desc),)), Case("healthy", s(0, 3)), Case("boundary", s(0)),
+        (
+            # deepseek-v3-shape after 29 tokens: 1397 experts of 58 x 256 had no slot, all of them chance
+            Case("empty experts that sampling explains are not dead", s(0, 1397 // 58)),
+            Case("NaN (too few draws) is not judged", s(float("nan"), 40)),
+        ))
+
+
+# -- MoEActivationRatioLow ------------------------------------------------------------------------------------
+def activation(t: Thresholds) -> Suite:
+    def s(model, observed, expected):
+        lab_ = f'model="{model}",rank="0"'
+        return {f"moescope_activation_ratio{{{lab_}}}": v(observed),
+                f"moescope_activation_expected_ratio{{{lab_}}}": v(expected)}
+
+    def desc(model, ratio):
+        return (f"{model} (rank 0) touches {ratio:.0%} of the parameters its config says a token touches (floor: "
+                f"{t.activation_floor:.0%}).")
+
+    # expected 0.5: observed / expected at the floor is exact in binary
+    return Suite(
+        Case("fires", s(DS, 0.06, 0.08), (({"model": DS, "rank": "0"}, desc(DS, 0.75)),)),
+        Case("healthy", s("tiny-demo", 0.45, 0.45)),
+        Case("boundary", s("m", t.activation_floor * 0.5, 0.5)),
+        (
+            Case("healthy deepseek-v3-shape (7.7%)", s(DS, 0.0768, 0.0768)),
+            Case("healthy DeepSeek-V3 (37B of 671B)", s("deepseek-v3", 0.0551, 0.0551)),
+            Case("healthy Mixtral-shaped (13B of 47B)", s("mixtral-8x7b", 0.277, 0.277)),
+        ))
+
+
+# -- MoERoutingDrift ------------------------------------------------------------------------------------------
+def _exact_boundary(bar: float) -> tuple[float, float]:
+    """(jsd, noise) with jsd - noise == bar exactly in binary (PromQL and Python agree on the boundary)."""
+    for noise in (0.03125, 0.0625, 0.015625, 0.125):
+        if (noise + bar) - noise == bar:
+            return noise + bar, noise
+    return bar, 0.0
+
+
+def drift(t: Thresholds) -> Suite:
+    def s(jsd, noise):
+        return {f"moescope_routing_drift_jsd_bits{{{L}}}": v(jsd), f"moescope_routing_drift_noise_bits{{{L}}}":
+                v(noise)}
+
+    desc = (f"Layer 1 of m (rank 0) routes {0.3 - 0.01:.3f} bits (JS divergence) further from its baseline than "
+            f"sampling noise explains (bar: {t.drift_bits:g} bits).")
+    return Suite(
+        Case("fires", s(0.3, 0.01), ((LAYER, desc),)), Case("healthy", s(0.01, 0.005)),
+        Case("boundary", s(*_exact_boundary(t.drift_bits))),
+        (
+            # a thin window: a large divergence that sampling alone gives
+            Case("a divergence within its sampling noise is silent", s(0.3, 0.29)),
+            Case("no noise estimate (too few draws) is not judged", s(0.3, float("nan"))),
+        ))
+
+
+# -- MoEExpertCacheHitRateLow ---------------------------------------------------------------------------------
+def _pct(x: float) -> str:
+    """As Prometheus' ``humanizePercentage`` writes a ratio."""
+    return f"{100 * x:.4g}%"
+
+
+def cache_description(hit: float, capacity: float, t: Thresholds = DEFAULT) -> str:
+    return (f"Layer 1 of m (rank 0) hits its expert cache {_pct(hit)} of the time, under its floor "
+            f"{_pct(t.cache_floor(capacity))} ({t.cache_floor_of_capacity:.0%} of what a random resident set of its "
+            "capacity would hit).")
+
+
+def cache(t: Thresholds) -> Suite:
+    def s(hit, capacity, lookups=100):
+        return {f"moescope_expert_cache_hits_total{{{L}}}": f"0+{hit * lookups:g}x20",
+                f"moescope_expert_cache_lookups_total{{{L}}}": f"0+{lookups:g}x20",
+                f"moescope_expert_cache_capacity_ratio{{{L}}}": v(capacity)}
+
+    half, small = 0.5, 1 / 8  # half the experts resident; tiny-demo with a cache of one expert of 8
+    low = 0.5 * t.cache_floor(small)
+    return Suite(
+        Case("fires", s(0.1, half), ((LAYER, cache_description(0.1, half, t)),)),
+        Case("healthy", s(0.8, half)),
+        Case("boundary", s(t.cache_floor(half), half)),
+        (
+            # the old fixed floor (60-85%) paged on every small cache; its own capacity's floor does not
+            Case("a small cache is judged against its own capacity", s(0.8 * small, small)),
+            Case("a small cache under its floor fires", s(low, small), ((LAYER, cache_description(low, small, t)),)),
+            Case("without a capacity series nothing is judged", {
+                f"moescope_expert_cache_hits_total{{{L}}}": "0+1x20",
+                f"moescope_expert_cache_lookups_total{{{L}}}": "0+100x20"}),
+        ))
+
+
+# -- the rest -------------------------------------------------------------------------------------------------
 def _waits(per_rank: dict[tuple[int, int], str], dispatches: str = "0+60x20") -> dict:
     """rank, peer -> wait-seconds values; every rank dispatches once a second."""
-    out = {f'moescope_all_to_all_peer_wait_seconds_total{{model="m",rank="{r}",peer="{p}"}}': v
-           for (r, p), v in per_rank.items()}
+    out = {f'moescope_all_to_all_peer_wait_seconds_total{{model="m",rank="{r}",peer="{p}"}}': val
+           for (r, p), val in per_rank.items()}
     for r in sorted({r for r, _ in per_rank}):
         out[f'moescope_all_to_all_seconds_count{{model="m",rank="{r}",op="dispatch"}}'] = dispatches
     return out
 
 
-def slow_rank_bad() -> dict:
-    return _waits({(0, 2): "0+6x20", (0, 1): "0+0.1x20", (1, 2): "0+6x20"})
+def slow_rank(t: Thresholds) -> Suite:
+    def desc(peer, share):
+        return (f"Rank {peer} accounts for {share} of the time ranks of m wait on their peers (a slow peer: over "
+                f"{t.slow_rank_share:.0%} of the wait and over {t.slow_rank_wait_s * 1e3:g} ms per dispatch).")
+
+    return Suite(
+        Case("fires", _waits({(0, 2): "0+6x20", (0, 1): "0+0.1x20", (1, 2): "0+6x20"}),
+             (({"model": "m", "peer": "2"}, desc(2, "99.17%")),)),  # 12 / 12.1
+        Case("healthy", _waits({(0, 2): "0+1x20", (0, 1): "0+1x20", (1, 2): "0+1x20", (1, 0): "0+1x20"})),
+        # waits long per dispatch, but split evenly: exactly the share bar, not over it
+        Case("boundary", _waits({(0, 2): "0+6x20", (0, 1): "0+6x20"})),
+        (
+            # two healthy ranks: one peer always holds over half of a tiny total wait (1 ms a dispatch)
+            Case("two healthy ranks", _waits({(0, 1): "0+0.06x20", (1, 0): "0+0.03x20"})),
+            # rank 1 late by 20 ms at every dispatch (the demo's slow-rank fault)
+            Case("two ranks, one 20 ms late", _waits({(0, 1): "0+1.2x20", (1, 0): "0+0.03x20"}),
+                 (({"model": "m", "peer": "1"}, desc(1, "97.56%")),)),
+        ))
 
 
-def slow_rank_healthy() -> dict:
-    return _waits({(0, 2): "0+1x20", (0, 1): "0+1x20", (1, 2): "0+1x20", (1, 0): "0+1x20"})
+def a2a(t: Thresholds) -> Suite:
+    def b(le, val):
+        return {f'moescope_all_to_all_seconds_bucket{{model="m",rank="0",op="dispatch",le="{le}"}}': val}
+
+    # p99 of 60 obs/min all in (1 ms, 10 ms] = 1 + 9 * 0.99 = 9.91 ms
+    return Suite(
+        Case("fires", {**b("0.001", "0x20"), **b("0.01", "0+60x20"), **b("+Inf", "0+60x20")},
+             (({"model": "m", "rank": "0", "op": "dispatch"}, "p99 of the dispatch all-to-all on rank 0 of m is "
+               "9.91ms."),)),
+        Case("healthy", {**b("0.001", "0+60x20"), **b("0.01", "0+60x20"), **b("+Inf", "0+60x20")}),
+        Case("boundary", {**b(f"{t.all_to_all_p99_s!r}", "0+60x20"), **b("+Inf", "0+60x20")}))
 
 
-def slow_rank_boundary(t: Thresholds) -> dict:
-    # waits long per dispatch, but split evenly: exactly the share bar, not over it
-    return _waits({(0, 2): "0+6x20", (0, 1): "0+6x20"})
+def switch_jitter(t: Thresholds) -> Suite:
+    def b(le, val):
+        return {f'moescope_expert_fetch_seconds_bucket{{{L},le="{le}"}}': val}
+
+    return Suite(
+        Case("fires", {**b("0.01", "0x20"), **b("0.25", "0+10x20"), **b("+Inf", "0+10x20")},
+             (({"model": "m", "rank": "0"}, "p99 time to make an expert resident on m rank 0 is 247.6ms."),)),
+        Case("healthy", {**b("0.01", "0+10x20"), **b("+Inf", "0+10x20")}),
+        Case("boundary", {**b(f"{t.fetch_p99_s!r}", "0+10x20"), **b("+Inf", "0+10x20")}))
 
 
-def slow_rank(t: Thresholds) -> tuple[Case, ...]:
-    return (
-        # two healthy ranks: one peer always holds over half of a tiny total wait (1 ms a dispatch)
-        Case("two healthy ranks", _waits({(0, 1): "0+0.06x20", (1, 0): "0+0.03x20"})),
-        # rank 1 late by 20 ms at every dispatch (the demo's slow-rank fault)
-        Case("two ranks, one 20 ms late", _waits({(0, 1): "0+1.2x20", (1, 0): "0+0.03x20"}),
-             {"model": "m", "peer": "1"},
-             "Rank 1 accounts for 97.56% of the time ranks of m wait on their peers (a slow peer: over "
-             f"{t.default.slow_rank_share:.0%} of the wait and over {t.default.slow_rank_wait_s * 1e3:g} ms per "
-             "dispatch)."),
-    )
+def nonfinite(t: Thresholds) -> Suite:
+    s = f"moescope_router_nonfinite_logits_total{{{L}}}"
+    return Suite(Case("fires", {s: "0 0 3 3 3 3"}, ((LAYER, "Layer 1 of m (rank 0) produced 3 non-finite router "
+                                                             "logits in 5 minutes."),)),
+                 Case("healthy", {s: "0x20"}), Case("boundary", {s: "5x20"}), eval_time="3m")
+
+
+def flips(t: Thresholds) -> Suite:
+    s = f"moescope_routing_flip_ratio{{{L}}}"
+    return Suite(Case("fires", {s: v(0.12)}, ((LAYER, "12% of the canary tokens changed experts in layer 1 of m "
+                                                       "(rank 0)."),)),
+                 Case("healthy", {s: v(0.0)}), Case("boundary", {s: v(t.flip_ratio)}))
+
+
+def drops(t: Thresholds) -> Suite:
+    def s(dropped):
+        return {f"moescope_tokens_dropped_total{{{L}}}": dropped, f"moescope_router_tokens_total{{{L}}}": "0+1000x20"}
+
+    return Suite(Case("fires", s("0+50x20"), ((LAYER, "Layer 1 of m drops 5% slots per routed token."),)),
+                 Case("healthy", s("0x20")), Case("boundary", s(f"0+{t.drop_ratio * 1000:g}x20")))
+
+
+def memory(t: Thresholds) -> Suite:
+    s = 'moescope_process_resident_memory_bytes{model="m",rank="0"}'
+    # 5.5e9 B at 45 min, +1e8 B/min: 5.5e9 + 1e8 / 60 * 14400 = 2.95e10 B = 27.47 GiB
+    return Suite(Case("fires", {s: "1e9+1e8x60"}, (({"model": "m", "rank": "0"}, "At its current rate m (rank 0) "
+                                                   "reaches memory capacity within 4h (predicted 27.47GiB)."),)),
+                 Case("healthy", {s: "1e9x60"}), Case("boundary", {s: "1e9+1e6x60"}), eval_time="45m")
+
+
+def exporter_down(t: Thresholds) -> Suite:
+    up = 'up{job="moescope",instance="127.0.0.1:9400"}'
+    return Suite(Case("fires", {up: "0x20"}, (({"job": "moescope", "instance": "127.0.0.1:9400"},
+                                               "Prometheus cannot scrape 127.0.0.1:9400 (job moescope)."),)),
+                 Case("healthy", {up: "1x20"}), Case("boundary", {up: "1x20"}))
+
+
+def exporter_absent(t: Thresholds) -> Suite:
+    up = 'up{job="moescope",instance="127.0.0.1:9400"}'
+    # absent() of a regex matcher carries no labels
+    return Suite(Case("fires", {'up{job="other",instance="x"}': "1x20"},
+                      (({}, "Prometheus has no moescope scrape target: check the scrape configuration."),)),
+                 Case("healthy", {up: "1x20"}), Case("boundary", {up: "0x20"}))
+
+
+SUITES = {
+    "MoEExpertLoadImbalance": imbalance, "MoEExpertHot": hot, "MoERankLoadImbalance": rank,
+    "MoEExpertCollapse": collapse, "MoEDeadExperts": dead, "MoEActivationRatioLow": activation,
+    "MoEAllToAllLatencyHigh": a2a, "MoESlowRank": slow_rank, "MoEExpertCacheHitRateLow": cache,
+    "MoEExpertSwitchJitter": switch_jitter, "MoERouterNonFiniteLogits": nonfinite, "MoERoutingFlips": flips,
+    "MoERoutingDrift": drift, "MoETokensDropped": drops, "MoEMemoryGrowth": memory,
+    "MoEExporterDown": exporter_down, "MoEExporterAbsent": exporter_absent,
+}
+
+
+def suites(t: Thresholds = DEFAULT) -> dict[str, Suite]:
+    return {name: make(t) for name, make in SUITES.items()}
+
