@@ -159,6 +159,17 @@ def test_every_alert_has_a_playbook_and_every_playbook_an_alert():
         for section in ("## Meaning", "## Impact", "## Diagnosis", "## Mitigation"):
             assert section in text, (name, section)
         assert f"({name}.md)" in index
+    # the playbooks of the judged alerts quote the bars the rules use
+    t = thresholds.DEFAULT
+    quotes = {"MoEExpertHot": f"{t.hot_factor:g}x", "MoERankLoadImbalance": f"{t.rank_max_over_mean:g}x",
+              "MoEExpertLoadImbalance": f"{t.imbalance_baseline_factor:g} x the baseline's structural CV + "
+                                        f"{t.imbalance_baseline_margin:g}",
+              "MoERoutingDrift": f"{t.drift_bits:g} bits", "MoEActivationRatioLow": f"< {t.activation_floor:g}",
+              "MoEExpertCacheHitRateLow": f"{t.cache_floor_of_capacity:g} x",
+              "MoEDeadExperts": f"at least {t.dead_min_expected_slots:g} effective slots",
+              "MoEExpertCollapse": f"{t.collapse_top_share:g}"}
+    for name, quoted in quotes.items():
+        assert quoted in " ".join((ROOT / "playbooks" / f"{name}.md").read_text().split()), (name, quoted)
 
 
 @pytest.mark.parametrize("labels,receiver", [

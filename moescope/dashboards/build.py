@@ -1,12 +1,12 @@
 """Grafana dashboards as code (grafana-foundation-sdk, Grafana 11.6 line), written to dashboards/*.json.
 
 Every panel query uses the template variables ``$datasource``, ``$model``, ``$rank`` (multi) and ``$layer``
-(single), so one dashboard serves every model and rank. Colour steps come from the thresholds object the alert
-rules are generated from (``moescope.thresholds``): each coloured stat shows one series named by its model
-(legend ``{{model}}``), its default steps are the default bars and a per-model override carries the bars of
-each model that has its own, so a healthy demo is green and a stat turns red where its alert fires. The judged
-quantities are the rules' own PromQL (``moescope.alerts.rules``: the load CV beyond sampling noise, dead experts
-where uniform routing sends enough slots, activation against the config's).
+(single), so one dashboard serves every model and rank. Colour steps and threshold lines come from the
+thresholds object the alert rules are generated from (``moescope.thresholds``), one set for every model: a
+healthy deployment is green and a stat turns red where its alert fires. The judged quantities are the ones the
+exporter exports and the rules read (``moescope.alerts.rules``: the load CV beyond sampling noise over its bar,
+baseline or not, the hot factor, the dead experts sampling cannot explain, drift beyond its noise, the ranks'
+busiest / mean load, the cache's hits against its capacity, activation against the config's).
 
 At 256 experts a per-expert line chart is unreadable: the Experts dashboard shows the expert x time heatmap
 (one row per expert), the hottest and coldest 8 experts, the distribution of expert load relative to the fair
@@ -63,13 +63,14 @@ def _and(*matchers: str) -> str:
 # -- colour steps from the thresholds object --------------------------------------------------------------
 def steps(kind: str, bar) -> list[tuple[float | None, str]]:
     """Colour steps of a bar: ``above`` (red from the bar, yellow from WARN_FRACTION of it), ``floor`` (red
-    below the bar, yellow up to a third of the way to 1), ``band`` (green inside (lo, hi)), ``any`` (red from 1)."""
+    below the bar, yellow up to a third of the way to 1), ``any`` (red from 1: a count that should be 0).
+    A value over its own bar (``ratio``) is ``above`` with the bar 1."""
+    if kind == "ratio":
+        return steps("above", 1)
     if kind == "above":
         return [(None, "green"), (round(WARN_FRACTION * bar, 6), "yellow"), (bar, "red")]
     if kind == "floor":
         return [(None, "red"), (bar, "yellow"), (round(bar + (1 - bar) * (1 - WARN_FRACTION), 6), "green")]
-    if kind == "band":
-        return [(None, "red"), (bar[0], "green"), (bar[1], "red")]
     return [(None, "green"), (1, "red")]
 
 
@@ -87,21 +88,22 @@ def _pos(x, y, w, h):
 
 
 def _stat(stat, prometheus, ds, t: Thresholds, title, expr, unit, bar, kind, x, y, w=4):
-    """A stat of one series per model (legend ``{{model}}``), coloured by the model's bar ``bar`` (a
-    ModelThresholds field; None: any non-zero value is bad)."""
-    from grafana_foundation_sdk.models.dashboard import DynamicConfigValue
-
-    p = (stat.Panel().title(title).datasource(ds).unit(unit)
-         .thresholds(_thresholds_config(steps(kind, getattr(t.default, bar) if bar else None)))
-         .with_target(_q(prometheus, expr, "{{model}}")).grid_pos(_pos(x, y, w, 4)))
-    for model, value in (t.overrides(bar) if bar else {}).items():
-        own = {"mode": "absolute", "steps": [{"value": v, "color": c} for v, c in steps(kind, value)]}
-        p = p.override_by_name(model, [DynamicConfigValue(id_val="thresholds", value=own)])
-    return p
+    """A stat of one series per model (legend ``{{model}}``), coloured by the bar ``bar`` (a Thresholds field;
+    None: the kind's own bar)."""
+    return (stat.Panel().title(title).datasource(ds).unit(unit)
+            .thresholds(_thresholds_config(steps(kind, getattr(t, bar) if bar else None)))
+            .with_target(_q(prometheus, expr, "{{model}}")).grid_pos(_pos(x, y, w, 4)))
 
 
-def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8):
+def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8, bar: float | None = None):
+    """A time series panel; ``bar``: a red threshold line where the alert's bar is."""
     p = timeseries.Panel().title(title).datasource(ds).unit(unit).grid_pos(_pos(x, y, w, h))
+    if bar is not None:
+        from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
+        from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
+
+        p = (p.thresholds(_thresholds_config([(None, "transparent"), (bar, "red")]))
+             .thresholds_style(GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)))
     for target in targets:
         p = p.with_target(target)
     return p
@@ -115,16 +117,40 @@ def _heatmap(heatmap, prometheus, ds, title, expr, legend, x, y, w=24, h=10, lay
             .with_target(_q(prometheus, expr, legend)))
 
 
-# -- the judged quantities, as the rules compute them -----------------------------------------------------
+# -- the judged quantities, as the exporter exports them and the rules read them ---------------------------------
+ON = rules.ON
+
+
 def excess_cv(matcher: str) -> str:
-    return rules.excess_cv(matcher)
+    return f"moescope_expert_load_excess_cv_ratio{{{matcher}}}"
 
 
-def judged_dead(t: Thresholds, matcher: str) -> str:
-    """Dead experts where the model's bar says a zero means something (the MoEDeadExperts expression)."""
-    return rules.per_model(t, "dead_min_expected_slots", lambda m, b: (
-        f"moescope_dead_experts{{{_and(matcher, m)}}} > 0 and "
-        f"moescope_window_slots_per_expert{{{_and(matcher, m)}}} >= {b}"))
+def imbalance_bar(t: Thresholds, matcher: str) -> str:
+    """The layer's imbalance bar: from its baseline where the exporter loaded one, else the no-baseline bar."""
+    return f"{rules.baseline_bar(t, matcher)} or on () vector({rules.num(t.imbalance_cv)})"
+
+
+def excess_over_bar(t: Thresholds, matcher: str) -> str:
+    """The load CV beyond noise over the layer's own bar (the MoEExpertLoadImbalance judgement: > 1 fires)."""
+    return (f"({excess_cv(matcher)} / {ON} group_left () {rules.baseline_bar(t, matcher)} or "
+            f"({excess_cv(matcher)} / {rules.num(t.imbalance_cv)} unless {ON} "
+            f"moescope_baseline_load_cv_ratio{{{matcher}}}))")
+
+
+def judged_dead(matcher: str) -> str:
+    """Dead experts that sampling does not explain (the MoEDeadExperts series)."""
+    return f"moescope_dead_experts_unexpected{{{matcher}}}"
+
+
+def drift_beyond_noise(matcher: str) -> str:
+    return (f"moescope_routing_drift_jsd_bits{{{matcher}}} - {ON} group_left "
+            f"moescope_routing_drift_noise_bits{{{matcher}}}")
+
+
+def hits_over_capacity(matcher: str) -> str:
+    """Each layer's hit rate over the share of experts its cache holds (MoEExpertCacheHitRateLow: < 0.5)."""
+    return (f"{rules.hit_rate(matcher, '$__rate_interval')} / {ON} "
+            f"moescope_expert_cache_capacity_ratio{{{matcher}}}")
 
 
 def hit_rate(matcher: str, by: str = "model") -> str:
@@ -139,14 +165,17 @@ def expert_rate(matcher: str) -> str:
             f"{{{SEL}}}))")
 
 
-# (stat title, ModelThresholds field or None, colour kind): what a test checks against the thresholds object
+# (stat title, Thresholds field or None, colour kind): what a test checks against the thresholds object
 COLOURED = (
-    ("Load CV beyond noise (worst layer)", "load_cv", "above"),
+    ("Load CV beyond noise / its bar (worst layer)", None, "ratio"),
     ("Top expert share", "collapse_top_share", "above"),
     ("Dead experts (judged)", None, "any"),
-    ("Cache hit rate", "cache_hit_rate", "floor"),
-    ("Activation vs config", "activation_band", "band"),
+    ("Cache hits / resident share (worst layer)", "cache_floor_of_capacity", "floor"),
+    ("Activation vs config", "activation_floor", "floor"),
     ("Non-finite logits (5m)", None, "any"),
+    ("Hottest expert / its reference share", "hot_factor", "above"),
+    ("Busiest rank / mean rank (worst layer)", "rank_max_over_mean", "above"),
+    ("Drift beyond noise, bits (worst layer)", "drift_bits", "above"),
 )
 
 
@@ -156,31 +185,36 @@ def overview(t: Thresholds = DEFAULT):
             .refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
     exprs = {
-        "Load CV beyond noise (worst layer)": (f"max by (model) ({excess_cv(SEL)})", "none"),
+        "Load CV beyond noise / its bar (worst layer)": (f"max by (model) ({excess_over_bar(t, SEL)})", "none"),
         "Top expert share": (f"max by (model) (moescope_expert_load_top_share_ratio{{{SEL}}})", "percentunit"),
-        "Dead experts (judged)": (f"sum by (model) ({judged_dead(t, SEL)}) or on () vector(0)", "none"),
-        "Cache hit rate": (hit_rate(SEL), "percentunit"),
+        "Dead experts (judged)": (f"sum by (model) ({judged_dead(SEL)}) or on () vector(0)", "none"),
+        "Cache hits / resident share (worst layer)": (f"min by (model) ({hits_over_capacity(SEL)})", "none"),
         "Activation vs config": (f"avg by (model) ({rules.activation_vs_expected(SEL)})", "percentunit"),
         "Non-finite logits (5m)": (f"sum by (model) (increase(moescope_router_nonfinite_logits_total{{{SEL}}}"
                                    "[5m]))", "none"),
+        "Hottest expert / its reference share": (f"max by (model) (moescope_expert_hot_factor_ratio{{{SEL}}})",
+                                                 "none"),
+        "Busiest rank / mean rank (worst layer)": (
+            f"max by (model) (moescope_rank_load_max_over_mean_ratio{{{SEL}}})", "none"),
+        "Drift beyond noise, bits (worst layer)": (f"max by (model) ({drift_beyond_noise(SEL)})", "none"),
     }
     for i, (title, bar, kind) in enumerate(COLOURED):
         expr, unit = exprs[title]
-        dash = dash.with_panel(_stat(stat, prometheus, ds, t, title, expr, unit, bar, kind, 4 * i, 0))
+        dash = dash.with_panel(_stat(stat, prometheus, ds, t, title, expr, unit, bar, kind, 4 * (i % 6), 4 * (i // 6)))
     dash = dash.with_panel(_stat(stat, prometheus, ds, t, "Firing alerts",
                                  'count(ALERTS{alertstate="firing", alertname!="Watchdog"}) or vector(0)', "none",
-                                 None, "any", 0, 4, 6))
+                                 None, "any", 12, 4, 12))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Tokens / s", [
         _q(prometheus, f"sum by (phase) (rate(moescope_tokens_total{{{SEL}}}[$__rate_interval]))", "{{phase}}")],
-        "none", 6, 4, 18, 6))
+        "none", 0, 8, 24, 6))
     lat = "moescope_token_latency_seconds_bucket"
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Token latency (exemplars: request ids)", [
         _q(prometheus, f"histogram_quantile(0.5, sum by (le) (rate({lat}{{{SEL}}}[$__rate_interval])))", "p50", True),
         _q(prometheus, f"histogram_quantile(0.99, sum by (le) (rate({lat}{{{SEL}}}[$__rate_interval])))", "p99",
-           True)], "s", 0, 10))
+           True)], "s", 0, 14))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Step time p99 by phase", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le, phase) (rate(moescope_step_seconds_bucket"
-           f"{{{SEL}}}[$__rate_interval])))", "{{phase}}", True)], "s", 12, 10))
+           f"{{{SEL}}}[$__rate_interval])))", "{{phase}}", True)], "s", 12, 14))
     return dash
 
 
@@ -203,23 +237,35 @@ def experts(t: Thresholds = DEFAULT):
         _q(prometheus, f"topk(8, {expert_rate(LSEL)})", "expert {{expert}}")], "none", 0, 26))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Coldest 8 experts, layer $layer (slots/s)", [
         _q(prometheus, f"bottomk(8, {expert_rate(LSEL)})", "expert {{expert}}")], "none", 12, 26))
-    cv_title = "Layer $layer: load CV, sampling noise bound, beyond noise"
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, cv_title, [
+    live = f"({expert_rate(LSEL)}) / scalar(sum({expert_rate(LSEL)}))"
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: live vs baseline share (hottest 8; "
+                               "baseline only where one is loaded)", [
+        _q(prometheus, f"topk(8, {live})", "live e{{expert}}"),
+        _q(prometheus, f"max by (expert) (moescope_baseline_expert_share_ratio{{{LSEL}}}) and on (expert) "
+           f"topk(8, {live})", "baseline e{{expert}}")], "percentunit", 0, 34))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Hot experts: share / reference share, all layers "
+                               f"(alert over {rules.num(t.hot_factor)}x; absent where none is significant)", [
+        _q(prometheus, f"moescope_expert_hot_factor_ratio{{{SEL}}}", "L{{layer}} e{{expert}} vs {{reference}}")],
+        "none", 12, 34, bar=t.hot_factor))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: load CV beyond noise and its bar "
+                               "(baseline's, else the no-baseline bar)", [
         _q(prometheus, f"max(moescope_expert_load_cv_ratio{{{LSEL}}})", "CV"),
         _q(prometheus, f"max(moescope_expert_load_cv_noise_ratio{{{LSEL}}})", "noise bound"),
-        _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise")], "none", 0, 34))
+        _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise"),
+        _q(prometheus, f"max({imbalance_bar(t, LSEL)})", "bar")], "none", 0, 42))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Worst layers: top share, judged dead experts", [
         _q(prometheus, f"topk(3, max by (layer) (moescope_expert_load_top_share_ratio{{{SEL}}}))",
            "top share L{{layer}}"),
-        _q(prometheus, f"max by (layer) ({judged_dead(t, SEL)}) or on () vector(0)", "dead L{{layer}}")],
-        "none", 12, 34))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Canary flip ratio and drift from baseline (worst layers)", [
-        _q(prometheus, f"topk(3, max by (layer) (moescope_routing_flip_ratio{{{SEL}}}))", "flips L{{layer}}"),
-        _q(prometheus, f"topk(3, max by (layer) (moescope_routing_drift_jsd_bits{{{SEL}}}))",
-           "drift L{{layer}} (bits)")], "none", 0, 42))
+        _q(prometheus, f"max by (layer) ({judged_dead(SEL)}) or on () vector(0)", "dead L{{layer}}")],
+        "none", 12, 42))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Canary flip ratio and drift beyond noise (worst layers)",
+                               [_q(prometheus, f"topk(3, max by (layer) (moescope_routing_flip_ratio{{{SEL}}}))",
+                                   "flips L{{layer}}"),
+                                _q(prometheus, f"topk(3, max by (layer) ({drift_beyond_noise(SEL)}))",
+                                   "drift L{{layer}} (bits)")], "none", 0, 50))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Router entropy and margin (mean over layers)", [
         _q(prometheus, f"avg(moescope_router_entropy_ratio{{{SEL}}})", "entropy"),
-        _q(prometheus, f"avg(moescope_router_margin_ratio{{{SEL}}})", "margin")], "percentunit", 12, 42))
+        _q(prometheus, f"avg(moescope_router_margin_ratio{{{SEL}}})", "margin")], "percentunit", 12, 50))
     return dash
 
 
@@ -228,8 +274,10 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
     dash = (dashboard.Dashboard("moescope / Cache and all-to-all").uid("moescope-cache-a2a")
             .tags(["moescope", "moe"]).refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert cache hit rate, worst 5 layers", [
-        _q(prometheus, f"bottomk(5, {hit_rate(SEL, 'layer')})", "L{{layer}}")], "percentunit", 0, 0))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert cache hit rate, worst 5 layers, and the floor "
+                               f"({rules.num(t.cache_floor_of_capacity)} x the share of experts resident)", [
+        _q(prometheus, f"bottomk(5, {hit_rate(SEL, 'layer')})", "L{{layer}}"),
+        _q(prometheus, f"max({rules.cache_floor(t, SEL)})", "floor")], "percentunit", 0, 0))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert fetch (switch) latency", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le) (rate(moescope_expert_fetch_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "p99"),
@@ -246,6 +294,13 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
         _q(prometheus, f"topk(5, sum by (layer) (rate(moescope_tokens_dropped_total{{{SEL}}}[$__rate_interval])) / "
            f"sum by (layer) (rate(moescope_router_tokens_total{{{SEL}}}[$__rate_interval])))", "L{{layer}}")],
         "percentunit", 0, 16))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert-parallel ranks: busiest / mean load (worst 5 "
+                               f"layers; alert over {rules.num(t.rank_max_over_mean)})", [
+        _q(prometheus, f"topk(5, max by (layer) (moescope_rank_load_max_over_mean_ratio{{{SEL}}}))", "L{{layer}}")],
+        "none", 12, 16, bar=t.rank_max_over_mean))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert-parallel ranks: slots each rank computed over "
+                               "the window", [
+        _q(prometheus, f"sum by (peer) (moescope_rank_window_slots{{{SEL}}})", "rank {{peer}}")], "none", 0, 24))
     return dash
 
 
@@ -254,7 +309,7 @@ def memory(t: Thresholds = DEFAULT):
     dash = (dashboard.Dashboard("moescope / Memory").uid("moescope-memory").tags(["moescope", "moe"])
             .refresh("10s").time("now-6h", "now"))
     dash, ds = _variables(dash, dashboard)
-    d = t.default
+    d = t
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Process resident memory", [
         _q(prometheus, f"moescope_process_resident_memory_bytes{{{SEL}}}", "rank {{rank}}"),
         _q(prometheus, f"predict_linear(moescope_process_resident_memory_bytes{{{SEL}}}[{d.memory_window_s}s], "
