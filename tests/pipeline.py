@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import yaml
 
@@ -23,6 +23,7 @@ class Delivered:
     first: dict  # alertname -> seconds from the first scrape to its first firing delivery
     scraped_at: float  # time.monotonic() of Prometheus' start
     during: object = None  # what the ``during`` callback returned
+    timeline: list = field(default_factory=list)  # (seconds from the first scrape, alert) per delivered alert
 
 
 def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=(), settle_s: float = 0.0,
@@ -77,7 +78,8 @@ def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=()
             at = hook.first_arrival(name)
             if at is not None:
                 first[name] = round(at - start, 1)
-        return Delivered(got, first, start, extra)
+        timeline = [(round(t - start, 1), a) for t, a in hook.timeline()]
+        return Delivered(got, first, start, extra, timeline)
     finally:
         if prom is not None:
             prom.stop()

@@ -157,6 +157,11 @@ class Webhook:
         """(receiver path, alert) for every alert delivered so far."""
         return [(path, a) for path, payload in self.received for a in payload.get("alerts", [])]
 
+    def timeline(self) -> list[tuple[float, dict]]:
+        """(time.monotonic() of its delivery, alert) for every alert delivered so far."""
+        return [(t, a) for (_, payload), t in zip(list(self.received), list(self.arrived))
+                for a in payload.get("alerts", [])]
+
     def first_arrival(self, alertname: str) -> float | None:
         """time.monotonic() when ``alertname`` first arrived firing, or None."""
         for (_, payload), t in zip(list(self.received), list(self.arrived)):

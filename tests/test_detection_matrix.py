@@ -7,8 +7,11 @@ counted from Prometheus' first scrape, with every `for` shrunk 30-fold (producti
 Set MOESCOPE_MATRIX_OUT=FILE to keep the measured matrix (the README's table comes from it).
 
 At DeepSeek-V3's shape (58 MoE layers x 256 experts, top-8, sigmoid routing; ~35 tokens/s on 2 cores) the
-routing faults run again, all at once, with a trace store each: the same rules judge the excess load CV against
-the window's sampling noise, and `moescope diagnose` must name each cause from the store.
+routing faults run again, all at once, with a trace store each, on the preset saved under a name no code knows
+(``acme-deepseek-v3-shape``): the same rules judge every layer against the window's sampling noise, the hot
+expert's row (one expert of one MoE layer at 5x its fair share) must page naming that layer and expert within
+the alert's scaled ``for``, and `moescope diagnose` must name each cause from the store (the hot expert with its
+factor); on the healthy row it names nothing.
 """
 
 import json
@@ -18,15 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 import subprocess
 import sys
 import time
-from dataclasses import replace
-
 import pytest
 
 import moescope
 import pipeline
 from moescope.alerts import rules
 from moescope.runtime import loader
-from moescope.thresholds import ModelThresholds
 
 pytestmark = pytest.mark.integration
 
@@ -58,18 +58,26 @@ PARALLEL = int(os.environ.get("MOESCOPE_MATRIX_PARALLEL", "4"))
 # finish no request within the watch (nothing for diagnose) and starve its own exporter. The rules judge a thin
 # window by its sampling noise: that is what these rows test.
 SHAPE = "deepseek-v3-shape"
-AT_SHAPE = ("healthy", "collapse", "imbalance", "nan", "drop")
+AT_SHAPE = ("healthy", "collapse", "imbalance", "nan", "drop", "hot")
+# The hot row: expert 17 of the middle MoE layer (block 32 of 61; layers 0-2 are dense) at 5x its fair share
+# on calibration traffic (runtime/faults.py finds the logit bias); MoEExpertHot's bar is 4x.
+HOT_LAYER, HOT_EXPERT, HOT_FACTOR = 32, 17, 5
+SPEC = {"hot": f"hot={HOT_LAYER}:{HOT_EXPERT}:{HOT_FACTOR}x"}
+SHAPE_EXPECTED = {**EXPECTED, "hot": "MoEExpertHot"}
+# Time to detect, beyond the alert's scaled `for`: a 2 s scrape, a 1 s evaluation, Alertmanager's 1 s group
+# wait and a resend within 2 s, and the window's first evidence (a request every 2 s reaches the two draws a
+# judgement needs within seconds).
+DETECT_SLACK_S = 15
 # diagnose's ids (its drift check tests the model once before naming layers: 58 layers tested alone at 95%
-# would find "drift" by chance and hold back imbalance); the healthy row names no routing cause.
-CAUSE = {"collapse": "collapse", "imbalance": "imbalance", "nan": "nonfinite", "drop": "drop"}
-ROUTING_CAUSES = {"collapse", "imbalance", "drift", "dead-experts", "nonfinite", "drop", "jitter"}
+# would find "drift" by chance and hold back imbalance); the healthy row names nothing.
+CAUSE = {"collapse": "collapse", "imbalance": "imbalance", "nan": "nonfinite", "drop": "drop", "hot": "hot-expert"}
 SHAPE_RATE = 0.15
 # drop: the drop rule's rate() sees drops at prefills only (a decode step of one request fits every expert's
 # capacity): a request every ~7 s lets MoEActivationRatioOutOfBand, the drops' symptom, fire before its cause
 # can inhibit it. imbalance: judged from 16 slots per expert in the window, which a request every ~7 s reaches
 # only after ~50 s, when the young demo's start-up memory growth has a window of history for MoEMemoryGrowth
 # to extrapolate. A request every 2 s for both.
-SHAPE_RATES = {"drop": 0.5, "imbalance": 0.5}
+SHAPE_RATES = {"drop": 0.5, "imbalance": 0.5, "hot": 0.5}
 # A 58 x 256 exposition is ~1.6 MB (~50 ms to scrape alone): with five such demos on two cores a 1 s scrape
 # timeout is missed now and then, which MoEExporterDown (for 1m / 30 = 2 s) would page. Production scrapes every
 # 15 s (10 s timeout); these rows scrape every 2 s (2 s timeout).
@@ -79,7 +87,7 @@ SHAPE_SCRAPE = "2s"
 # 60 s of a young process when these rows end, so MoEMemoryGrowth would extrapolate it. The leak row at tiny-demo
 # tests that rule; here its window is 30 min x 3 (180 s scaled: longer than these rows run), every other bar and
 # `for` as in production / 30.
-SHAPE_THRESHOLDS = rules.Thresholds(default=replace(ModelThresholds(), memory_window_s=3 * 1800), for_scale=1 / 30)
+SHAPE_THRESHOLDS = rules.Thresholds(memory_window_s=3 * 1800, for_scale=1 / 30)
 # Imbalance at this shape is judged from 16 slots per expert in the window (~35 s of this traffic): longer watches.
 SHAPE_WATCH_S, SHAPE_HEALTHY_WATCH_S = 100, 60
 
@@ -103,8 +111,15 @@ def _stops_on(expected):
     return lambda alerts: any(a["labels"]["alertname"] == expected and a["status"] == "firing" for _, a in alerts)
 
 
-def _one_at_shape(base, scenario):
-    expected = EXPECTED[scenario]
+def renamed(base):
+    """The deepseek-v3-shape preset under a name no code knows (as a user's own YAML would)."""
+    path = base / "acme-deepseek-v3-shape.yaml"
+    path.write_text(f"preset: {SHAPE}\nname: acme-{SHAPE}\n")
+    return str(path)
+
+
+def _one_at_shape(base, scenario, model):
+    expected = SHAPE_EXPECTED[scenario]
     store = base / scenario / "traces.sqlite"
 
     def during(prom):  # Prometheus' view, then diagnose on the store and the same Prometheus
@@ -120,15 +135,19 @@ def _one_at_shape(base, scenario):
         except (ValueError, KeyError):
             findings = [{"cause": "unreadable", "severity": "critical", "stderr": run.stderr[-1000:]}]
         named = sorted({f["cause"] for f in findings if f["severity"] in ("critical", "warning")})
+        hot = [{k: x.get(k) for k in ("layer", "expert", "factor")} for f in findings if f["cause"] == "hot-expert"
+               for x in f.get("evidence", {}).get("experts", [])]
         alerts = sorted({f"{a['metric']['alertname']}:{a['metric']['alertstate']}:layer={a['metric'].get('layer')}"
                          for a in prom.query("ALERTS")})
         scrapes = {"slowest_scrape_s": prom.scalar("max(max_over_time(scrape_duration_seconds[10m]))"),
                    "failed_scrapes": prom.scalar("sum(count_over_time((up == 0)[10m:1s]))")}
         return {"prometheus": _state(prom), "alerts": alerts, "scrapes": scrapes, "diagnose_exit": run.returncode,
-                "diagnose_named": named, **({"diagnose_stderr": run.stderr[-500:]} if run.returncode == 2 else {})}
+                "diagnose_named": named, "diagnose_hot": hot,
+                **({"diagnose_stderr": run.stderr[-500:]} if run.returncode == 2 else {})}
 
-    got = pipeline.run(base / scenario, scenario, SHAPE_WATCH_S if expected else SHAPE_HEALTHY_WATCH_S,
-                       stop_when=_stops_on(expected), settle_s=SETTLE_S, during=during, model=SHAPE,
+    got = pipeline.run(base / scenario, SPEC.get(scenario, scenario),
+                       SHAPE_WATCH_S if expected else SHAPE_HEALTHY_WATCH_S,
+                       stop_when=_stops_on(expected), settle_s=SETTLE_S, during=during, model=model,
                        rate=SHAPE_RATES.get(scenario, SHAPE_RATE), traces=str(store), scrape_interval=SHAPE_SCRAPE,
                        start_timeout_s=240, thresholds=SHAPE_THRESHOLDS)
     return scenario, got
@@ -138,10 +157,17 @@ def _table(results, diagnosed=False):
     table = {}
     for s, d in results.items():
         during = d.during if diagnosed else {"prometheus": d.during}
-        table[s] = {"expected": EXPECTED[s], "delivered": sorted(pipeline.firing(d) - {"Watchdog"}),
-                    "seconds_to_detect": d.first.get(EXPECTED[s]) if EXPECTED[s] else None,
+        expected = SHAPE_EXPECTED[s]
+        table[s] = {"expected": expected, "delivered": sorted(pipeline.firing(d) - {"Watchdog"}),
+                    "seconds_to_detect": d.first.get(expected) if expected else None,
                     "watchdog": "Watchdog" in pipeline.firing(d), "prometheus_saw": during["prometheus"],
                     **({k: v for k, v in during.items() if k != "prometheus"} if diagnosed else {})}
+        if s == "hot":  # which layer and expert the delivered alerts name
+            table[s]["hot_alerts"] = [list(x) for x in sorted({(a["labels"].get("layer"), a["labels"].get("expert"))
+                                                               for _, a in d.alerts
+                                                               if a["labels"]["alertname"] == "MoEExpertHot"
+                                                               and a["status"] == "firing"})]
+            table[s]["scenario"] = SPEC[s]
     return table
 
 
@@ -180,13 +206,17 @@ def matrix_at_shape(tmp_path_factory):
     # The balanced init of --weights auto is built here (~30 s cold on an idle machine, then cached under
     # ~/.cache/moescope), so the demos all load it rather than each building it at once within the exporter's
     # start-up wait. Its cache key holds the model config, capacity factor included: drop's model is its own.
-    builds = {tuple(sorted(moescope.Config(scenarios=(s,)).model_overrides().items())) for s in AT_SHAPE}
-    for overrides in sorted(builds):
-        loader.build_model(SHAPE, **dict(overrides))
     base = tmp_path_factory.mktemp("matrix-" + SHAPE)
+    model = renamed(base)
+    builds = {tuple(sorted(moescope.Config(scenarios=(SPEC.get(s, s),)).model_overrides().items()))
+              for s in AT_SHAPE}
+    for overrides in sorted(builds):
+        loader.build_model(model, **dict(overrides))
     with ThreadPoolExecutor(len(AT_SHAPE)) as pool:
-        results = dict(pool.map(lambda s: _one_at_shape(base, s), AT_SHAPE))
+        results = dict(pool.map(lambda s: _one_at_shape(base, s, model), AT_SHAPE))
     table = _table(results, diagnosed=True)
+    for row in table.values():
+        row["model"] = f"acme-{SHAPE} (preset {SHAPE})"
     _keep(SHAPE, table)
     return table
 
@@ -207,5 +237,15 @@ def test_at_deepseek_v3_shape_scenario_delivers_its_alert_and_no_other(matrix_at
     assert row["delivered"] == want, row
     if scenario in CAUSE:  # diagnose names the cause from the trace store
         assert row["diagnose_exit"] == 1 and CAUSE[scenario] in row["diagnose_named"], row
-    if scenario == "healthy":
-        assert row["diagnose_exit"] in (0, 1) and not ROUTING_CAUSES & set(row["diagnose_named"]), row
+    if scenario == "healthy":  # nothing but the Watchdog, and diagnose names nothing
+        assert row["diagnose_exit"] == 0 and row["diagnose_named"] == [], row
+    if scenario == "hot":
+        hot_for = next(a.for_ for a in rules.specs(SHAPE_THRESHOLDS) if a.name == "MoEExpertHot")
+        assert row["hot_alerts"] == [[str(HOT_LAYER), str(HOT_EXPERT)]], row
+        assert row["seconds_to_detect"] <= _seconds(hot_for) / 30 + DETECT_SLACK_S, row
+        named = [h for h in row["diagnose_hot"] if (h["layer"], h["expert"]) == (HOT_LAYER, HOT_EXPERT)]
+        assert named and named[0]["factor"] > SHAPE_THRESHOLDS.hot_factor, row
+
+
+def _seconds(duration: str) -> float:
+    return float(duration[:-1]) * {"s": 1, "m": 60, "h": 3600}[duration[-1]]

@@ -1,0 +1,337 @@
+"""Detection power and false alarms through the real alerting path, on models no code knows by name.
+
+Each shape (tiny-demo, qwen3-moe-shape, deepseek-v3-shape) runs under a new name (a YAML ``preset: X`` +
+``name: acme-X``; tiny-demo keeps its trained weights). Every run is the end-to-end path of the detection
+matrix (tests/pipeline.py): ``moescope demo`` -> its exporter -> a real Prometheus evaluating the generated
+rules with every ``for`` shrunk 30-fold -> a real Alertmanager with the repo's routing and inhibitions -> a
+webhook. Times to detect count from Prometheus' first scrape, which starts 12 s after the exporter answers.
+
+- False alarms: healthy traffic for ``--healthy-s`` seconds per shape (5 minutes by default) with a trace
+  store, then ``moescope baseline save`` from that store and another healthy run (another traffic seed) with
+  ``--baseline``: every alert delivered other than the Watchdog is a false alarm.
+- Power: per shape and fault, magnitudes from the largest down, one run each, until one is not detected
+  within the watch (smaller ones are then not run: the sweep assumes detection is monotone in the magnitude).
+  Faults and what detects them: ``hot=L:E:Fx`` (one expert of the middle MoE layer at F times its fair share on
+  calibration traffic) -> MoEExpertHot naming that layer and expert; ``imbalance=S`` (the graded bias x S) ->
+  MoEExpertLoadImbalance; ``collapse=B`` (bias B on expert 0) -> MoEExpertCollapse; ``drop=CF`` (capacity
+  factor) -> MoETokensDropped. Each run's realised size is measured from its own trace store (the hot expert's
+  share over the fair share, the worst layer's load CV, the busiest expert's share of a layer's slots, the
+  dropped share of the slots), never assumed.
+
+Results: benchmarks/results/detection.json (``--quick``: detection-quick.json, tiny-demo only, ~2 minutes).
+docs/alerts.md ("Detection power") quotes the full run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tests"))  # the matrix's alerting path: tests/pipeline.py, tests/servers.py
+from _results import save  # noqa: E402
+
+# Settings per shape. The shapes serve ~35 tokens/s on 2 shared cores: thin traffic (a request every 4 s), 2 s
+# scrapes (a 58 x 256 exposition is ~1.6 MB), minutes to start several at once.
+SHAPES = {
+    "tiny-demo": {"rate": 8.0, "scrape": "1s", "start_s": 120, "watch_s": 60},
+    "qwen3-moe-shape": {"rate": 0.25, "scrape": "2s", "start_s": 300, "watch_s": 100},
+    "deepseek-v3-shape": {"rate": 0.25, "scrape": "2s", "start_s": 300, "watch_s": 100},
+}
+# Magnitudes, largest first. hot: factors over the fair share (those a model can reach: below E/k).
+SWEEP = {
+    "hot": [8.0, 6.0, 4.5, 3.0, 2.0],
+    "imbalance": [4.0, 2.0, 1.0, 0.5],
+    "collapse": [8.0, 4.0, 2.0, 1.0],
+    "drop": [0.5, 0.75, 1.0, 1.5],
+}
+EXPECTED = {"hot": "MoEExpertHot", "imbalance": "MoEExpertLoadImbalance", "collapse": "MoEExpertCollapse",
+            "drop": "MoETokensDropped"}
+HOT_EXPERT = 5
+# Routing alerts that page for a fault in its expected alert's place (the Alertmanager inhibits the imbalance
+# and hot alerts under a collapse): a run that delivers one is not a miss, and the sweep goes on down.
+PAGES_INSTEAD = ("MoEExpertCollapse", "MoEExpertLoadImbalance", "MoEExpertHot")
+SETTLE_S = 5
+QUICK = {"shapes": ["tiny-demo"], "healthy_s": 45, "watch_s": 45, "baseline": False,
+         "sweep": {"hot": [3.0], "imbalance": [4.0], "collapse": [8.0], "drop": [0.5]}, "chain": False}
+
+
+def renamed(shape: str, out: Path) -> tuple[str, list[str]]:
+    """(model spec, demo args) for ``shape`` under a name no code knows."""
+    from moescope.runtime import weights
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"acme-{shape}.yaml"
+    if not path.exists():  # (threads share it: written once, atomically)
+        tmp = out / f".acme-{shape}.{os.getpid()}.{threading.get_ident()}"
+        tmp.write_text(f"preset: {shape}\nname: acme-{shape}\n")
+        tmp.replace(path)
+    args = ["--weights", str(weights.DEMO_WEIGHTS)] if shape == "tiny-demo" else []
+    return str(path), args
+
+
+def thresholds():
+    from moescope.alerts import rules
+
+    # Every `for` / 30, and the memory trend's window (30 min, 60 s scaled) x3 as the matrix at shape: a young
+    # process's start-up growth is not a leak (production's 30 min window never sees a process this young).
+    return rules.Thresholds(for_scale=1 / 30, memory_window_s=3 * 1800)
+
+
+def hot_layer(spec: str) -> int:
+    """The middle MoE layer (the label metrics use: the block index)."""
+    from moescope.runtime.config import resolve
+
+    cfg = resolve(spec)
+    layers = [i for i in range(cfg.n_layers) if i not in cfg.dense_layers]
+    return layers[len(layers) // 2]
+
+
+def store_figures(store: Path, fault: str, layer: int | None) -> dict:
+    """The realised size of the fault from the run's own trace store."""
+    from moescope.traces.store import CorruptRows, iter_routed, open_store
+
+    if not store.exists():
+        return {"requests_stored": 0}
+    conn = open_store(store)
+    totals: dict[int, np.ndarray] = {}
+    n_req, n_exp = 0, None
+    try:
+        for r in iter_routed(conn, corrupt=CorruptRows(warn=None)):
+            n_req, n_exp = n_req + 1, r.n_experts
+            for j, lay in enumerate(r.layers):
+                c = np.bincount(r.ids[:, j].ravel(), minlength=r.n_experts + 1)  # id E: a dropped slot
+                totals[lay] = totals.get(lay, 0) + c
+    finally:
+        conn.close()
+    out: dict = {"requests_stored": n_req}
+    if not totals:
+        return out
+    kept = {lay: c[:n_exp].astype(np.float64) for lay, c in totals.items()}
+    cv = {lay: float(k.std() / k.mean()) for lay, k in kept.items() if k.sum() > 0}
+    out["worst_layer_load_cv"] = round(max(cv.values()), 3)
+    out["median_layer_load_cv"] = round(float(np.median(list(cv.values()))), 3)
+    if fault == "collapse":
+        out["max_expert_slot_share"] = round(max(float(k.max() / k.sum()) for k in kept.values()), 3)
+    if fault == "drop":
+        dropped = sum(float(c[n_exp]) for c in totals.values())
+        out["dropped_slot_share"] = round(dropped / sum(float(c.sum()) for c in totals.values()), 4)
+    if fault == "hot" and layer in kept:
+        k = kept[layer]
+        out["hot_factor_measured"] = round(float(k[HOT_EXPERT] / k.sum() * n_exp), 2)
+        others = [float(v[HOT_EXPERT] / v.sum() * n_exp) for lay, v in kept.items() if lay != layer]
+        out["same_expert_other_layers_median_factor"] = round(float(np.median(others)), 2) if others else None
+    return out
+
+
+def _alert_key(a: dict) -> str:
+    labels = a["labels"]
+    extra = [f"{k}={labels[k]}" for k in ("layer", "expert", "reference", "peer") if k in labels]
+    return labels["alertname"] + (f"{{{','.join(extra)}}}" if extra else "")
+
+
+def _delivered(got) -> list[str]:
+    return sorted({_alert_key(a) for _, a in got.alerts if a["status"] == "firing"
+                   and a["labels"]["alertname"] != "Watchdog"})
+
+
+def _watchdog(got) -> bool:
+    return any(a["labels"]["alertname"] == "Watchdog" for _, a in got.alerts)
+
+
+def run_one(base: Path, shape: str, scenario: str, watch_s: float, *, matches=None, demo_args=(),
+            seed: int = 0) -> dict:
+    """One demo through the alerting path; ``matches(alert)`` marks the expected alert (None: healthy)."""
+    import pipeline
+
+    cfg = SHAPES[shape]
+    spec, model_args = renamed(shape, base.parent.parent)
+    store = base / "traces.sqlite"
+    stop = None if matches is None else (lambda alerts: any(a["status"] == "firing" and matches(a)
+                                                            for _, a in alerts))
+    started = time.time()
+    try:
+        got = pipeline.run(base, scenario, watch_s, stop_when=stop, settle_s=SETTLE_S, model=spec,
+                           rate=cfg["rate"], traces=str(store), scrape_interval=cfg["scrape"],
+                           start_timeout_s=cfg["start_s"], thresholds=thresholds(),
+                           demo_args=[*model_args, "--seed", str(seed), *demo_args])
+    except Exception as exc:  # a run that broke is a row saying so, not a lost sweep
+        return {"scenario": scenario, "error": f"{type(exc).__name__}: {str(exc)[-600:]}",
+                "wall_s": round(time.time() - started, 1)}
+    row = {"scenario": scenario, "watch_s": watch_s, "watchdog": _watchdog(got), "delivered": _delivered(got),
+           "wall_s": round(time.time() - started, 1)}
+    if matches is not None:
+        hits = [t for t, a in got.timeline if a["status"] == "firing" and matches(a)]
+        row["detected"] = bool(hits)
+        row["seconds_to_detect"] = min(hits) if hits else None
+    return row
+
+
+def healthy(out: Path, shape: str, seconds: float, with_baseline: bool) -> dict:
+    base = out / shape / "healthy"
+    row = {"no_baseline": run_one(base, shape, "healthy", seconds)}
+    row["no_baseline"].update(store_figures(base / "traces.sqlite", "healthy", None))
+    if with_baseline and "error" not in row["no_baseline"]:
+        bl = out / shape / "baseline.json"
+        save_run = subprocess.run([sys.executable, "-m", "moescope", "baseline", "save", "--traces",
+                                   str(base / "traces.sqlite"), "--out", str(bl)], capture_output=True, text=True)
+        if save_run.returncode != 0:
+            row["with_baseline"] = {"error": "baseline save failed: " + save_run.stderr[-600:]}
+        else:
+            row["baseline_saved"] = save_run.stdout.strip()[-300:]
+            b2 = out / shape / "healthy-baseline"
+            row["with_baseline"] = run_one(b2, shape, "healthy", seconds, demo_args=["--baseline", str(bl)], seed=1)
+            row["with_baseline"].update(store_figures(b2 / "traces.sqlite", "healthy", None))
+    for part in ("no_baseline", "with_baseline"):
+        if part in row and "delivered" in row[part]:
+            row[part]["false_alerts"] = len(row[part]["delivered"])
+    return row
+
+
+def _scenario(fault: str, magnitude: float, layer: int) -> str:
+    return f"hot={layer}:{HOT_EXPERT}:{magnitude:g}x" if fault == "hot" else f"{fault}={magnitude:g}"
+
+
+def _matcher(fault: str, layer: int):
+    name = EXPECTED[fault]
+    if fault == "hot":
+        return lambda a: (a["labels"]["alertname"] == name and a["labels"].get("layer") == str(layer)
+                          and a["labels"].get("expert") == str(HOT_EXPERT))
+    return lambda a: a["labels"]["alertname"] == name
+
+
+def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: float, chain: bool) -> dict:
+    """One fault's magnitudes, largest first; with ``chain``, stop after the first one not detected."""
+    spec, _ = renamed(shape, out)
+    layer = hot_layer(spec)
+    from moescope.runtime.config import resolve
+
+    cfg = resolve(spec)
+    reach = cfg.n_experts / cfg.top_k
+    rows, skipped = [], []
+    for m in magnitudes:
+        if fault == "hot" and m >= 0.95 * reach:
+            skipped.append({"magnitude": m, "why": f"out of reach: E/k = {reach:g} (every token choosing it)"})
+            continue
+        scenario = _scenario(fault, m, layer)
+        base = out / shape / scenario.replace("=", "-").replace(":", "_")
+        row = run_one(base, shape, scenario, watch_s, matches=_matcher(fault, layer))
+        row["magnitude"] = m
+        row.update(store_figures(base / "traces.sqlite", fault, layer))
+        row["others_delivered"] = [d for d in row.get("delivered", []) if not d.startswith(EXPECTED[fault])]
+        # Paged at all: the expected alert, or a routing alert that inhibits it (a strong imbalance or hot
+        # expert on a small model is a collapse: MoEExpertCollapse pages and holds the imbalance alert back).
+        row["paged"] = bool(row.get("detected")) or any(d.split("{")[0] in PAGES_INSTEAD
+                                                        for d in row.get("delivered", []))
+        rows.append(row)
+        print(f"  {shape} {scenario}: detected={row.get('detected')} in {row.get('seconds_to_detect')} s "
+              f"{row.get('delivered')} {row.get('error', '')}", flush=True)
+        if chain and not row["paged"]:
+            break
+    detected = [r["magnitude"] for r in rows if r.get("detected")]
+    knob_larger = fault != "drop"  # drop: a smaller capacity factor is the larger fault
+    smallest = (min(detected) if knob_larger else max(detected)) if detected else None
+    ttd = [r["seconds_to_detect"] for r in rows if r.get("detected")]
+    return {"fault": fault, "expected_alert": EXPECTED[fault], "hot_layer": layer if fault == "hot" else None,
+            "hot_expert": HOT_EXPERT if fault == "hot" else None, "runs": rows, "not_run": skipped,
+            "smallest_detected": smallest, "seconds_to_detect_median": float(np.median(ttd)) if ttd else None,
+            "magnitude_means": {"hot": "target factor over the fair share (calibration traffic)",
+                                "imbalance": "scale of the graded bias (1 = 0.8 on e0 .. 0 on the last)",
+                                "collapse": "logit bias on expert 0", "drop": "capacity factor"}[fault]}
+
+
+def prebuild(shapes: list[str], out: Path) -> None:
+    """Build each renamed model once here (its balanced routers are cached under its own name): demos
+    starting at once would each build them within the exporter's start-up wait."""
+    from moescope.runtime import loader
+
+    for shape in shapes:
+        spec, args = renamed(shape, out)
+        t = time.time()
+        loader.build_model(spec, weights=args[1] if args else "auto")
+        print(f"built {spec} in {time.time() - t:.0f} s", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="tiny-demo only, one magnitude per fault (~2 min; CI)")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--faults", default=",".join(SWEEP))
+    ap.add_argument("--healthy-s", type=float, default=300.0, help="seconds of healthy traffic per run")
+    ap.add_argument("--parallel", type=int, default=3, help="demos at once")
+    ap.add_argument("--out", default=None, help="results file")
+    ap.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
+    args = ap.parse_args()
+    import tempfile
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="moescope-detection-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        shapes, healthy_s, baseline, chain = QUICK["shapes"], QUICK["healthy_s"], QUICK["baseline"], QUICK["chain"]
+        sweeps = QUICK["sweep"]
+    else:
+        shapes, healthy_s, baseline, chain = args.shapes.split(","), args.healthy_s, True, True
+        sweeps = {f: SWEEP[f] for f in args.faults.split(",") if f}
+    unknown = [s for s in shapes if s not in SHAPES] + [f for f in sweeps if f not in SWEEP]
+    if unknown:
+        print(f"unknown shape(s)/fault(s): {', '.join(unknown)}", file=sys.stderr)
+        sys.exit(2)
+    t0 = time.time()
+    prebuild(shapes, work)
+    jobs = [(s, f) for f in sweeps for s in shapes]
+    watch = {s: QUICK["watch_s"] if args.quick else SHAPES[s]["watch_s"] for s in shapes}
+    # Full runs: the healthy runs first (false alarms on their own, not beside fault runs), then the sweeps.
+    # Quick: all at once (one tiny-demo each).
+    parallel = len(jobs) + len(shapes) if args.quick else max(1, args.parallel)
+    with ThreadPoolExecutor(parallel) as pool:
+        healthy_futures = [pool.submit(healthy, work, s, healthy_s, baseline) for s in shapes]
+        if not args.quick:
+            for f in healthy_futures:
+                f.result()
+            print(f"healthy done at {time.time() - t0:.0f} s", flush=True)
+        sweep_futures = [pool.submit(sweep, work, s, f, sweeps[f], watch[s], chain) for s, f in jobs]
+        healthy_rows = dict(zip(shapes, (f.result() for f in healthy_futures)))
+        swept = [f.result() for f in sweep_futures]
+    results = {s: {"model": f"acme-{s} (preset {s})", **SHAPES[s], "healthy": healthy_rows[s], "faults": {}}
+               for s in shapes}
+    for (s, f), row in zip(jobs, swept):
+        results[s]["faults"][f] = row
+    report = {
+        "benchmark": "detection", "quick": args.quick,
+        "how": "moescope demo (renamed preset) -> exporter -> Prometheus (generated rules, for / 30, memory window "
+               "x3) -> Alertmanager (repo routing) -> webhook; times from Prometheus' first scrape (12 s after the "
+               "exporter answers)",
+        "healthy_s": healthy_s, "parallel_demos": parallel, "chain_stops_at_first_miss": chain,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "note": "shared 2-core VM: other test runs share the cores"},
+        "wall_s": None, "shapes": results,
+    }
+    report["wall_s"] = round(time.time() - t0, 1)
+    name = "detection-quick.json" if args.quick else "detection.json"
+    save(report, Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name)
+    print(json.dumps(summary(report), indent=1))
+
+
+def summary(report: dict) -> dict:
+    out = {}
+    for s, r in report["shapes"].items():
+        h = r["healthy"]
+        out[s] = {"false_alerts": {k: h[k].get("delivered", h[k].get("error")) for k in ("no_baseline", "with_baseline")
+                                   if k in h},
+                  **{f: (v["smallest_detected"], v["seconds_to_detect_median"]) for f, v in r["faults"].items()}}
+    return out
+
+
+if __name__ == "__main__":
+    main()
