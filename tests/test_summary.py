@@ -1,19 +1,37 @@
-"""The demo summary stays compact at any shape: one line per MoE layer whatever the expert count, and the
-JSON's per-layer summary equals a naive recomputation from the full counts it also carries."""
+"""The demo summary stays compact at any shape (one line per MoE layer whatever the expert count), its JSON's
+per-layer summary equals a naive recomputation from the full counts it also carries, and it calls an expert
+dead or hot only as the rules would: from totals alone with the most clustered draws the totals allow (two
+requests at 256 experts judge no expert dead, whatever has no slot)."""
+
+import math
 
 import numpy as np
 
 from moescope import stats
 from moescope.cli import summary
+from moescope.thresholds import DEFAULT
 
 
-def _naive(counts, n=3):
+def _naive(counts, n=3, dead=None, hot=None):
     total = sum(counts)
     by_hot = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
     by_cold = sorted(range(len(counts)), key=lambda e: (counts[e], e))
-    return {"cv": round(stats.load_cv(counts), 4), "dead": sum(1 for c in counts if c == 0), "slots": total,
-            "hottest": [{"expert": e, "share": round(counts[e] / total, 5)} for e in by_hot[:n]],
-            "coldest": [{"expert": e, "share": round(counts[e] / total, 5)} for e in by_cold[:n]]}
+    return {"cv": round(stats.load_cv(counts), 4), "no_slot": sum(1 for c in counts if c == 0), "dead": dead,
+            "slots": total, "hottest": [{"expert": e, "share": round(counts[e] / total, 5)} for e in by_hot[:n]],
+            "coldest": [{"expert": e, "share": round(counts[e] / total, 5)} for e in by_cold[:n]], "hot": hot or []}
+
+
+def _naive_dead(counts, requests):
+    """Zero-slot experts whose no-baseline reference (1% of the fair share) predicts the rule's effective slots,
+    with the worst case design effect of totals: each request's slots on one expert (Var p(1-p)/(R-1))."""
+    n, e = sum(counts), len(counts)
+    if requests < 2:
+        return None
+    var = sum((c / n) * (1 - c / n) / (requests - 1) for c in counts)
+    multi = sum((c / n) * (1 - c / n) / n for c in counts)
+    deff = max(1.0, var / multi)
+    expected = DEFAULT.dead_floor_share / e * n / deff
+    return sum(1 for c in counts if c == 0) if expected >= DEFAULT.dead_min_expected_slots else 0
 
 
 def _deepseek_shaped_load(seed=0):
@@ -28,17 +46,45 @@ def _deepseek_shaped_load(seed=0):
 def test_layer_summary_equals_a_naive_recomputation():
     for counts in [*_deepseek_shaped_load().values(), [5, 0, 5, 1, 0, 9, 9, 2]]:
         assert summary.layer_summary(counts) == _naive(counts)
+        assert summary.layer_summary(counts, dead=1) == _naive(counts, dead=1)
+
+
+def test_judgement_from_totals_equals_a_naive_recomputation():
+    """Dead and hot from totals: few requests judge nothing (the demo once printed "1397 dead in 58 layers"
+    after 29 tokens); many requests find the two empty experts and the hot one, at the naive factor."""
+    load = _deepseek_shaped_load()
+    for requests in (2, 1000, 200_000):
+        judged, per = summary.judgement(load, requests, 1)  # top-1: 9000 slots of 33k are no collapse
+        for layer, counts in load.items():
+            assert per[str(layer)]["dead"] == _naive_dead(counts, requests), (requests, layer)
+        hot = per["30"]["hot"]
+        if requests == 2:
+            assert hot == [] and all(v["dead"] == 0 for v in per.values())
+        else:
+            share = load[30][17] / sum(load[30])
+            assert [h["expert"] for h in hot] == [17] and math.isclose(hot[0]["factor"], share * 256, rel_tol=1e-3)
+            assert hot[0]["reference"] == "fair"
+        assert judged["requests"] == requests and judged["draws"].startswith("from totals")
+    assert per["7"]["dead"] == 0  # 24k slots: 1% of a fair share predicts under one slot, zero is no evidence
+    load[7] = [c * 10 for c in load[7]]  # 240k slots over a million requests: now it is
+    judged, per = summary.judgement(load, 10**6, 1)
+    assert per["7"]["dead"] == _naive_dead(load[7], 10**6) == 2
+    lines = summary.load_lines({"expert_load": {str(k): v for k, v in load.items()}, "judged": judged,
+                                "expert_load_summary": per})
+    assert "2 dead in 1 layers" in lines[0] and "hot L30 E17" in lines[1]
 
 
 def test_human_lines_are_one_per_layer_at_deepseek_shape():
     load = _deepseek_shaped_load()
-    s = {"expert_load": {str(k): v for k, v in load.items()}}
+    judged, per = summary.judgement(load, 2, 1)
+    s = {"expert_load": {str(k): v for k, v in load.items()}, "judged": judged, "expert_load_summary": per}
     lines = summary.load_lines(s)
-    assert len(lines) == 2 + 58  # the model, the legend, one line per layer: never 14,848 percentages
+    assert len(lines) == 3 + 58  # the model, what was judged, the legend, one line per layer
     assert all(len(line) <= 120 for line in lines)
-    assert "2 dead in 1 layers" in lines[0]
+    assert "0 dead in 0 layers" in lines[0] and "hot none" in lines[1]  # 2 requests: nothing is evidence
+    assert f"no baseline: only over excess CV {DEFAULT.imbalance_cv:g}" in lines[1]
     row7 = next(line for line in lines if line.startswith("  L7 "))
-    assert "dead   2" in row7 and "cold 5:0.00% 200:0.00%" in row7
+    assert "no slot   2 dead   0" in row7 and "cold 5:0.00% 200:0.00%" in row7
     row30 = next(line for line in lines if line.startswith("  L30 "))
     assert f"hot 17:{9000 / sum(load[30]):.2%}" in row30
 
@@ -50,4 +96,8 @@ def test_demo_json_carries_the_summary_of_its_own_counts(capsys):
 
     assert main(["demo", "--requests", "2", "--rate", "0", "--metrics-port", "-1", "--traces", "none", "--json"]) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["expert_load_summary"] == {layer: _naive(c) for layer, c in s["expert_load"].items()}
+    assert s["judged"]["requests"] == 2
+    for layer, c in s["expert_load"].items():
+        got = s["expert_load_summary"][layer]
+        assert got == _naive(c, dead=_naive_dead(c, 2), hot=got["hot"])
+        assert got["hot"] == []  # two requests: nothing is significant

@@ -10,7 +10,9 @@ import pytest
 from metrics_util import parse, series
 from servers import free_port, wait_http
 from tmux_screen import wait_screen
-from top_scale import COLLAPSED, DEAD, DEAD_LAYER, HOT_EXPERT, SKEWED, ScaleExporter, tokens_to_judge
+from top_scale import (COLLAPSED, DEAD, DEAD_LAYER, HOT_EXPERT, HOT_LAYER, HOT_ONE, SKEWED, ScaleExporter,
+                       tokens_to_judge)
+from moescope.thresholds import DEFAULT
 from moescope.tui.top_app import TopApp
 from moescope.tui.top_data import Poller, _fmt, scrape
 
@@ -47,7 +49,8 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
         wait_http(f"http://{url}/metrics", timeout=90)
         _served(url, 16)
         truth = parse(urllib_get(f"http://{url}/metrics"))
-        cv = max(series(truth, "moescope_expert_load_cv_ratio").values())
+        excess = max(series(truth, "moescope_expert_load_excess_cv_ratio").values())  # 16 requests: judged
+        bar = DEFAULT.imbalance_bar(None)  # no baseline loaded
         top = max(series(truth, "moescope_expert_load_top_share_ratio").values())
         hits = sum(series(truth, "moescope_expert_cache_hits_total").values())
         lookups = sum(series(truth, "moescope_expert_cache_lookups_total").values())
@@ -57,7 +60,7 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
             async with app.run_test(size=(80, 24)) as pilot:
                 await _until(pilot, lambda: app.polls >= 2)
                 tiles = _plain(app, "#tiles")
-                assert f"load CV {cv:.3f}" in tiles, tiles
+                assert f"excess CV {excess:.2f}/{bar:.2f}" in tiles, tiles  # the judged series, never raw CV
                 assert f"top share {_fmt(top, 'pct')}" in tiles, tiles
                 # rates are per poll interval: the finished run looks up nothing now (after the first poll,
                 # which covers everything since the exporter started)
@@ -69,14 +72,15 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
                 demo.kill()
                 demo.wait()
                 await _until(pilot, lambda: "unreachable" in _plain(app, "#status"))
-                assert "load CV -" in _plain(app, "#tiles")
+                assert "excess CV -" in _plain(app, "#tiles")
                 live = _demo(port, "--rate", "8", "--duration", "60")  # it comes back, serving
                 try:
                     await _until(pilot, lambda: f"{url} ok" in _plain(app, "#status"), timeout=90)
                     await _until(pilot, lambda: "3 layers x 8 experts" in _plain(app, "#heat"), timeout=30)
                     heat = _plain(app, "#heat").splitlines()
                     assert "a cell per expert" in heat[0]
-                    assert [line[:2] for line in heat[2:5]] == ["L1", "L2", "L3"]  # one row per layer
+                    assert heat[2].startswith("no baseline: imbalance only above excess CV")  # what is judged
+                    assert [line[:2] for line in heat[3:6]] == ["L1", "L2", "L3"]  # one row per layer
                     await pilot.press("tab")  # the selected layer's experts x time
                     await _until(pilot, lambda: "e7" in _plain(app, "#heat"), timeout=30)
                     heat = _plain(app, "#heat")
@@ -146,12 +150,13 @@ def test_top_reads_prometheus_and_alertmanager(tmp_path):
         # The window gauges slide while the finished run lingers: compare with what Prometheus itself answers
         # just before and just after the poll, when both agree (no scrape landed in between).
         for _ in range(20):
-            before = prom.scalar("max(moescope_expert_load_cv_ratio)")
+            before = prom.scalar("max(moescope_expert_load_excess_cv_ratio)")
             frame = Poller([], prometheus=prom.url, alertmanager=f"http://{am.address}").poll()
-            if prom.scalar("max(moescope_expert_load_cv_ratio)") == before:
+            if prom.scalar("max(moescope_expert_load_excess_cv_ratio)") == before:
                 break
         tiles = {t.name: t.text for t in frame.tiles}
-        assert tiles["load CV"] == f"{before:.3f}" and frame.endpoints[prom.url] == "ok"
+        assert tiles["excess CV"] == f"{before:.2f}/{DEFAULT.imbalance_bar(None):.2f}"
+        assert frame.endpoints[prom.url] == "ok"
         assert frame.alerts == ["critical: MoEExpertCollapse layer=2"]
     finally:
         if prom is not None:
@@ -185,10 +190,10 @@ def test_tmux_80x24_screen_shows_tiles_heatmap_and_quits():
         text = ""
         while time.monotonic() < deadline:
             text = screen()
-            if "L3 " in text and "load CV 0." in text:
+            if "L3 " in text and "excess CV 0." in text:
                 break
             time.sleep(0.5)
-        assert f"127.0.0.1:{port} ok" in text and "load CV 0." in text and "3 layers x 8 experts" in text, text
+        assert f"127.0.0.1:{port} ok" in text and "excess CV 0." in text and "3 layers x 8 experts" in text, text
         assert all(f"L{la} " in text for la in (1, 2, 3)) and "quit" in text, text  # rows and key help fit
         assert all(len(line) <= 80 for line in text.splitlines())
         subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
@@ -217,8 +222,9 @@ def _screen_lines(app) -> list[str]:
 
 @pytest.mark.parametrize("budget,tier", [(64 * 256, "per-expert"), (1000, "reduced")])
 def test_top_reads_deepseek_v3_shape_in_80x24(budget, tier):
-    """Both exporter tiers: every layer is reachable, the known faults are named by layer and expert, the hot
-    and cold experts named equal the exporter's own counts, and nothing overflows 80x24."""
+    """Both exporter tiers: every layer is reachable, the known faults are named by layer and expert (the hot
+    one with the exporter's own factor against the fair share), the hot and cold experts named equal the
+    exporter's own counts, and nothing overflows 80x24."""
     exp = ScaleExporter(budget=budget)
     try:
         exp.feed(tokens_to_judge())  # then no more: the view's window is the whole run, the truth the test holds
@@ -233,14 +239,20 @@ def test_top_reads_deepseek_v3_shape_in_80x24(budget, tier):
                 assert heat[1].startswith(f"worst L{COLLAPSED}: collapsed onto e{HOT_EXPERT} (100% of tokens)")
                 assert all(len(line) <= 80 for line in _screen_lines(app))
                 assert len(_screen_lines(app)) + 1 <= 24  # + the key help
-                await pilot.press("s")  # worst first: the three faults lead, each in words
-                rows = _plain(app, "#heat").splitlines()[2:]
+                assert heat[2].startswith("no baseline: imbalance only above excess CV")
+                await pilot.press("s")  # worst first: the four faults lead, each in words
+                rows = _plain(app, "#heat").splitlines()[3:]
                 assert rows[0].startswith(f"L{COLLAPSED} ") and "collapsed onto e5" in rows[0]
-                assert {rows[1][:4].strip(), rows[2][:4].strip()} == {f"L{SKEWED}", f"L{DEAD_LAYER}"}
+                assert {r[:4].strip() for r in rows[1:4]} == {f"L{SKEWED}", f"L{DEAD_LAYER}", f"L{HOT_LAYER}"}
                 dead_row = next(r for r in rows if r.startswith(f"L{DEAD_LAYER} "))
                 assert f"{len(DEAD)} dead" in dead_row
                 skew_row = next(r for r in rows if r.startswith(f"L{SKEWED} "))
                 assert "imbalanced" in skew_row
+                hot_row = next(r for r in rows if r.startswith(f"L{HOT_LAYER} "))
+                factor = series(parse(urllib_get(f"http://{exp.url}/metrics")), "moescope_expert_hot_factor_ratio")
+                hot = {dict(k)["expert"]: v for k, v in factor.items() if dict(k)["layer"] == str(HOT_LAYER)}
+                assert f"hot L{HOT_LAYER} E{HOT_ONE} {hot[str(HOT_ONE)]:.1f}x fair" in hot_row, (hot_row, hot)
+                assert all(f"hot L{la} " not in r for r in rows for la in range(61) if la != HOT_LAYER)
                 if tier == "per-expert":  # cells by expert id: the dead band 96-103 and the hot bands 0-31
                     assert dead_row[5 + 100 // 8] == "_" and set(skew_row[5:9]) <= set("*#%@+")
                 # the named experts of the selected layer equal the exporter's own counts

@@ -1,13 +1,14 @@
 """A deepseek-v3-shaped exporter with known routing, for `moescope top`'s tests at scale: the real
 ``MetricsObserver`` and ``Exporter``, fed the routing statistics a 58-layer x 256-expert top-8 model hands it
-(``on_stats``, the hook the CUDA-graph decode step uses), with three faults placed where the test knows them:
-a collapsed layer, a layer with dead experts, an imbalanced layer."""
+(``on_stats``, the hook the CUDA-graph decode step uses) with its draws (forwards that are complete draws, as an
+unmapped forward is), and four faults placed where the test knows them: a collapsed layer, a layer with dead
+experts, an imbalanced layer (excess CV over the no-baseline bar) and a layer with one hot expert."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from moescope.capture.routing_probe import LayerStats, StepStats
+from moescope.capture.routing_probe import DrawCounts, LayerStats, StepStats
 from moescope.metrics.exporter import Exporter
 from moescope.metrics.state import MetricsObserver, ModelInfo
 
@@ -15,14 +16,17 @@ E, K = 256, 8
 LAYERS = tuple(range(3, 61))
 COLLAPSED, HOT_EXPERT = 17, 5
 DEAD_LAYER, DEAD = 30, (100, 101, 102, 103)
-SKEWED = 45  # experts 0-31 take 4x their share
+SKEWED = 45  # experts 0-63 take 9x their share: a load CV of 1.15, over the no-baseline bar of 1
+HOT_LAYER, HOT_ONE, HOT_BIAS = 52, 77, 6.0  # expert 77 takes 6x its share: 5.9x the fair share
+DRAWS = 24  # draws (forwards) each feed is split into
 
 
-def tokens_to_judge(model: str = "deepseek-v3-shape") -> int:
-    """Tokens per layer after which the thresholds object judges a zero-slot expert dead (with a margin)."""
-    from moescope.thresholds import for_model
+def tokens_to_judge() -> int:
+    """Tokens per layer after which the thresholds object judges a zero-slot expert dead without a baseline
+    (its reference, ``dead_reference``, predicts ``dead_min_expected_slots``; with a margin)."""
+    from moescope.thresholds import DEFAULT
 
-    return int(1.25 * for_model(model).dead_min_expected_slots * E / K) + 1
+    return int(1.25 * DEFAULT.dead_min_expected_slots / DEFAULT.dead_reference(E) / K) + 1
 
 
 def probabilities(layer: int) -> np.ndarray:
@@ -30,12 +34,15 @@ def probabilities(layer: int) -> np.ndarray:
     if layer == DEAD_LAYER:
         p[list(DEAD)] = 0.0
     if layer == SKEWED:
-        p[:32] *= 4
+        p[:64] *= 9
+    if layer == HOT_LAYER:
+        p[HOT_ONE] *= HOT_BIAS
     return p / p.sum()
 
 
 class ScaleExporter:
-    """``feed(tokens)`` routes that many tokens per layer (k slots each) into a live exporter on ``url``."""
+    """``feed(tokens)`` routes that many tokens per layer (k slots each), as ``DRAWS`` complete draws, into a live
+    exporter on ``url``."""
 
     def __init__(self, *, seed: int = 0, budget: int = 64 * 256) -> None:
         info = ModelInfo("deepseek-v3-shape", E, K, LAYERS, dense_params=10**6, expert_params=10**4)
@@ -45,19 +52,22 @@ class ScaleExporter:
         self.rng = np.random.default_rng(seed)
         self.truth = {layer: np.zeros(E, dtype=np.int64) for layer in LAYERS}
 
-    def feed(self, tokens: int) -> None:
+    def _draw(self, layer: int, tokens: int) -> np.ndarray:
+        p = probabilities(layer)
+        if layer == COLLAPSED:  # every token picks the hot expert (once: its K experts are distinct)
+            rest = np.delete(p, HOT_EXPERT)
+            return np.insert(self.rng.multinomial(tokens * (K - 1), rest / rest.sum()), HOT_EXPERT, tokens)
+        return self.rng.multinomial(tokens * K, p)
+
+    def feed(self, tokens: int, draws: int = DRAWS) -> None:
+        per = [tokens // draws + (1 if i < tokens % draws else 0) for i in range(draws)]
+        counts = np.stack([[self._draw(layer, n) for layer in LAYERS] for n in per]).astype(np.int64)  # [R, L, E]
+        total = counts.sum(0)
         layers = []
-        for layer in LAYERS:
-            p = probabilities(layer)
-            if layer == COLLAPSED:  # every token picks the hot expert (once: its K experts are distinct)
-                rest = np.delete(p, HOT_EXPERT)
-                slots = np.insert(self.rng.multinomial(tokens * (K - 1), rest / rest.sum()), HOT_EXPERT, tokens)
-            else:
-                slots = self.rng.multinomial(tokens * K, p)
-            slots = slots.astype(np.int64)
-            self.truth[layer] += slots
-            layers.append(LayerStats(layer, tokens, slots, 0, 0, 0.9 * tokens, 0.1 * tokens))
-        self.state.on_stats(StepStats(1, tuple(layers), E, K))
+        for j, layer in enumerate(LAYERS):
+            self.truth[layer] += total[j]
+            layers.append(LayerStats(layer, tokens, total[j], 0, 0, 0.9 * tokens, 0.1 * tokens))
+        self.state.on_stats(StepStats(draws, tuple(layers), E, K, DrawCounts((None,) * draws, counts)))
 
     def stop(self) -> None:
         self.exporter.stop()

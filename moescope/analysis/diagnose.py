@@ -1,16 +1,18 @@
 """``moescope diagnose``: ranked findings from the trace store (and, when given, a Prometheus server).
 
 Each check reads what the store really holds and names one cause, with evidence (numbers, layers, experts,
-ranks, example request ids) and the playbook to follow. Every bar is the model's in the thresholds object the
-alert rules are generated from (``moescope.thresholds``), and each check judges what its alert judges (the
-load CV beyond sampling noise, dead experts only where uniform routing would have sent enough slots, a slow
-peer by its share of the wait and its wait per dispatch), so a finding here and an alert there mean the same
-thing. Checks, in the store's terms:
+ranks, example request ids) and the playbook to follow. Routing is judged by ``judge``: the window's
+per-request counts become the exporter's quantities through the same ``moescope.sampling`` functions (each
+request one draw: noise CV, excess CV, hot factor, unexpected dead experts, drift noise), and the verdicts are
+the alert rules' through the same ``Thresholds`` methods, so a finding here and an alert there mean the same
+thing (tests/test_views_agree.py feeds both). An info finding says what was judged against what (baseline or
+the no-baseline bar) and where the traffic seen cannot tell. Checks, in the store's terms:
 
 - non-finite router output: token-layers whose stored entropy is NaN/Inf; the token that triggered it;
-- collapse / imbalance: per layer, the share of tokens choosing the top expert, and the load CV;
-- drift: Jensen-Shannon divergence of the load between the earlier and later half of the window (or against
-  a baseline file), attributed to the domains/tenants whose share moved;
+- collapse / imbalance / hot / dead: ``judge`` (top share; excess CV against the imbalance bar; an expert's
+  share over its baseline or fair share; zero-slot experts the reference predicts);
+- drift: Jensen-Shannon divergence against the baseline (else the window's earlier half) beyond its sampling
+  noise, attributed to the domains/tenants whose share moved;
 - non-deterministic routing: positions with an identical prefix (same token ids from the start) must route
   identically in any deterministic model; the share of such positions whose expert set differs;
 - dropped slots: stored expert id == E (capacity overflow);
@@ -29,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from moescope import stats
-from moescope.thresholds import Thresholds
+from moescope import sampling
+from moescope.thresholds import DEFAULT, Thresholds
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 PLAYBOOKS = "playbooks"
@@ -120,13 +122,155 @@ def _request_counts(w: Window) -> np.ndarray:
     return out
 
 
-def _cv(counts: np.ndarray) -> np.ndarray:
-    """Load CV over the last axis (population std / mean, as ``stats.load_cv``)."""
-    mean = counts.mean(-1)
-    return np.where(mean > 0, counts.std(-1) / np.maximum(mean, 1e-12), 0.0)
+# -- the judgement every view shares (the exporter's quantities, the rules' bars) ------------------------------
 
 
-RNG_SEED = 0  # resampling is seeded: a diagnosis of the same store is the same diagnosis
+@dataclass
+class Judgement:
+    """What the exporter would export for a window of per-request counts, and what the rules would say of it.
+
+    Arrays have a leading layer axis (``layers``). NaN: not judged (fewer than ``sampling.MIN_DRAWS`` draws)."""
+
+    layers: list[int]
+    n_experts: int
+    reference: str  # "baseline" | "fair": what hot and dead are judged against
+    counts: np.ndarray  # [L, E] slots per expert over the window
+    draws: np.ndarray  # [L] requests (the independent draws)
+    cv: np.ndarray  # [L] load CV
+    noise_cv: np.ndarray  # [L] moescope_expert_load_cv_noise_ratio
+    excess_cv: np.ndarray  # [L] moescope_expert_load_excess_cv_ratio
+    baseline_cv: np.ndarray | None  # [L] moescope_baseline_load_cv_ratio (NaN: no baseline for that layer)
+    bar: np.ndarray  # [L] Thresholds.imbalance_bar
+    hot_factor: np.ndarray  # [L, E] moescope_expert_hot_factor_ratio (NaN: not significantly above)
+    hot_sd: np.ndarray  # [L, E] the share's noise sd (cluster-robust)
+    ref_share: np.ndarray  # [L, E] the hot reference share
+    dead: np.ndarray  # [L] moescope_dead_experts_unexpected
+    dead_mask: np.ndarray  # [L, E] the experts counted in ``dead``
+    jsd: np.ndarray | None  # [L] moescope_routing_drift_jsd_bits (against the baseline)
+    drift_noise: np.ndarray | None  # [L] moescope_routing_drift_noise_bits
+    top_share: np.ndarray  # [L] busiest expert's slots / routed tokens
+    t: Thresholds = DEFAULT
+
+    @property
+    def judged(self) -> np.ndarray:
+        return np.isfinite(self.excess_cv)
+
+    @property
+    def drifted(self) -> np.ndarray:
+        if self.jsd is None or self.drift_noise is None:
+            return np.zeros(len(self.layers), bool)
+        return np.array([self.t.drifted(a, b) for a, b in zip(self.jsd.tolist(), self.drift_noise.tolist())])
+
+    @property
+    def collapsed(self) -> np.ndarray:
+        return self.top_share > self.t.collapse_top_share
+
+    @property
+    def imbalanced(self) -> np.ndarray:
+        """MoEExpertLoadImbalance: excess over the bar, unless the layer drifted."""
+        base = self.baseline_cv if self.baseline_cv is not None else np.full(len(self.layers), np.nan)
+        over = np.array([self.t.imbalanced(float(x), None if not math.isfinite(b) else float(b))
+                         for x, b in zip(self.excess_cv.tolist(), base.tolist())])
+        return over & ~self.drifted
+
+    @property
+    def hot(self) -> np.ndarray:
+        """[L, E] MoEExpertHot: the exported factor above ``hot_factor``."""
+        with np.errstate(invalid="ignore"):
+            return np.nan_to_num(self.hot_factor, nan=0.0) > self.t.hot_factor
+
+
+def worst_case_draws(counts: np.ndarray, requests) -> sampling.Draws:
+    """The most clustered draws consistent with totals alone (``counts`` [L, E], ``requests`` draws [L] or a
+    number): as if each request sent all its slots to one expert. Its share variance p(1-p)/(R-1) bounds any
+    real traffic's, so a judgement on totals errs towards "not judged", never towards a false alarm."""
+    c = np.asarray(counts, dtype=np.float64)
+    n = c.sum(1)
+    r = np.broadcast_to(np.asarray(requests, dtype=np.float64), n.shape).copy()
+    per = np.where(r > 0, n / np.where(r > 0, r, 1.0), 0.0)  # slots per request
+    return sampling.Draws(r, n, n * per, c, c * per[:, None], c * per[:, None])
+
+
+def _baseline_profile(baseline):
+    """A ``baseline.Profile`` (or None) from what callers hold: a path, a Profile or {layer: load}."""
+    if baseline is None:
+        return None
+    from moescope.analysis import baseline as bl
+
+    coerce = getattr(bl, "coerce", None)
+    return coerce(baseline) if coerce is not None else baseline
+
+
+def _baseline_rows(profile, layers: list[int], n_experts: int):
+    """(share [L, E] or None, structural CV [L] (NaN where none), load [L, E] or None) of the layers the
+    baseline holds (other layers: the fair share, no CV, no drift)."""
+    if profile is None:
+        return None, None, None
+    per = getattr(profile, "layers", profile)
+    share = np.full((len(layers), n_experts), 1.0 / n_experts)
+    cv = np.full(len(layers), np.nan)
+    load = np.full((len(layers), n_experts), np.nan)
+    for j, layer in enumerate(layers):
+        lp = per.get(layer) if isinstance(per, dict) else None
+        if lp is None:
+            continue
+        ld = np.asarray(getattr(lp, "load", lp), dtype=np.float64)
+        if ld.shape != (n_experts,) or ld.sum() <= 0:
+            continue
+        load[j] = ld
+        share[j] = np.asarray(getattr(lp, "share", ld / ld.sum()), dtype=np.float64)
+        s = getattr(lp, "structural_cv", None)
+        cv[j] = np.nan if s is None else float(s)
+    return share, cv, load
+
+
+def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: int, baseline=None,
+          t: Thresholds = DEFAULT) -> Judgement:
+    """The exporter's judged quantities for a window (``counts`` [L, E] slots, ``draws`` its requests as
+    ``sampling.Draws``) and the rules' verdicts: the same ``sampling`` functions with the same ``Thresholds``.
+    ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load})."""
+    counts = np.asarray(counts, dtype=np.float64)
+    n_layers, n_exp = counts.shape
+    slots = counts.sum(1)
+    mean = slots / n_exp
+    with np.errstate(invalid="ignore", divide="ignore"):
+        cv = np.where(mean > 0, counts.std(1) / np.where(mean > 0, mean, 1.0), 0.0)
+    noise = sampling.noise_cv(n_exp, slots, draws, t.noise_z)
+    excess = sampling.excess_cv(cv, noise)
+    share, base_cv, base_load = _baseline_rows(_baseline_profile(baseline), layers, n_exp)
+    has_base = base_load is not None and np.isfinite(base_load).all(1).any()
+    ref = sampling.reference_shares(n_exp, share if has_base else None, n_layers)
+    hot_z = t.hot_z(n_layers, n_exp)
+    factor = sampling.hot_factor(counts, draws, ref, hot_z)
+    with np.errstate(invalid="ignore"):
+        sd = np.sqrt(sampling.scaled_var(draws, slots))
+    dead_ref = ref if has_base else np.full((n_layers, n_exp), t.dead_reference(n_exp))
+    dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots)
+    deff = draws.design_effect()
+    expected = dead_ref * slots[:, None] / np.where(np.isfinite(deff), deff, 1.0)[:, None]
+    dead_mask = (counts == 0) & (expected >= t.dead_min_expected_slots) & np.isfinite(deff)[:, None]
+    jsd = noise_bits = None
+    if has_base:
+        from moescope.metrics.window import jensen_shannon_rows
+
+        rows = np.isfinite(base_load).all(1)
+        jsd = np.full(n_layers, np.nan)
+        jsd[rows] = jensen_shannon_rows(counts[rows], base_load[rows])
+        noise_bits = np.where(rows, sampling.drift_noise_bits(counts, draws, ref, t.noise_z), np.nan)
+    tokens = slots / max(1, top_k)
+    top = np.where(tokens > 0, counts.max(1) / np.where(tokens > 0, tokens, 1.0), 0.0)
+    return Judgement(list(layers), n_exp, "baseline" if has_base else "fair", counts, draws.draws.copy(), cv,
+                     noise, excess, base_cv if has_base else None,
+                     np.array([t.imbalance_bar(None if b is None or not math.isfinite(b) else b)
+                               for b in (base_cv.tolist() if has_base else [None] * n_layers)]),
+                     factor, sd, ref, dead, dead_mask, jsd, noise_bits, top, t)
+
+
+def judge_requests(per_request: np.ndarray, layers: list[int], top_k: int, baseline=None,
+                   t: Thresholds = DEFAULT) -> Judgement:
+    """``judge`` of per-request counts [R, L, E] (each request one draw, as the exporter folds them)."""
+    per_request = np.asarray(per_request)
+    return judge(per_request.sum(0), sampling.Draws.of(per_request), layers, top_k, baseline, t)
 
 
 def _check_nonfinite(w: Window) -> list[Finding]:
@@ -163,52 +307,89 @@ def _check_nonfinite(w: Window) -> list[Finding]:
                     examples[:5], "MoERouterNonFiniteLogits")]
 
 
-def _check_load(w: Window, t: Thresholds, drift_found: bool, per_request: np.ndarray) -> list[Finding]:
-    b = t.for_model(w.model)
-    counts = per_request.sum(0)
-    tokens = counts.sum(1) / max(1, w.top_k)
-    slots = counts.sum(1)  # [L] computed slots per layer: the sample the sampling noise depends on
+def _check_load(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray) -> list[Finding]:
+    """Collapse, imbalance, hot and dead experts, and what the window could not judge: ``judge``'s verdicts
+    (the rules' expressions over the exporter's quantities), with their evidence."""
     out = []
-    cv_bar = b.load_cv
-    share = counts.max(1) / np.maximum(tokens, 1)
-    collapsed = [j for j in range(len(w.layers)) if share[j] > b.collapse_top_share]
-    if collapsed:
+    collapsed = j.collapsed
+    if collapsed.any():
         out.append(Finding(
-            "collapse", "critical", "Routing collapsed onto one expert", 5.0 + float(share.max()),
-            {"layers": {w.layers[j]: {"expert": int(counts[j].argmax()), "top_share": round(float(share[j]), 3)}
-                        for j in collapsed}, "threshold": b.collapse_top_share},
+            "collapse", "critical", "Routing collapsed onto one expert", 5.0 + float(j.top_share.max()),
+            {"layers": {w.layers[i]: {"expert": int(j.counts[i].argmax()),
+                                      "top_share": round(float(j.top_share[i]), 3)} for i in np.nonzero(collapsed)[0]},
+             "threshold": t.collapse_top_share},
             [], "MoEExpertCollapse"))
-    cvs = [stats.load_cv(c.tolist()) for c in counts]
-    # As the alert: the CV beyond the multinomial noise of the window's slots (a 256-expert layer with a few
-    # thousand slots has a CV of ~0.3 from chance alone).
-    noise = np.array([b.noise_cv(w.n_experts, n) for n in slots.tolist()])
-    excess = [b.excess_cv(cv, w.n_experts, n) for cv, n in zip(cvs, slots.tolist())]
-    # A few dozen requests of a skewed domain mix make a noisy CV too: call it imbalance only when the excess
-    # CV stays above the bar in 90% of bootstrap resamples of the requests.
-    rng = np.random.default_rng(RNG_SEED)
-    boot = np.stack([_cv(per_request[rng.integers(0, len(per_request), len(per_request))].sum(0))
-                     for _ in range(200)])  # [200, L]
-    with np.errstate(invalid="ignore"):
-        low = np.percentile(np.sqrt(np.clip(boot ** 2 - noise ** 2, 0, None)), 10, axis=0)
-    # As the alert: judged only where the window holds enough slots per expert (ModelThresholds.judges_imbalance)
-    over = [j for j in range(len(cvs)) if low[j] > cv_bar and j not in collapsed
-            and b.judges_imbalance(w.n_experts, float(slots[j]))]
-    if over and not drift_found:
+    over = [i for i in np.nonzero(j.imbalanced & ~collapsed)[0]]
+    if over:
         out.append(Finding(
-            "imbalance", "warning", "Expert load is imbalanced", max(excess[j] for j in over) / cv_bar,
-            {"layers": {w.layers[j]: {"cv": round(cvs[j], 3), "noise_cv": round(float(noise[j]), 3),
-                                      "excess_cv": round(excess[j], 3), "excess_cv_p10": round(float(low[j]), 3),
-                                      "hot": [int(e) for e in np.argsort(-counts[j])[:2]],
-                                      "cold": [int(e) for e in np.argsort(counts[j])[:2]]} for j in over},
-             "threshold": cv_bar, "stationary": True},
+            "imbalance", "warning", "Expert load is imbalanced", max(j.excess_cv[i] / j.bar[i] for i in over),
+            {"layers": {w.layers[i]: {"cv": round(float(j.cv[i]), 3), "noise_cv": round(float(j.noise_cv[i]), 3),
+                                      "excess_cv": round(float(j.excess_cv[i]), 3), "bar": round(float(j.bar[i]), 3),
+                                      "hot": [int(e) for e in np.argsort(-j.counts[i], kind="stable")[:2]],
+                                      "cold": [int(e) for e in np.argsort(j.counts[i], kind="stable")[:2]]}
+                        for i in over},
+             "bar_from": _bar_source(j), "requests": len(w.ids)},
             [], "MoEExpertLoadImbalance"))
-    # As the alert: an empty expert is dead only where uniform routing would have sent it enough slots.
-    dead = {w.layers[j]: [int(e) for e in np.nonzero(counts[j] == 0)[0]] for j in range(len(w.layers))
-            if (counts[j] == 0).any() and b.judges_dead(w.n_experts, float(slots[j]))}
-    if dead and not collapsed:
-        out.append(Finding("dead-experts", "warning", "Experts receive no tokens", 1.0 + len(dead),
-                           {"layers": dead, "min_expected_slots": b.dead_min_expected_slots}, [], "MoEDeadExperts"))
+    hot = [(i, e) for i, e in zip(*np.nonzero(j.hot & ~collapsed[:, None]))]
+    if hot:
+        hot.sort(key=lambda x: -j.hot_factor[x])
+        experts = [_hot_evidence(w, j, int(i), int(e), per_request) for i, e in hot]
+        first = experts[0]
+        out.append(Finding(
+            "hot-expert", "warning",
+            f"Hot expert: L{first['layer']} E{first['expert']} at {first['factor']:.1f}x its {j.reference} share",
+            max(h["factor"] for h in experts) / t.hot_factor,
+            {"experts": experts, "threshold": t.hot_factor, "reference": j.reference},
+            first.pop("examples"), "MoEExpertHot"))
+        for h in experts[1:]:
+            h.pop("examples")
+    dead = {w.layers[i]: [int(e) for e in np.nonzero(j.dead_mask[i])[0]] for i in range(len(w.layers))
+            if j.dead[i] > 0 and not collapsed[i]}
+    if dead:
+        out.append(Finding("dead-experts", "warning", "Experts receive no tokens where traffic predicts them",
+                           1.0 + len(dead), {"layers": dead, "reference": j.reference,
+                                             "min_expected_slots": t.dead_min_expected_slots}, [], "MoEDeadExperts"))
+    out.append(_what_was_judged(w, j))
     return out
+
+
+def _bar_source(j: Judgement) -> str:
+    if j.baseline_cv is not None:
+        return (f"baseline: {j.t.imbalance_baseline_factor:g} x its structural CV + "
+                f"{j.t.imbalance_baseline_margin:g}")
+    return f"no baseline: excess CV {j.t.imbalance_cv:g} (moescope baseline save)"
+
+
+def _hot_evidence(w: Window, j: Judgement, i: int, e: int, per_request: np.ndarray) -> dict:
+    share = j.counts[i, e] / max(1.0, j.counts[i].sum())
+    on = per_request[:, i, e]
+    return {"layer": w.layers[i], "expert": e, "factor": round(float(j.hot_factor[i, e]), 2),
+            "reference": j.reference, "share": round(float(share), 5),
+            "reference_share": round(float(j.ref_share[i, e]), 5),
+            "slots": int(j.counts[i, e]), "z": round(float((share - j.ref_share[i, e]) / j.hot_sd[i, e]), 1),
+            "z_bar": round(j.t.hot_z(len(w.layers), w.n_experts), 2),
+            "requests": int((on > 0).sum()), "of_requests": len(w.ids),
+            "examples": [w.ids[r] for r in np.argsort(-on, kind="stable")[:3] if on[r] > 0]}
+
+
+def _what_was_judged(w: Window, j: Judgement) -> Finding:
+    """An info finding: what the window could judge, against what, and where the traffic cannot tell."""
+    judged = j.judged
+    ev: dict[str, Any] = {"imbalance": ("judged against baseline" if j.baseline_cv is not None else
+                                        f"no baseline: imbalance only above excess CV {j.t.imbalance_cv:g} "
+                                        "(moescope baseline save)"),
+                          "hot_and_dead_against": j.reference, "requests": len(w.ids),
+                          "layers_judged": int(judged.sum()), "layers": len(w.layers)}
+    if not judged.all():
+        ev["not_judged"] = (f"{len(w.ids)} request(s): too few requests in the window to judge "
+                            f"(needs {sampling.MIN_DRAWS})")
+    quiet = [i for i in range(len(w.layers)) if judged[i] and j.noise_cv[i] >= j.cv[i]]
+    if quiet:
+        i = max(quiet, key=lambda x: j.cv[x])
+        ev["cannot_tell"] = (f"{len(quiet)} layer(s) within sampling noise, e.g. L{w.layers[i]}: {len(w.ids)} "
+                             f"requests: noise CV {j.noise_cv[i]:.2f} >= observed {j.cv[i]:.2f}")
+    title = "Judged: " + ev["imbalance"] + (f"; {ev['not_judged']}" if "not_judged" in ev else "")
+    return Finding("judged", "info", title, 0.0, ev)
 
 
 def _mix(labels: list[str | None], idx: np.ndarray) -> dict[str, float]:
@@ -217,44 +398,40 @@ def _mix(labels: list[str | None], idx: np.ndarray) -> dict[str, float]:
     return {k: v / n for k, v in sorted(c.items())}
 
 
-def _check_drift(w: Window, t: Thresholds, baseline: dict | None, per_request: np.ndarray) -> list[Finding]:
-    bar = t.for_model(w.model).drift_jsd_bits
+def _check_drift(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray) -> list[Finding]:
+    """As the drift rule: JS divergence beyond its sampling noise by more than ``drift_bits``; against the
+    baseline where one is given (``judge``'s), else the window's later half against its earlier half (the
+    noise of both halves added)."""
+    from moescope.metrics.window import jensen_shannon_rows
+
     n = len(w.ids)
     order = np.argsort(w.started, kind="stable")
     early, late = order[: n // 2], order[n // 2:]
-    if baseline is None and n < 8:
-        return []
-    late_counts = per_request[late].sum(0)
-    if baseline is not None:
-        ref = {layer: np.asarray(baseline[layer], float) for layer in w.layers if layer in baseline}
-        against = "baseline"
+    if j.jsd is not None:
+        jsd, noise, against = j.jsd, j.drift_noise, "baseline"
     else:
-        early_counts = per_request[early].sum(0)
-        ref = {layer: early_counts[j] for j, layer in enumerate(w.layers)}
-        against = "earlier half of the window"
-    jsd = {layer: stats.jensen_shannon(late_counts[j].tolist(), ref[layer].tolist())
-           for j, layer in enumerate(w.layers) if layer in ref and ref[layer].sum() > 0}
-    over = {layer: round(v, 4) for layer, v in jsd.items() if v > bar}
-    if over and baseline is None:
-        # Two halves of a few dozen requests differ by chance. One permutation test for the model (the sum of
-        # the layers' divergences against the same sum over random splits of the same requests, at 95%), then
-        # per layer the same test to name the layers: 58 layers each tested alone at 95% would find "drift" in
-        # about three of them by chance every time.
-        rng = np.random.default_rng(RNG_SEED)
-        tested = [j for j, layer in enumerate(w.layers) if layer in jsd]
-        null = np.empty((100, len(tested)))
-        for i in range(100):
-            perm = rng.permutation(n)
-            a, b = per_request[perm[: n // 2]].sum(0), per_request[perm[n // 2:]].sum(0)
-            null[i] = [stats.jensen_shannon(b[j].tolist(), a[j].tolist()) for j in tested]
-        if sum(jsd.values()) <= np.percentile(null.sum(1), 95):
+        if n < 2 * sampling.MIN_DRAWS:
             return []
-        p95 = dict(zip((w.layers[j] for j in tested), np.percentile(null, 95, axis=0)))
-        over = {layer: v for layer, v in over.items() if v > p95[layer]}
+        a, b = per_request[early].sum(0).astype(np.float64), per_request[late].sum(0).astype(np.float64)
+        da, db = sampling.Draws.of(per_request[early]), sampling.Draws.of(per_request[late])
+        e = w.n_experts
+        ra, rb = sampling.reference_shares(e, b, len(w.layers)), sampling.reference_shares(e, a, len(w.layers))
+        jsd = jensen_shannon_rows(b, a)
+        noise = sampling.drift_noise_bits(b, db, rb, t.noise_z) + sampling.drift_noise_bits(a, da, ra, t.noise_z)
+        against = "earlier half of the window"
+    over = {w.layers[i]: {"jsd_bits": round(float(jsd[i]), 4), "noise_bits": round(float(noise[i]), 4)}
+            for i in range(len(w.layers)) if t.drifted(float(jsd[i]), float(noise[i]))}
     if not over:
         return []
-    evidence: dict[str, Any] = {"jsd_bits": over, "threshold": bar, "against": against}
-    for name, labels in (("domain", w.domain), ("tenant", w.tenant)):
+    evidence: dict[str, Any] = {"layers": over, "threshold_bits_over_noise": t.drift_bits, "against": against}
+    held = {w.layers[i]: {"excess_cv": round(float(j.excess_cv[i]), 3), "bar": round(float(j.bar[i]), 3),
+                          "hot": [int(e) for e in np.argsort(-j.counts[i], kind="stable")[:2]]}
+            for i in range(len(w.layers)) if j.drifted[i] and t.imbalanced(float(j.excess_cv[i]), None if
+                                                                          j.baseline_cv is None else
+                                                                          float(j.baseline_cv[i]))}
+    if held:  # as the rules: a drifted layer's imbalance is not alerted on its own (the drift names it)
+        evidence["imbalanced_too"] = held
+    for name, labels in (("domain", w.domain), ("tenant", w.tenant)) if j.jsd is None else ():
         before, after = _mix(labels, early), _mix(labels, late)
         moved = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in set(before) | set(after)}
         tvd = sum(abs(v) for v in moved.values()) / 2
@@ -262,11 +439,12 @@ def _check_drift(w: Window, t: Thresholds, baseline: dict | None, per_request: n
             evidence[f"{name}_shift"] = dict(sorted(moved.items(), key=lambda kv: -abs(kv[1])))
     cause = ("traffic mix changed: " + ", ".join(f"{k} {v:+.0%}" for k, v in list(
         evidence["domain_shift"].items())[:3])) if "domain_shift" in evidence else \
-        "routing changed with an unchanged traffic mix (router or weights changed?)"
+        "routing changed with an unchanged traffic mix (router or weights changed?)" if j.jsd is None else \
+        "routing moved from the baseline (a router or weights change, or traffic unlike the baseline's)"
     evidence["explanation"] = cause
     examples = [w.ids[i] for i in late[-3:]]
-    return [Finding("drift", "warning", "Routing drifted", max(over.values()) / bar, evidence, examples,
-                    "MoERoutingDrift")]
+    score = max(v["jsd_bits"] - v["noise_bits"] for v in over.values()) / t.drift_bits
+    return [Finding("drift", "warning", "Routing drifted", score, evidence, examples, "MoERoutingDrift")]
 
 
 def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
@@ -302,7 +480,7 @@ def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
     if compared < 50:
         return []
     ratio = flipped / compared
-    bar = t.for_model(w.model).flip_ratio
+    bar = t.flip_ratio
     if ratio <= bar:
         return [Finding("jitter", "info", "Routing is deterministic on shared prefixes", 0.0,
                         {"positions_compared": compared, "flipped": flipped, "flip_ratio": round(ratio, 4)})]
@@ -326,7 +504,7 @@ def _check_drop(w: Window, t: Thresholds) -> list[Finding]:
     if total == 0:
         return []
     ratio = dropped / total  # slots dropped per routed token, as the alert computes it
-    bar = t.for_model(w.model).drop_ratio
+    bar = t.drop_ratio
     over = {w.layers[j]: round(float(v), 4) for j, v in enumerate(ratio) if v > bar}
     if not over:
         return []
@@ -364,14 +542,28 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
         lookups[j] += len(experts)
         misses[j] += len(missed.get((key, j), ()))
     hit_rate = 1 - misses / np.maximum(lookups, 1)
-    b = t.for_model(w.model)
-    bar = b.cache_hit_rate
-    low = {w.layers[j]: round(float(h), 3) for j, h in enumerate(hit_rate) if h < bar}
+    b = t
+    # The store does not hold the cache's size: at least as many experts are resident as one forward found
+    # resident (used and not missed); a lower capacity means a lower floor, so the estimate errs towards quiet.
+    resident = np.zeros(len(w.layers))
+    for (key, j), experts in used.items():
+        resident[j] = max(resident[j], len(experts) - len(missed.get((key, j), ())))
+    capacity = np.maximum(resident, 1) / w.n_experts
+    floor = np.array([t.cache_floor(c) for c in capacity.tolist()])
+    low = {w.layers[j]: round(float(h), 3) for j, h in enumerate(hit_rate) if h < floor[j]}
     examples = [rid for rid, m in zip(w.ids, w.miss) if m.any()][:5]
     if low:
-        out.append(Finding("thrash", "warning", "The expert cache thrashes", bar / max(0.01, min(low.values())),
-                           {"hit_rate": low, "threshold": bar, "lookups": int(lookups.sum()),
-                            "note": "lookups counted per forward and layer from the stored miss bits"},
+        worst = min(low, key=low.get)
+        bar = float(floor[w.layers.index(worst)])
+        out.append(Finding("thrash", "warning", "The expert cache thrashes", bar / max(0.001, low[worst]),
+                           {"hit_rate": low, "floor": {w.layers[j]: round(float(floor[j]), 4) for j in range(
+                               len(w.layers)) if w.layers[j] in low},
+                            "capacity_ratio_at_least": {w.layers[j]: round(float(capacity[j]), 4)
+                                                        for j in range(len(w.layers)) if w.layers[j] in low},
+                            "lookups": int(lookups.sum()),
+                            "note": "lookups counted per forward and layer from the stored miss bits; the floor is "
+                                    f"{t.cache_floor_of_capacity:g} x the capacity ratio (a random resident set's "
+                                    "hit rate)"},
                            examples, "MoEExpertCacheHitRateLow"))
     # cost per miss: a forward's expert time with n misses against forwards of the same layer without
     per_miss = []
@@ -423,7 +615,7 @@ def _check_ranks(w: Window, t: Thresholds) -> list[Finding]:
         return []
     # As the alert: a slow peer takes over its share of all the wait on peers and makes a rank wait longer than
     # the bar per dispatch (the store holds the recording rank's waits).
-    b = t.for_model(w.model)
+    b = t
     med = {peer: float(np.median(v)) for peer, v in waits.items()}
     mean = {peer: float(np.mean(v)) for peer, v in waits.items()}
     total = sum(mean.values())
@@ -464,7 +656,7 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     # traffic: steadily (r near 1), by real amounts, and still in the second half.
     if not (r > 0.9 and growth > 16 * 2**20 and per_step > 64 * 2**10 and second / (len(rss) - half) > 32 * 2**10):
         return []
-    capacity = t.for_model(w.model).memory_capacity_bytes
+    capacity = t.memory_capacity_bytes
     hours_left = (capacity - rss[-1]) / slope / 3600 if slope > 0 else math.inf
     return [Finding("leak", "warning", "Memory grows with traffic", slope / (1 * 2**20),
                     {"rss_bytes_per_s": int(slope), "bytes_per_step": int(per_step), "correlation": round(r, 3),
@@ -474,18 +666,21 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
                     "MoEMemoryGrowth")]
 
 
-def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline: dict | None = None,
-             thresholds: Thresholds = Thresholds(), prometheus: str | None = None, corrupt=None) -> dict:
+def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=None,
+             thresholds: Thresholds = DEFAULT, prometheus: str | None = None, corrupt=None) -> dict:
+    """Ranked findings. ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load}): the reference of
+    imbalance, hot and dead experts and drift, as the exporter's."""
     w = load_window(conn, since=since, limit=limit, corrupt=corrupt)
     per_request = _request_counts(w)
-    drift = _check_drift(w, thresholds, baseline, per_request)
-    findings = [*_check_nonfinite(w), *_check_load(w, thresholds, bool(drift), per_request), *drift,
+    j = judge_requests(per_request, w.layers, w.top_k, baseline, thresholds)
+    findings = [*_check_nonfinite(w), *_check_load(w, thresholds, j, per_request),
+                *_check_drift(w, thresholds, j, per_request),
                 *_check_jitter(w, thresholds), *_check_drop(w, thresholds), *_check_cache(w, thresholds),
                 *_check_ranks(w, thresholds), *_check_memory(w, thresholds)]
     if prometheus:
         from moescope.analysis import prom_evidence
 
-        findings += [Finding(**f) for f in prom_evidence.findings(prometheus, w.model)]
+        findings += [Finding(**f) for f in prom_evidence.findings(prometheus, w.model, thresholds)]
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.score))
     for f in findings:
         if f.playbook:

@@ -1,12 +1,65 @@
 """Evidence from a Prometheus server for ``moescope diagnose --prometheus URL``: the moescope alerts firing
-there now, and the live values the trace store cannot hold (canary flip ratio, drift vs baseline)."""
+there now, the judged series the exporter exports (excess CV against the imbalance bar, hot factors, unexpected
+dead experts, drift beyond its noise) read with the same ``Thresholds`` methods as the rules, and the live
+values the trace store cannot hold (canary flip ratio)."""
 
 from __future__ import annotations
 
+import math
+
 from moescope.prom_http import query
+from moescope.thresholds import DEFAULT, Thresholds
 
 
-def findings(url: str, model: str | None) -> list[dict]:
+def _by_layer(url: str, expr: str) -> dict[str, float]:
+    return {r["metric"].get("layer", ""): float(r["value"][1]) for r in query(url, expr)}
+
+
+def judged_series(url: str, sel: str, t: Thresholds = DEFAULT) -> list[dict]:
+    """Info findings from the exporter's judged series (what the rules judge, as the rules judge it)."""
+    out = []
+    excess = _by_layer(url, f"max by (layer) (moescope_expert_load_excess_cv_ratio{{{sel}}})")
+    base = _by_layer(url, f"max by (layer) (moescope_baseline_load_cv_ratio{{{sel}}})")
+    over = {layer: {"excess_cv": round(v, 3), "bar": round(t.imbalance_bar(base.get(layer)), 3)}
+            for layer, v in excess.items() if t.imbalanced(v, base.get(layer))}
+    if over:
+        out.append(dict(cause="prometheus:imbalance", severity="info",
+                        title=f"Prometheus: excess load CV over its bar in {len(over)} layer(s)", score=1.0,
+                        evidence={"layers": over, "bar_from": "baseline" if base else "no baseline"},
+                        examples=[], playbook="MoEExpertLoadImbalance"))
+    not_judged = sorted(layer for layer, v in excess.items() if math.isnan(v))
+    if not_judged:
+        out.append(dict(cause="prometheus:not-judged", severity="info",
+                        title=f"Prometheus: too few requests in the window to judge {len(not_judged)} layer(s)",
+                        score=0.0, evidence={"layers": not_judged}, examples=[], playbook=None))
+    hot = [dict(layer=r["metric"].get("layer"), expert=r["metric"].get("expert"),
+                reference=r["metric"].get("reference"), factor=round(float(r["value"][1]), 2))
+           for r in query(url, f"moescope_expert_hot_factor_ratio{{{sel}}} > {t.hot_factor!r}")]
+    if hot:
+        hot.sort(key=lambda h: -h["factor"])
+        h = hot[0]
+        out.append(dict(cause="prometheus:hot-expert", severity="info",
+                        title=f"Prometheus: L{h['layer']} E{h['expert']} at {h['factor']:.1f}x its {h['reference']} "
+                              "share", score=h["factor"] / t.hot_factor, evidence={"experts": hot},
+                        examples=[], playbook="MoEExpertHot"))
+    dead = {layer: int(v) for layer, v in
+            _by_layer(url, f"max by (layer) (moescope_dead_experts_unexpected{{{sel}}})").items() if v > 0}
+    if dead:
+        out.append(dict(cause="prometheus:dead-experts", severity="info",
+                        title=f"Prometheus: unexpected dead experts in {len(dead)} layer(s)", score=1.0,
+                        evidence={"layers": dead}, examples=[], playbook="MoEDeadExperts"))
+    jsd = _by_layer(url, f"max by (layer) (moescope_routing_drift_jsd_bits{{{sel}}})")
+    noise = _by_layer(url, f"max by (layer) (moescope_routing_drift_noise_bits{{{sel}}})")
+    drifted = {layer: {"jsd_bits": round(v, 4), "noise_bits": round(noise[layer], 4)}
+               for layer, v in jsd.items() if layer in noise and t.drifted(v, noise[layer])}
+    if drifted:
+        out.append(dict(cause="prometheus:drift", severity="info",
+                        title=f"Prometheus: routing drifted from the baseline in {len(drifted)} layer(s)", score=1.0,
+                        evidence={"layers": drifted}, examples=[], playbook="MoERoutingDrift"))
+    return out
+
+
+def findings(url: str, model: str | None, t: Thresholds = DEFAULT) -> list[dict]:
     """The evidence as ``diagnose.Finding`` fields (diagnose builds the findings: no import back into it)."""
     sel = f'model="{model}"' if model else ""
     out = []
@@ -18,6 +71,7 @@ def findings(url: str, model: str | None) -> list[dict]:
         out.append(dict(cause=f"alert:{name}", severity=sev if sev in ("critical", "warning") else "warning",
                         title=f"Prometheus: {name} is firing", score=1.0,
                         evidence={"labels": where, "source": url}, examples=[], playbook=name))
+    out += judged_series(url, sel, t)
     for r in query(url, f"max by (layer) (moescope_routing_flip_ratio{{{sel}}})"):
         v = float(r["value"][1])
         if v > 0:

@@ -115,8 +115,24 @@ def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: s
     return summary
 
 
-def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, source: str) -> tuple[dict, list]:
-    """load.csv, overview.png and the per-layer summary, from {layer: [E] slots}."""
+def _judged(j) -> dict[int, dict]:
+    """Per layer, the judgement every view shares (``diagnose.judge``): excess CV against the imbalance bar,
+    hot experts against their reference, the dead experts the reference predicts (None: not judged)."""
+    out = {}
+    for i, layer in enumerate(j.layers):
+        ok = bool(j.judged[i])
+        out[layer] = {
+            "excess_cv": round(float(j.excess_cv[i]), 4) if ok else None, "bar": round(float(j.bar[i]), 4),
+            "over": bool(j.imbalanced[i]), "collapsed": bool(j.collapsed[i]),
+            "hot": [{"expert": int(e), "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
+                    for e in np.argsort(-np.nan_to_num(j.hot_factor[i]), kind="stable") if j.hot[i, e]]
+            if ok and not j.collapsed[i] else [],
+            "dead_judged": [int(e) for e in np.nonzero(j.dead_mask[i])[0]] if ok else None}
+    return out
+
+
+def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, source: str, j) -> tuple[dict, list]:
+    """load.csv, overview.png and the per-layer summary, from {layer: [E] slots} and its judgement ``j``."""
     layers = sorted(load)
     m = np.stack([load[layer] for layer in layers])
     tot = m.sum(1, keepdims=True)
@@ -125,19 +141,31 @@ def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, sourc
             "slots": m.ravel(), "share": np.divide(m, np.maximum(tot, 1)).ravel()}).to_csv(out / "load.csv",
                                                                                        index=False)
     figures.overview(load, out / "overview.png", f"{model or source}: expert load per MoE layer")
+    judged = _judged(j)
     per_layer = {layer: {"cv": round(stats.load_cv(load[layer].tolist()), 4), "slots": int(load[layer].sum()),
                          "hottest": int(np.argmax(load[layer])),
                          "hottest_share": round(float(load[layer].max() / max(1, load[layer].sum())), 4),
-                         "dead": [int(e) for e in np.nonzero(load[layer] == 0)[0]]} for layer in layers}
-    summary = {"source": source, "model": model, "n_experts": n_exp, "layers": layers, "per_layer": per_layer}
+                         "dead": [int(e) for e in np.nonzero(load[layer] == 0)[0]], **judged[layer]}
+                 for layer in layers}
+    summary = {"source": source, "model": model, "n_experts": n_exp, "layers": layers, "per_layer": per_layer,
+               "judged": {"draws": int(np.nanmin(j.draws)) if len(j.draws) else 0, "reference": j.reference,
+                          "bar_from": "baseline" if j.baseline_cv is not None else "no baseline"}}
     return summary, ["overview.png", "load.csv"]
 
 
 def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
     from moescope.analysis import profile as profile_mod
 
+    from moescope.analysis.diagnose import judge_requests
+
     prof = profile_mod.load(None, import_path)
-    summary, files = _load_files(out, prof.load(), prof.model, prof.source)
+    layers = prof.layers
+    n_pass = max(len(prof.passes[layer]) for layer in layers)
+    per_pass = np.zeros((n_pass, len(layers), prof.n_experts))  # a recorder's pass is the draw (no requests)
+    for i, layer in enumerate(layers):
+        per_pass[: len(prof.passes[layer]), i] = prof.passes[layer]
+    j = judge_requests(per_pass, layers, 1)  # top-k unknown: the top share is per slot here
+    summary, files = _load_files(out, prof.load(), prof.model, prof.source, j)
     for layer in _figure_layers(wanted, prof.layers):
         figures.layer_heatmap(prof.passes[layer].T, out / f"heatmap_layer{layer}.png",
                               f"layer {layer}: expert load per pass", "pass (forward / recorder pass / iteration)")
@@ -186,7 +214,10 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[di
         co += rc.pairs(ch.ids, n_exp)
         if sel:
             passes += rc.count(ch.ids[:, sel], n_exp, ch.groups["step"], max(1, n_steps))
-    summary, files = _load_files(out, dict(zip(w.layers, load)), w.model, "trace store")
+    from moescope.analysis.diagnose import _request_counts, judge_requests
+
+    j = judge_requests(_request_counts(w), w.layers, w.top_k)
+    summary, files = _load_files(out, dict(zip(w.layers, load)), w.model, "trace store", j)
     for k in KINDS:
         _long_table(by[k].sum(0), w.layers, names[k], k).to_csv(out / f"load_by_{k}.csv", index=False)
         files.append(f"load_by_{k}.csv")
@@ -218,35 +249,43 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[di
 
 
 def _markdown(s: dict, files: list[str]) -> str:
-    from moescope.thresholds import for_model
+    from moescope.thresholds import DEFAULT as t
 
-    b = for_model(s.get("model"))
     n_exp = s["n_experts"]
     lines = [f"# moescope report: {s.get('model') or s['source']}", ""]
     if "requests" in s:
         lines.append(f"{s['requests']} requests, {len(s['layers'])} MoE layers, {n_exp} experts each.")
     else:
         lines.append(f"{len(s['layers'])} MoE layers, {n_exp} experts each (an import: no domains, phases or "
-                     "token-level pairs).")
+                     "token-level pairs; each recorded pass is one draw).")
+    bar = ("the no-baseline bar " f"{t.imbalance_cv:g} (a baseline, `moescope baseline save`, judges smaller changes)"
+           if s["judged"]["bar_from"] == "no baseline" else "the baseline's bar")
     lines += ["", "`overview.png`: every layer (rows) x expert (columns), load against the fair share 1/E "
               "(red over, blue under, black no slot). Per-layer figures: `moescope report --layers L,...`.",
               "", "## Load per layer", "",
-              f"Excess CV: the load CV beyond the sampling noise of the layer's slots, judged against "
-              f"{b.load_cv:g} (the alert's bar for this model). Dead: experts with no slot, judged only where uniform"
-              f" routing would have sent each at least {b.dead_min_expected_slots:g} slots.", "",
-              "| layer | load CV | excess CV | hottest expert (share) | dead experts |", "|---|---|---|---|---|"]
+              f"Judged as the alert rules judge (the same functions as the exporter and `moescope diagnose`, each "
+              f"request one draw): excess CV, the load CV beyond sampling noise, against {bar}; hot, an expert "
+              f"over {t.hot_factor:g}x its {s['judged']['reference']} share beyond noise; dead, experts with no "
+              f"slot where the {s['judged']['reference']} share predicts at least {t.dead_min_expected_slots:g} "
+              "effective slots. \"-\": too few draws to judge.", "",
+              "| layer | load CV | excess CV (bar) | hottest expert (share) | hot | dead experts |",
+              "|---|---|---|---|---|---|"]
     for layer, v in s["per_layer"].items():
-        excess = b.excess_cv(v["cv"], n_exp, v["slots"])
-        mark = " **over**" if excess > b.load_cv else ""
-        dead = v["dead"]
+        if v["excess_cv"] is None:
+            excess = f"- ({v['bar']:.2f})"
+        else:
+            excess = f"{v['excess_cv']:.3f} ({v['bar']:.2f})" + (" **over**" if v["over"] else "")
+        hot = ", ".join(f"**{h['expert']} {h['factor']:.1f}x**" for h in v["hot"]) or "-"
+        dead, judged = v["dead"], v["dead_judged"]
         if not dead:
             dead_text = "none"
-        elif not b.judges_dead(n_exp, v["slots"]):
-            dead_text = f"{len(dead)} with no slot (too few slots to judge)"
+        elif not judged:
+            dead_text = f"{len(dead)} with no slot (" + ("too few draws to judge" if judged is None else
+                                                         "not judged dead: too few slots for their share") + ")"
         else:
-            shown = ", ".join(map(str, dead[:8])) + (f" ... ({len(dead)})" if len(dead) > 8 else "")
-            dead_text = f"**{shown}**"
-        lines.append(f"| {layer} | {v['cv']:.3f} | {excess:.3f}{mark} | {v['hottest']} ({v['hottest_share']:.1%}) | "
+            shown = ", ".join(map(str, judged[:8])) + (f" ... ({len(judged)})" if len(judged) > 8 else "")
+            dead_text = f"**{shown}**" + (f" (of {len(dead)} with no slot)" if len(dead) > len(judged) else "")
+        lines.append(f"| {layer} | {v['cv']:.3f} | {excess} | {v['hottest']} ({v['hottest_share']:.1%}) | {hot} | "
                      f"{dead_text} |")
     lines += ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
     if s.get("drift_attribution"):

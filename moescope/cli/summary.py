@@ -1,9 +1,17 @@
 """The demo's run summary: the JSON a script reads (``--json``) and the lines a person reads.
 
-Compact at any shape: per MoE layer one line (load CV, experts with no slot, the hottest and coldest few
-with their share of the layer's slots) whether the model has 8 experts or 256, and one line for the whole
-model first. ``--json`` holds all of it (``expert_load_summary``) and every count (``expert_load``).
-cli/demo.py calls ``build`` and ``print_human``; demo_parallel prints merged ranks with ``print_human``.
+Compact at any shape: per MoE layer one line (load CV, experts with no slot, the experts judged dead, the
+hottest and coldest few with their share of the layer's slots) whether the model has 8 experts or 256, and
+one line for the whole model first. ``--json`` holds all of it (``expert_load_summary``, ``judged``) and every
+count (``expert_load``). cli/demo.py calls ``build`` and ``print_human``; demo_parallel prints merged ranks
+with ``print_human``.
+
+Imbalance, hot and dead experts are judged as the alert rules judge them: ``diagnose.judge`` (the exporter's
+``sampling`` functions and the ``Thresholds`` methods). The run's draws are its requests: given per request
+(``draws``, a ``sampling.Draws``) they are used as they are; from totals alone the summary judges with the
+most clustered draws the totals allow (``diagnose.worst_case_draws``: as if each request routed all its slots
+alike), which can only hold a judgement back, and says so. An expert with no slot is "dead" only where its
+reference share predicts enough effective slots (a few requests at 256 experts: none is).
 """
 
 from __future__ import annotations
@@ -12,30 +20,59 @@ import click
 import numpy as np
 
 from moescope import stats
+from moescope.thresholds import DEFAULT
 
 
-def layer_summary(counts: list[int], n: int | None = None) -> dict:
+def layer_summary(counts: list[int], n: int | None = None, dead: int | None = None,
+                  hot: list[dict] | None = None) -> dict:
     """One layer's load: CV, experts with no slot, the ``n`` hottest and coldest as (expert, share of slots)
-    (``n``: as many as `moescope top` names, by the same ranking)."""
+    (``n``: as many as `moescope top` names, by the same ranking); ``dead`` (the experts judged dead; None: not
+    judged) and ``hot`` ([{expert, factor, reference}] over the hot bar) from ``judge``."""
     from moescope.tui.routing import NAMED, named  # imported here: every CLI start imports this module
 
     n = NAMED if n is None else n
     c = np.asarray(counts, dtype=np.float64)
     total = c.sum()
-    hot, cold = named(c, n)
+    hottest, coldest = named(c, n)
 
     def shares(items):
         return [{"expert": e, "share": round(float(c[e] / total), 5) if total else 0.0} for e, _ in items]
 
-    return {"cv": round(stats.load_cv(counts), 4), "dead": int((c == 0).sum()), "slots": int(total),
-            "hottest": shares(hot), "coldest": shares(cold)}
+    return {"cv": round(stats.load_cv(counts), 4), "no_slot": int((c == 0).sum()), "dead": dead,
+            "slots": int(total), "hottest": shares(hottest), "coldest": shares(coldest), "hot": hot or []}
 
 
-def build(records, load, dropped, wall_s, model, device, n_asked) -> dict:
+def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None) -> tuple[dict, dict]:
+    """(the run's judgement in JSON, {layer: layer_summary}) from its load {layer: counts}: ``draws`` per
+    request when known, else the most clustered draws ``requests`` allow."""
+    from moescope.analysis.diagnose import judge, worst_case_draws
+
+    layers = list(load)
+    counts = np.array([load[layer] for layer in layers], dtype=np.float64)
+    how = "per request" if draws is not None else "from totals, requests as most clustered"
+    j = judge(counts, draws if draws is not None else worst_case_draws(counts, requests), layers, top_k, baseline)
+    per, judged = {}, {}
+    for i, layer in enumerate(layers):
+        ok = bool(j.judged[i])
+        hot = [{"expert": int(e), "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
+               for e in np.nonzero(j.hot[i])[0]] if ok and not j.collapsed[i] else []
+        dead = int(j.dead[i]) if ok else None
+        per[str(layer)] = layer_summary(load[layer], dead=dead, hot=sorted(hot, key=lambda h: -h["factor"]))
+        judged[str(layer)] = {"excess_cv": round(float(j.excess_cv[i]), 4) if ok else None,
+                              "bar": round(float(j.bar[i]), 4), "imbalanced": bool(j.imbalanced[i]),
+                              "collapsed": bool(j.collapsed[i])}
+    return {"draws": how, "requests": requests, "reference": j.reference,
+            "bar_from": "baseline" if j.baseline_cv is not None else "no baseline", "layers": judged}, per
+
+
+def build(records, load, dropped, wall_s, model, device, n_asked, draws=None, baseline=None) -> dict:
+    """The summary. ``draws``: the run's per-request routing as a ``sampling.Draws`` (layers in ``load``'s
+    order) where the caller has it; ``baseline``: the profile the run is judged against."""
     out_tokens = sum(r.n_output for r in records)
     prompt_tokens = sum(len(r.prompt_tokens) for r in records)
     ttft = [r.ttft_s for r in records]
     tpot = [x for r in records for x in r.token_latencies_s[1:]]
+    judged, per_layer = judgement(load, len(records), model.cfg.top_k, draws, baseline) if load else ({}, {})
     return {
         "model": model.cfg.name,
         "device": str(device),
@@ -56,7 +93,8 @@ def build(records, load, dropped, wall_s, model, device, n_asked) -> dict:
              "finish_reason": r.finish_reason} for r in records],
         "expert_load": {str(layer): counts for layer, counts in load.items()},
         "expert_load_cv": {str(layer): round(stats.load_cv(c), 4) for layer, c in load.items()},
-        "expert_load_summary": {str(layer): layer_summary(c) for layer, c in load.items()},
+        "expert_load_summary": per_layer,
+        "judged": judged,
         "tokens_dropped": {str(layer): n for layer, n in dropped.items()},
     }
 
@@ -86,20 +124,39 @@ def print_human(s: dict) -> None:
 
 
 def load_lines(s: dict) -> list[str]:
-    """The expert load part of the human summary: the model in one line, then one line per MoE layer."""
+    """The expert load part of the human summary: the model in one line, what was judged, then one line per
+    MoE layer."""
     from moescope.tui.routing import NAMED
 
-    per = s.get("expert_load_summary") or {k: layer_summary(v) for k, v in s["expert_load"].items()}
+    per = s.get("expert_load_summary")
+    if per is None:  # a summary without the judgement (a merged or older one): judge its totals
+        judged, per = judgement({int(k): v for k, v in s["expert_load"].items()}, int(s.get("completed") or 0),
+                                int(s.get("top_k") or 1))
+        per = {str(k): v for k, v in per.items()}
+    else:
+        judged = s.get("judged") or {}
     if not per:
         return []
     n_exp = len(next(iter(s["expert_load"].values())))
     cvs = {layer: v["cv"] for layer, v in per.items()}
     worst = max(cvs, key=cvs.get)
+    not_judged = [layer for layer, v in per.items() if v["dead"] is None]
     dead = {layer: v["dead"] for layer, v in per.items() if v["dead"]}
+    dead_text = (f"dead not judged: too few requests ({judged.get('requests', '?')})" if len(not_judged) == len(per)
+                 else f"{sum(dead.values())} dead in {len(dead)} layers")
     lines = [f"expert load: {len(per)} MoE layers x {n_exp} experts (fair share {1 / n_exp:.2%}); CV median "
-             f"{float(np.median(list(cvs.values()))):.3f}, max {cvs[worst]:.3f} (L{worst}); "
-             f"{sum(dead.values())} dead in {len(dead)} layers",
-             f"per layer: cv, dead (no slot), the {NAMED} hottest and coldest as expert:share (counts: --json)"]
+             f"{float(np.median(list(cvs.values()))):.3f}, max {cvs[worst]:.3f} (L{worst}); {dead_text}"]
+    layers_j = judged.get("layers", {})
+    imb = [layer for layer, v in layers_j.items() if v["imbalanced"]]
+    hot = [(layer, h) for layer, v in per.items() for h in v.get("hot", [])]
+    if judged:
+        bar = ("against the baseline" if judged.get("bar_from") == "baseline" else
+               f"no baseline: only over excess CV {DEFAULT.imbalance_cv:g}")
+        hot_text = ", ".join(f"L{layer} E{h['expert']} {h['factor']:.1f}x {h['reference']}"
+                             for layer, h in sorted(hot, key=lambda x: -x[1]["factor"])[:3]) or "none"
+        lines.append(f"judged ({judged.get('draws')}): imbalanced in {len(imb)} ({bar}); hot {hot_text}")
+    lines.append(f"per layer: cv, no slot / judged dead, the {NAMED} hottest and coldest as expert:share "
+                 "(counts: --json)")
     width = max(len(str(layer)) for layer in per)
     digits = 1 if n_exp <= 64 else 2  # shares near 1/E must still differ on screen
 
@@ -107,6 +164,7 @@ def load_lines(s: dict) -> list[str]:
         return " ".join(f"{x['expert']}:{x['share']:.{digits}%}" for x in items)
 
     for layer, v in per.items():
-        lines.append(f"  L{layer:<{width}} cv {v['cv']:.3f} dead {v['dead']:>3}  hot {few(v['hottest'])}  "
-                     f"cold {few(v['coldest'])}")
+        d = "-" if v["dead"] is None else v["dead"]
+        lines.append(f"  L{layer:<{width}} cv {v['cv']:.3f} no slot {v['no_slot']:>3} dead {d:>3}  "
+                     f"hot {few(v['hottest'])}  cold {few(v['coldest'])}")
     return lines

@@ -1,13 +1,15 @@
 """What `moescope top` draws for routing, as ``rich.text.Text``: pure functions of a ``Frame``, no app state.
 
-- ``overview``: one row per MoE layer (scrolled), its experts folded into bands: each cell is the band's
+- ``overview``: a header (shape and legend; the model in one line; what is judged against what and what
+  waits), then one row per MoE layer (scrolled), its experts folded into bands: each cell is the band's
   busiest expert against the fair share 1/E (``levels.SHADES``: ``=`` fair, each step a doubling; ``_`` an
-  idle band, blank no data), then the layer's verdict or its CV and hottest expert. Rows sort by layer or
-  worst first; the selected row is reversed.
+  expert the exporter judged dead, blank no data), then the layer's verdict or its excess CV against its bar
+  and hottest experts. Rows sort by layer or worst first; the selected row is reversed.
 - ``layer_view``: one layer's expert bands x time (each column one poll), each band's load against its fair
   share, with the band's hottest expert named on the right.
 
-Colours and words come from ``levels`` (the thresholds object); nothing here judges by a number of its own.
+Verdicts come from ``routing.layer_routing`` (the thresholds object's methods over the exporter's judged
+series); nothing here judges by a number of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from moescope.tui.routing import Band, LayerRouting, fold
 
 LEVEL_STYLE = {"ok": "green", "warn": "bold yellow", "bad": "bold white on red", "none": "dim"}
 ANNOTATION = 38  # characters right of the cells
+HEADER = 3  # the overview's header lines: shape and legend, the model in one line, what is judged
 
 
 def cell(rel: float | None) -> tuple[str, str]:
@@ -56,7 +59,7 @@ def sort_layers(routing: dict[int, LayerRouting], worst_first: bool) -> list[int
     order = ("bad", "warn", "ok", "none")
     if not worst_first:
         return sorted(routing)
-    return sorted(routing, key=lambda la: (order.index(routing[la].level), -(routing[la].cv or 0.0), la))
+    return sorted(routing, key=lambda la: (order.index(routing[la].level), -routing[la].severity, la))
 
 
 def rel(v: float) -> str:
@@ -83,15 +86,21 @@ def annotation(r: LayerRouting) -> Text:
     out = Text()
     if r.verdict:
         out.append(r.verdict, style=LEVEL_STYLE[r.level])
-        if r.hot and "onto" not in r.verdict:
+        if r.hot and "onto" not in r.verdict and not r.hot_factors:
             out.append(f"; hot {_hot_words(r)}")
         return out
-    out.append("cv ", style="dim")
-    out.append("-" if r.cv is None else f"{r.cv:.2f}", style=LEVEL_STYLE[r.level])
+    if r.excess_cv is not None and not r.judged:
+        out.append("not judged (too few requests)", style="dim")
+    elif r.judged:
+        out.append("xcv ", style="dim")
+        out.append(f"{r.excess_cv:.2f}<{r.bar:.2f}", style=LEVEL_STYLE[r.level])
+    else:
+        out.append("cv ", style="dim")
+        out.append("-" if r.cv is None else f"{r.cv:.2f}", style="dim")
     if r.hot:
         out.append(f" hot {_hot_words(r, 2)}")
     if r.dead is not None:
-        out.append(f" dead {r.dead}")
+        out.append(f" dead {r.dead}" if _dead_shown(r) else f" no slot {r.dead}" if r.dead else " dead 0")
     return out
 
 
@@ -102,7 +111,7 @@ def summary_line(routing: dict[int, LayerRouting]) -> Text:
     worst = sort_layers(routing, True)[0]
     r = routing[worst]
     bad = sum(1 for x in routing.values() if x.level == "bad")
-    dead = sum(1 for x in routing.values() if x.dead)
+    dead = sum(1 for x in routing.values() if levels.finite(x.dead_unexpected) and x.dead_unexpected > 0)
     out = Text()
     if r.verdict:
         out.append(f"worst L{worst}: {r.verdict}", style=LEVEL_STYLE[r.level])
@@ -110,6 +119,11 @@ def summary_line(routing: dict[int, LayerRouting]) -> Text:
         out.append("every layer within its bars", style="green")
     out.append(f"; {bad}/{len(routing)} layers over a bar, {dead} with dead")
     return out
+
+
+def _dead_shown(r: LayerRouting) -> bool:
+    """Zero-slot experts are drawn as dead only where the exporter judged the layer's dead experts unexpected."""
+    return levels.finite(r.dead_unexpected) and r.dead_unexpected > 0
 
 
 def overview(frame, width: int, height: int, selected: int | None = None, offset: int = 0,
@@ -128,8 +142,9 @@ def overview(frame, width: int, height: int, selected: int | None = None, offset
                f"{levels.SHADES[levels.FAIR_SHADE]} fair, x2 a step\n", style="bold")
     out.append_text(summary_line(routing))
     out.append("\n")
+    out.append(frame.judged + "\n", style="dim")
     layers = sort_layers(routing, worst_first)
-    rows = layers[offset: offset + max(1, height - 2)] if height else layers
+    rows = layers[offset: offset + max(1, height - HEADER)] if height else layers
     for layer in rows:
         r = routing[layer]
         label = Text(f"L{layer:<4}", style=LEVEL_STYLE[r.level] if r.level in ("warn", "bad") else "bold")
@@ -138,7 +153,7 @@ def overview(frame, width: int, height: int, selected: int | None = None, offset
         out.append_text(label)
         cells = r.counts if r.counts is not None and r.counts.sum() > 0 else r.profile
         if cells is not None:
-            judged = r.counts is None or frame.bars.judges_dead(n_exp, float(r.counts.sum()))
+            judged = _dead_shown(r)
             for b in fold(cells, bands):
                 ch, style = band_cell(b, judged)
                 out.append(ch, style=style)
@@ -172,7 +187,7 @@ def layer_view(frame, layer: int | None, width: int, height: int) -> Text:
     n_cols = max(1, width - label - 1 - 20)
     cols = cols[-n_cols:]
     folded = [fold(c, n_rows) for c in cols]
-    judged = frame.bars.judges_dead(frame.n_experts, float(r.counts.sum()))
+    judged = _dead_shown(r)
     for i, b in enumerate(window):
         out.append(f"{b.name:>{label}} ", style="dim")
         for f in folded:
@@ -194,5 +209,8 @@ def details(frame, layer: int | None, width: int = 80) -> Text:
     if r is not None and (r.hot or r.cold):
         out.append(f"L{layer} hot " + " ".join(f"e{e} {rel(v)}" for e, v in r.hot))
         out.append(" | cold " + " ".join(f"e{e} {rel(v)}" for e, v in r.cold))
-        out.append(f" | dead {r.dead if r.dead is not None else '-'}")
+        dead = r.dead_unexpected if levels.finite(r.dead_unexpected) else None
+        out.append(f" | dead {int(dead) if dead is not None else '-'}")
+        for e, f, ref in r.hot_factors:
+            out.append(f" | L{layer} E{e} {f:.1f}x {ref}", style="bold red")
     return fit(out, width)

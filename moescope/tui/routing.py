@@ -3,19 +3,22 @@ collapsed), from whichever tier the exporter serves. Pure functions over numbers
 
 Tiers (docs/metrics.md): ``per-expert`` (``moescope_expert_tokens_total`` for every layer and expert: top
 keeps the per-poll differences and sums the recent ones) and ``reduced`` (past the cardinality budget). Every
-tier carries, per layer, the window gauges the alerts judge (load CV and its excess over sampling noise, top
-share, max/mean, dead experts, slots per expert), the window slots of the K hottest and coldest experts by id,
-and a histogram of experts by relative load; so every tier gets a verdict, named experts and a load profile,
-and the per-expert tier adds every expert by id.
+tier carries, per layer, the judged series the alerts read (excess load CV and the baseline's CV, hot factors,
+unexpected dead experts, drift and its noise, the rank max/mean) and the window gauges (top share, max/mean,
+slots per expert), the window slots of the K hottest and coldest experts by id, and a histogram of experts by
+relative load; so every tier gets a verdict, named experts and a load profile, and the per-expert tier adds
+every expert by id. Verdicts are the rules' own (``layer_routing``: ``Thresholds`` methods, no bar here).
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
+from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 
 NAMED = 3  # hottest / coldest experts named per layer (the demo summary names as many)
@@ -25,16 +28,33 @@ NAMED = 3  # hottest / coldest experts named per layer (the demo summary names a
 class LayerRouting:
     layer: int
     cv: float | None  # the exporter's window gauges
-    excess_cv: float | None  # the CV beyond sampling noise (what the alert judges)
+    excess_cv: float | None  # the CV beyond sampling noise (what the imbalance rule judges; NaN: not judged)
     top_share: float | None
     max_over_mean: float | None
-    dead: int | None
+    dead: int | None  # experts with no slot (shown, not judged)
     counts: np.ndarray | None  # [E] slots per expert over the frame's window (per-expert tier), by expert id
     profile: np.ndarray | None  # [E] load / mean load, ascending, from the exporter's histogram (any tier)
     hot: tuple[tuple[int, float], ...]  # (expert, load / mean load), hottest first
     cold: tuple[tuple[int, float], ...]  # coldest first
     level: str  # ok | warn | bad | none
     verdict: str  # what is wrong, in words ("" when nothing is)
+    baseline_cv: float | None = None  # moescope_baseline_load_cv_ratio (None: no baseline)
+    bar: float | None = None  # the imbalance bar (Thresholds.imbalance_bar)
+    dead_unexpected: float | None = None  # the dead experts the rule judges (NaN: not judged)
+    hot_factors: tuple[tuple[int, float, str], ...] = ()  # (expert, factor, reference) over the hot bar
+    drift_over_noise: float | None = None  # drift JSD minus its noise (bits)
+    rank_max_over_mean: float | None = None
+
+    @property
+    def judged(self) -> bool:
+        """Whether the window had enough draws (requests) to judge (the excess CV is finite)."""
+        return self.excess_cv is not None and math.isfinite(self.excess_cv)
+
+    @property
+    def severity(self) -> float:
+        """How far past its bars the layer is (sorting): excess CV / bar, a hot factor / the hot bar."""
+        x = self.excess_cv / self.bar if self.judged and self.bar else 0.0
+        return max([x] + [f / levels.HOT for _, f, _ in self.hot_factors])
 
 
 @dataclass(frozen=True)
@@ -92,17 +112,19 @@ def profile(buckets: dict[float, float], hottest: float | None) -> np.ndarray | 
     return np.array(out) if out else None
 
 
-def layer_routing(layer: int, gauges: dict[str, float], bars: levels.Bars, n_experts: int | None, *,
+def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *,
                   counts: np.ndarray | None = None, reported: dict[int, float] | None = None,
-                  buckets: dict[float, float] | None = None) -> LayerRouting:
-    """One layer's routing. ``gauges``: the exporter's window gauges by short name (cv, excess_cv, top_share,
-    max_over_mean, dead, slots_per_expert); ``counts``: per-expert slots (per-expert tier); ``reported``:
-    {expert: window slots} of the hottest and coldest experts the exporter names (every tier); ``buckets``:
-    its histogram of experts by relative load {le: cumulative experts}."""
+                  buckets: dict[float, float] | None = None,
+                  hot_factors: dict[int, tuple[float, str]] | None = None, t: Thresholds = DEFAULT) -> LayerRouting:
+    """One layer's routing, judged as the alert rules judge it (``Thresholds`` methods over the exporter's
+    judged series). ``gauges``: the window gauges by short name (``GAUGES``); ``counts``: per-expert slots
+    (per-expert tier); ``reported``: {expert: window slots} of the hottest and coldest experts the exporter names
+    (every tier); ``buckets``: its histogram of experts by relative load {le: cumulative experts};
+    ``hot_factors``: {expert: (factor, reference)} of moescope_expert_hot_factor_ratio."""
     g = gauges.get
     cv, excess, top, mom = g("cv"), g("excess_cv"), g("top_share"), g("max_over_mean")
     per_expert = g("slots_per_expert")
-    dead = None if g("dead") is None else int(g("dead"))
+    dead = None if not levels.finite(g("dead")) else int(g("dead"))
     if counts is not None and counts.sum() > 0:
         hot, cold = named(counts)
     elif reported and per_expert:
@@ -111,26 +133,39 @@ def layer_routing(layer: int, gauges: dict[str, float], bars: levels.Bars, n_exp
         cold = tuple(sorted(rel.items(), key=lambda x: (x[1], x[0]))[:NAMED])
     else:
         hot, cold = (), ()
-    slots = per_expert * n_experts if per_expert is not None and n_experts else None
-    if excess is not None:  # what the alert judges: the CV beyond the window's sampling noise
-        cv_level = levels.level(excess, bars.load_cv)
-    elif slots is not None:
-        cv_level = levels.level(cv, bars.load_cv_bar(n_experts, slots))
-    else:  # an exporter that says nothing of its window's size: the raw CV against the bar
-        cv_level = levels.level(cv, bars.load_cv)
-    top_level = levels.level(top, bars.collapse_top_share)
-    judged = slots is None or bars.judges_dead(n_experts, slots)
-    dead_level = "none" if dead is None else "warn" if dead and judged else "ok"
+    base = g("baseline_cv")
+    bar = t.imbalance_bar(base)
+    jsd, noise = g("drift_jsd"), g("drift_noise")
+    drifted = t.drifted(jsd, noise)
+    over_noise = jsd - noise if levels.finite(jsd) and levels.finite(noise) else None
+    unexpected = g("dead_unexpected")
+    rank = g("rank_max_over_mean")
+    hots = tuple(sorted(((e, f, ref) for e, (f, ref) in (hot_factors or {}).items() if f > t.hot_factor),
+                        key=lambda x: (-x[1], x[0])))
+    cv_level = levels.level(excess, bar)
+    if cv_level == "bad" and drifted:  # as the rule: a drifted layer's imbalance is the drift's
+        cv_level = "warn"
+    top_level = levels.level(top, t.collapse_top_share)
+    dead_level = "warn" if levels.finite(unexpected) and unexpected > 0 else "none" if dead is None else "ok"
     words = []
     if top_level == "bad":
         words.append(f"collapsed{f' onto e{hot[0][0]}' if hot else ''} ({top:.0%} of tokens)")
     elif cv_level == "bad":
-        what = f"excess cv {excess:.2f}" if excess is not None else f"cv {cv:.2f}"
-        words.append(f"imbalanced ({what}>{bars.load_cv:g})")
-    if dead and judged:
-        words.append(f"{dead} dead")
-    return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold,
-                        levels.worst(cv_level, top_level, dead_level), ", ".join(words))
+        against = "baseline" if levels.finite(base) else "no baseline"
+        words.append(f"imbalanced (excess cv {excess:.2f}>{bar:.2f} {against})")
+    if hots and top_level != "bad":  # collapse inhibits the hot alert (Alertmanager), as it does here
+        words.append("hot " + " ".join(f"L{layer} E{e} {f:.1f}x {ref}" for e, f, ref in hots[:2]))
+    if drifted:
+        words.append(f"drifted ({over_noise:.3f} bits over noise)")
+    if t.rank_overloaded(rank):
+        words.append(f"rank max/mean {rank:.2f}")
+    if dead_level == "warn":
+        words.append(f"{int(unexpected)} dead")
+    lvl = levels.worst(cv_level, top_level, dead_level, "bad" if hots else "none",
+                       "bad" if drifted or t.rank_overloaded(rank) else "none")
+    return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,
+                        ", ".join(words), base if levels.finite(base) else None, bar, unexpected, hots, over_noise,
+                        rank)
 
 
 class History:

@@ -2,7 +2,8 @@
 model shape (256 experts x 58 layers included).
 
 Rows: source status (each endpoint ok or unreachable; it recovers by itself), health tiles coloured by the
-alert thresholds (``levels``: green under 2/3 of the bar, yellow under it, red over it), the routing view,
+alert rules' judgements (``levels``: green under 2/3 of the bar, yellow under it, red over it; the excess CV
+against the imbalance bar, never the raw CV), the routing view with what is judged and what waits,
 the selected layer's hottest/coldest experts and all-to-all p99 per rank, and firing alerts from an
 Alertmanager. The routing view (``heatmap``) is either the overview, one row per layer with its experts
 folded into bands and its verdict (collapsed, imbalanced, dead experts), scrolled and optionally sorted
@@ -128,8 +129,8 @@ class TopApp(App):
         return heatmap.sort_layers(self.frame.routing, self.worst_first) if self.frame else []
 
     def _rows(self) -> int:
-        """Layer rows the overview has room for (its two header lines aside)."""
-        return max(1, (self.query_one("#heat", Static).size.height or 18) - 2)
+        """Layer rows the overview has room for (its header lines aside)."""
+        return max(1, (self.query_one("#heat", Static).size.height or 18) - heatmap.HEADER)
 
     def _follow(self) -> None:
         """Scroll the overview so the selected layer is on screen."""

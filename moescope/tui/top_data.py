@@ -7,10 +7,11 @@ per-expert slots, cache hit rate) come from the difference between two polls of 
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -127,8 +128,9 @@ class Frame:
     window: str  # what the per-expert counts cover: "last 12s" or "since start"
     n_experts: int | None
     columns: dict[int, tuple]  # layer -> per-poll slot differences, oldest first (per-expert tier)
-    bars: levels.Bars  # what this model is judged by
+    judged: str  # what is judged against what, and what waits ("imbalance: judged against baseline", ...)
     a2a_p99: dict[str, float]  # rank -> seconds
+    cache_low: dict[int, tuple[float, float]] = field(default_factory=dict)  # layer -> (hit rate, its floor)
     alerts: list[str] | None = None  # None: no Alertmanager configured
     alert_error: str | None = None
 
@@ -181,31 +183,96 @@ def expert_deltas(now: dict[int, np.ndarray], before: dict[int, np.ndarray]) -> 
     return out
 
 
-_GAUGES = {"cv": "moescope_expert_load_cv_ratio", "excess_cv": "moescope_expert_load_excess_cv_ratio",
-           "top_share": "moescope_expert_load_top_share_ratio",
-           "max_over_mean": "moescope_expert_load_max_over_mean_ratio", "dead": "moescope_dead_experts",
-           "slots_per_expert": "moescope_window_slots_per_expert"}
+GAUGES = {"cv": "moescope_expert_load_cv_ratio", "excess_cv": "moescope_expert_load_excess_cv_ratio",
+          "baseline_cv": "moescope_baseline_load_cv_ratio",
+          "top_share": "moescope_expert_load_top_share_ratio",
+          "max_over_mean": "moescope_expert_load_max_over_mean_ratio", "dead": "moescope_dead_experts",
+          "dead_unexpected": "moescope_dead_experts_unexpected",
+          "drift_jsd": "moescope_routing_drift_jsd_bits", "drift_noise": "moescope_routing_drift_noise_bits",
+          "rank_max_over_mean": "moescope_rank_load_max_over_mean_ratio",
+          "slots_per_expert": "moescope_window_slots_per_expert"}
+HOT_SERIES = "moescope_expert_hot_factor_ratio"
+
+
+def _merge(old: float | None, v: float) -> float:
+    """The larger of two values of one gauge (ranks, duplicate series); NaN (not judged) only when all are."""
+    if old is None or math.isnan(old):
+        return v
+    return old if math.isnan(v) else max(old, v)
 
 
 def _per_layer(cur: Samples):
     """Per layer: the window gauges by short name, the named experts' window slots {expert: slots}, and the
     relative-load histogram {le: cumulative experts}."""
-    names = {v: k for k, v in _GAUGES.items()}
+    names = {v: k for k, v in GAUGES.items()}
     gauges: dict[int, dict[str, float]] = defaultdict(dict)
     named: dict[int, dict[int, float]] = defaultdict(dict)
     buckets: dict[int, dict[float, float]] = defaultdict(dict)
+    hot: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
     for (n, labels), v in cur.items():
         short = names.get(n)
         if short is not None:
             layer = int(dict(labels)["layer"])
-            gauges[layer][short] = max(gauges[layer].get(short, v), v)
+            gauges[layer][short] = _merge(gauges[layer].get(short), v)
+        elif n == HOT_SERIES:
+            d = dict(labels)
+            e = int(d["expert"])
+            layer = int(d["layer"])
+            if math.isfinite(v) and v > hot[layer].get(e, (-1.0, ""))[0]:
+                hot[layer][e] = (v, d.get("reference", "fair"))
         elif n == "moescope_expert_window_slots":
             d = dict(labels)
             named[int(d["layer"])][int(d["expert"])] = v
         elif n == "moescope_expert_load_relative_bucket":
             d = dict(labels)
             buckets[int(d["layer"])][float(d["le"])] = v
-    return gauges, named, buckets
+    return gauges, named, buckets, hot
+
+
+def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> str:
+    """What top judges against what, and what waits, in words."""
+    if not routing:
+        return "waiting for the exporter's judged series"
+    rs = list(routing.values())
+    with_excess = [r for r in rs if r.excess_cv is not None]
+    if not with_excess:
+        return "the exporter exports no excess CV: imbalance not judged (an older moescope?)"
+    judged = [r for r in with_excess if r.judged]
+    if not judged:
+        return "too few requests in the window to judge (excess CV NaN): imbalance, hot and dead wait"
+    base = sum(1 for r in judged if r.baseline_cv is not None)
+    if base == len(judged):
+        words = "imbalance: judged against baseline"
+    elif base:
+        words = f"imbalance: {base}/{len(judged)} layers against baseline, the rest above excess CV {t.imbalance_cv:g}"
+    else:
+        words = f"no baseline: imbalance only above excess CV {t.imbalance_cv:g} (moescope baseline save)"
+    if len(judged) < len(rs):
+        words += f"; {len(rs) - len(judged)} layers: too few requests to judge"
+    ranks = [(r.rank_max_over_mean, r.layer) for r in rs if levels.finite(r.rank_max_over_mean)]
+    if ranks:
+        v, layer = max(ranks)
+        words += f"; rank max/mean {v:.2f} (L{layer}{'>' if t.rank_overloaded(v) else '<='}{t.rank_max_over_mean:g})"
+    return words
+
+
+def cache_judgement(hits: dict, lookups: dict, capacity: dict, t: Thresholds = DEFAULT
+                    ) -> dict[int, tuple[float, float]]:
+    """layer -> (hit rate, floor) of the layers whose hit rate is under ``Thresholds.cache_floor`` of their
+    capacity ratio (``hits``/``lookups``: {(layer,): count} over the same interval)."""
+    out = {}
+    for key, n in lookups.items():
+        cap = capacity.get(key)
+        if not n or cap is None or not math.isfinite(cap):
+            continue
+        rate, floor = hits.get(key, 0.0) / n, t.cache_floor(cap)
+        if rate < floor:
+            out[int(key[0])] = (rate, floor)
+    return out
+
+
+def _per_layer_values(samples: Samples, name: str) -> dict:
+    return {(dict(labels).get("layer", ""),): v for (n, labels), v in samples.items() if n == name}
 
 
 def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, str], t: Thresholds = DEFAULT,
@@ -219,7 +286,6 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     full = cur
     cur = _lowest_rank(cur)
     prev = _lowest_rank(prev) if prev else prev
-    b = levels.bars(model, t)
 
     def delta(name, by=()):
         now = _sum(cur, name, by)
@@ -231,10 +297,13 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     first_layer = min(tokens, key=lambda k: int(k[0]))[0] if tokens else None
     tok_rate = rate({k: v for k, v in delta("moescope_router_tokens_total", ("layer",)).items()
                      if k[0] == first_layer})
-    lookups = delta("moescope_expert_cache_lookups_total") if prev else _sum(cur, "moescope_expert_cache_lookups_total")
-    hits = delta("moescope_expert_cache_hits_total") if prev else _sum(cur, "moescope_expert_cache_hits_total")
+    lookups = (delta if prev else lambda n, by: _sum(cur, n, by))("moescope_expert_cache_lookups_total", ("layer",))
+    hits = (delta if prev else lambda n, by: _sum(cur, n, by))("moescope_expert_cache_hits_total", ("layer",))
     n_look = sum(lookups.values())
     hit_rate = sum(hits.values()) / n_look if n_look else None
+    capacity = _per_layer_values(cur, "moescope_expert_cache_capacity_ratio")
+    cache_low = cache_judgement(hits, lookups, capacity, t)
+    cache_floor = t.cache_floor(min(capacity.values())) if capacity else None
     routed = delta("moescope_router_tokens_total") if prev else _sum(cur, "moescope_router_tokens_total")
     dropped = delta("moescope_tokens_dropped_total") if prev else _sum(cur, "moescope_tokens_dropped_total")
     drop_ratio = sum(dropped.values()) / sum(routed.values()) if sum(routed.values()) else None
@@ -242,28 +311,40 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     fetch = _hist_delta(cur, prev, "moescope_expert_fetch_seconds")
     fetch_p99 = _quantile(fetch.get((), {}), 0.99) if fetch else None
     rss = _max(full, "moescope_process_resident_memory_bytes")
-    values = [  # (tile, value, format, bar, lower is worse)
-        ("tokens/s", tok_rate, "int", None, False),
-        ("load CV", _max(cur, "moescope_expert_load_cv_ratio"), "num", b.load_cv, False),
-        ("top share", _max(cur, "moescope_expert_load_top_share_ratio"), "pct", b.collapse_top_share, False),
-        ("flips", _max(cur, "moescope_routing_flip_ratio"), "pct", b.flip_ratio, False),
-        ("drift bits", _max(cur, "moescope_routing_drift_jsd_bits"), "num", b.drift_jsd_bits, False),
-        ("non-finite", float(nonfinite), "int", 0.0, False),
-        ("dropped", drop_ratio, "pct", b.drop_ratio, False),
-        ("cache hit", hit_rate, "pct", b.cache_hit_rate, True),
-        ("fetch p99", fetch_p99, "ms", b.fetch_p99_s, False),
-        ("RSS", rss, "bytes", None, False),
+    routing, tier, window, n_exp, columns = _routing(cur, t, history, expert_counts(cur) if totals is None else totals)
+    judged = [r for r in routing.values() if r.judged]
+    worst = max(judged, key=lambda r: r.excess_cv / r.bar, default=None)
+    drift = [r.drift_over_noise for r in routing.values() if r.drift_over_noise is not None]
+    values = [  # (tile, value, text, level): every level a judgement of the rules' own
+        ("tokens/s", tok_rate, None, levels.level(tok_rate, None)),
+        ("excess CV", None if worst is None else worst.excess_cv,
+         None if worst is None else f"{worst.excess_cv:.2f}/{worst.bar:.2f}",
+         "none" if worst is None else worst.level if worst.verdict.startswith("imbalanced") else
+         levels.level(worst.excess_cv, worst.bar)),
+        ("top share", _max(cur, "moescope_expert_load_top_share_ratio"), None,
+         levels.level(_max(cur, "moescope_expert_load_top_share_ratio"), t.collapse_top_share)),
+        ("flips", _max(cur, "moescope_routing_flip_ratio"), None,
+         levels.level(_max(cur, "moescope_routing_flip_ratio"), t.flip_ratio)),
+        ("drift", max(drift) if drift else None, None, levels.level(max(drift) if drift else None, t.drift_bits)),
+        ("non-finite", float(nonfinite), None, levels.level(float(nonfinite), 0.0)),
+        ("dropped", drop_ratio, None, levels.level(drop_ratio, t.drop_ratio)),
+        ("cache hit", hit_rate, None, "bad" if cache_low else levels.level(hit_rate, cache_floor, floor=True)),
+        ("fetch p99", fetch_p99, None, levels.level(fetch_p99, t.fetch_p99_s)),
+        ("RSS", rss, None, levels.level(rss, None)),
     ]
-    tiles = [Tile(name, v, _fmt(v, kind), levels.level(v, bar, floor=floor)) for name, v, kind, bar, floor in values]
-    routing, tier, window, n_exp, columns = _routing(cur, b, history, expert_counts(cur) if totals is None else totals)
+    kinds = {"tokens/s": "int", "top share": "pct", "flips": "pct", "non-finite": "int", "dropped": "pct",
+             "cache hit": "pct", "fetch p99": "ms", "RSS": "bytes"}
+    tiles = [Tile(name, v, text if text is not None else _fmt(v, kinds.get(name, "num")), lvl)
+             for name, v, text, lvl in values]
     a2a = _hist_delta(full, None, "moescope_all_to_all_seconds", ("rank",))
     a2a_p99 = {rank[0]: q for rank, hb in sorted(a2a.items()) if (q := _quantile(hb, 0.99)) is not None}
-    return Frame(at or time.time(), model, endpoints, tiles, routing, tier, window, n_exp, columns, b, a2a_p99)
+    return Frame(at or time.time(), model, endpoints, tiles, routing, tier, window, n_exp, columns,
+                 judged_note(routing, t), a2a_p99, cache_low)
 
 
-def _routing(cur: Samples, b: levels.Bars, history: History | None, totals: dict[int, np.ndarray]):
+def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[int, np.ndarray]):
     """Per layer routing from what this tier serves, and what the per-expert window covers."""
-    gauges, named, buckets = _per_layer(cur)
+    gauges, named, buckets, hot = _per_layer(cur)
     n_exp = max((len(c) for c in totals.values()), default=None)
     if n_exp is None and buckets:  # the histogram counts every expert of a layer
         n_exp = int(round(max(max(bk.values()) for bk in buckets.values())))
@@ -271,14 +352,14 @@ def _routing(cur: Samples, b: levels.Bars, history: History | None, totals: dict
     window, counts = "since start", totals
     if totals and history is not None and history.span_s > 0:
         recent = {layer: history.window(layer) for layer in totals}
-        slots = min(0.0 if c is None else float(c.sum()) for c in recent.values())
-        if levels.enough_slots(b, n_exp, slots):  # a thin recent window is noise: show the run so far instead
+        if all(c is not None and c.sum() > 0 for c in recent.values()):  # else the run so far: nothing recent
             span = history.span_s
             window, counts = f"last {span:.0f}s" if span >= 10 else f"last {span:.1f}s", recent
     if not totals:
         window = "the exporter's window"
-    routing = {layer: layer_routing(layer, gauges.get(layer, {}), b, n_exp, counts=counts.get(layer),
-                                    reported=named.get(layer), buckets=buckets.get(layer))
+    routing = {layer: layer_routing(layer, gauges.get(layer, {}), n_exp, counts=counts.get(layer),
+                                    reported=named.get(layer), buckets=buckets.get(layer),
+                                    hot_factors=hot.get(layer), t=t)
                for layer in sorted(set(gauges) | set(totals) | set(named))}
     columns = {layer: history.columns(layer) for layer in totals} if history is not None else {}
     return routing, tier, window, n_exp, columns
