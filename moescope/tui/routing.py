@@ -44,6 +44,7 @@ class LayerRouting:
     hot_factors: tuple[tuple[int, float, str], ...] = ()  # (expert, factor, reference) over the hot bar
     drift_over_noise: float | None = None  # drift JSD minus its noise (bits)
     rank_max_over_mean: float | None = None
+    fires: tuple[str, ...] = ()  # the alert rules this layer's series meet (before Alertmanager's inhibitions)
 
     @property
     def judged(self) -> bool:
@@ -163,9 +164,15 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
         words.append(f"{int(unexpected)} dead")
     lvl = levels.worst(cv_level, top_level, dead_level, "bad" if hots else "none",
                        "bad" if drifted or t.rank_overloaded(rank) else "none")
+    fires = [name for name, on in (
+        ("MoEExpertCollapse", top_level == "bad"),
+        ("MoEExpertLoadImbalance", t.imbalanced(excess, base) and not drifted),
+        ("MoEDeadExperts", dead_level == "warn"), ("MoERoutingDrift", drifted),
+        ("MoERankLoadImbalance", t.rank_overloaded(rank))) if on]
+    fires += [f"MoEExpertHot:{e}" for e, _, _ in hots]
     return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,
                         ", ".join(words), base if levels.finite(base) else None, bar, unexpected, hots, over_noise,
-                        rank)
+                        rank, tuple(fires))
 
 
 class History:

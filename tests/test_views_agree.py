@@ -1,0 +1,253 @@
+"""One judgement in every view: the same window, judged by the generated alert rules in the real promtool and
+by the views' own code, fires the same alerts, case by case.
+
+Each case is per-request routing counts (the exporter's draws) and, where given, a baseline profile.
+``diagnose.judge`` turns them into the series the exporter exports (excess CV, baseline CV, hot factors,
+unexpected dead experts, drift and its noise, top share) and its verdicts; the summary judges the same counts
+(``summary.judgement``); ``moescope top``'s data layer reads the same series from a parsed exposition; and
+``promtool test rules`` evaluates ``rules.rules_document()`` over the same series. The alert names expected from
+promtool are the shared brief's (written here, not read from the rules). Cache and rank placement are series
+only top and the rules read (diagnose judges the cache from the store's miss bits): those cases feed top and
+promtool."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+
+import numpy as np
+import pytest
+import yaml
+from servers import require
+
+from moescope.analysis import diagnose
+from moescope.analysis.baseline import LayerProfile, Profile
+from moescope.cli import summary
+from moescope.sampling import Draws
+from moescope.thresholds import DEFAULT
+from moescope.tui.top_data import frame, parse_exposition
+
+E, K, LAYERS = 32, 2, [1, 2, 3]
+LAB = {"model": "acme-moe", "rank": "0"}
+STEPS = 20  # one sample a minute for 20 minutes; alerts are read at 15m (every `for` of these rules <= 10m)
+ALERTS = ("MoEExpertLoadImbalance", "MoEExpertHot", "MoEDeadExperts", "MoEExpertCollapse", "MoERoutingDrift",
+          "MoERankLoadImbalance", "MoEExpertCacheHitRateLow")  # the shared brief's names
+
+
+def _requests(rng, n_req: int, tokens: int, p: dict[int, np.ndarray], clustered: bool = True) -> np.ndarray:
+    """[R, L, E] slots per request: each request draws its tokens' K slots from the layer's distribution, tilted
+    per request (a request's tokens route alike) unless ``clustered`` is False."""
+    out = np.zeros((n_req, len(LAYERS), E), np.int64)
+    for r in range(n_req):
+        for j, layer in enumerate(LAYERS):
+            q = p.get(layer, np.full(E, 1 / E))
+            if clustered:
+                q = rng.dirichlet(q * 200 + 1e-9)
+            out[r, j] = rng.multinomial(tokens * K, q / q.sum())
+    return out
+
+
+def _skew(alpha: float) -> np.ndarray:
+    q = np.exp(-alpha * np.arange(E))
+    return q / q.sum()
+
+
+def _profile(per_request: np.ndarray, structural: dict[int, float]) -> Profile:
+    """A baseline whose shares are the window's own (no drift) and whose structural CV is ``structural``."""
+    load = per_request.sum(0).astype(np.float64)
+    layers = {layer: LayerProfile(load[j], load[j] / load[j].sum(), None, structural[layer], None,
+                                  len(per_request)) for j, layer in enumerate(LAYERS)}
+    return Profile("acme-moe", E, layers, 60.0)
+
+
+def _cases():
+    rng = np.random.default_rng(7)
+    uniform = {}
+    cases = [("healthy, no baseline", _requests(rng, 40, 48, uniform), None)]
+    cases.append(("imbalance over the no-baseline bar", _requests(rng, 40, 48, {2: _skew(0.35)}), None))
+    moderate = _requests(rng, 60, 48, {1: _skew(0.06), 2: _skew(0.06)})
+    j0 = diagnose.judge_requests(moderate, LAYERS, K)
+    # layer 1 grew past 1.5 x its baseline structure + 0.1; layers 2 and 3 are at their baseline's
+    structural = {1: 0.1, 2: float(j0.excess_cv[1]), 3: float(j0.excess_cv[2])}
+    cases.append(("imbalance against a baseline (no drift)", moderate, _profile(moderate, structural)))
+    cases.append(("one request: not judged", _requests(rng, 1, 400, {2: _skew(0.5)}), None))
+    hot = np.full(E, 1.0)
+    hot[9] = 6.0
+    cases.append(("a hot expert against the fair share", _requests(rng, 80, 48, {3: hot / hot.sum()}, False), None))
+    dead = np.full(E, 1.0)
+    dead[[30, 31]] = 0.0
+    cases.append(("dead experts where traffic predicts them",
+                  _requests(rng, 220, 50, {3: dead / dead.sum()}, False), None))
+    cases.append(("dead experts in a thin window are chance",
+                  _requests(rng, 20, 50, {3: dead / dead.sum()}, False), None))
+    base = _requests(rng, 60, 48, {})
+    tilted = np.full(E, 1.0)
+    tilted[:4] = 5.0
+    drifted = _requests(rng, 60, 48, {1: tilted / tilted.sum()})
+    cases.append(("drift from the baseline (and its imbalance held back)", drifted,
+                  _profile(base, {1: 0.05, 2: 0.05, 3: 0.05})))
+    collapse = _requests(rng, 40, 48, {})
+    collapse[:, 0, 0] = 48  # every token of layer 1 chooses expert 0, its other slot elsewhere
+    collapse[:, 0, 1:] = rng.multinomial(48, np.full(E - 1, 1 / (E - 1)), size=40)
+    cases.append(("collapse", collapse, None))
+    return cases
+
+
+def _series(j) -> dict[tuple[str, tuple], float]:
+    """What the exporter exports for the judgement ``j``: {(name, ((label, value), ...)): value}."""
+    out = {}
+    for i, layer in enumerate(j.layers):
+        lab = (("layer", str(layer)),)
+        out[("moescope_expert_load_excess_cv_ratio", lab)] = float(j.excess_cv[i])
+        out[("moescope_expert_load_top_share_ratio", lab)] = float(j.top_share[i])
+        out[("moescope_dead_experts_unexpected", lab)] = float(j.dead[i])
+        if j.baseline_cv is not None and math.isfinite(j.baseline_cv[i]):
+            out[("moescope_baseline_load_cv_ratio", lab)] = float(j.baseline_cv[i])
+        if j.jsd is not None and math.isfinite(j.jsd[i]):
+            out[("moescope_routing_drift_jsd_bits", lab)] = float(j.jsd[i])
+            out[("moescope_routing_drift_noise_bits", lab)] = float(j.drift_noise[i])
+        for e in np.nonzero(np.isfinite(j.hot_factor[i]))[0]:
+            out[("moescope_expert_hot_factor_ratio", lab + (("expert", str(e)), ("reference", j.reference)))] = \
+                float(j.hot_factor[i, e])
+    return out
+
+
+def _exposition(series: dict) -> str:
+    lines = []
+    for (name, lab), v in sorted(series.items()):
+        labels = ",".join(f'{k}="{x}"' for k, x in (*LAB.items(), *lab))
+        lines.append(f"{name}{{{labels}}} {'NaN' if math.isnan(v) else repr(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _top_fires(cur: str, prev: str | None = None, dt: float = 60.0) -> set:
+    f = frame(parse_exposition(cur), parse_exposition(prev) if prev else None, dt, {"exposition": "ok"})
+    out = set()
+    for layer, r in f.routing.items():
+        for name in r.fires:
+            alert, _, expert = name.partition(":")
+            out.add((alert, str(layer), expert))
+    return out | {("MoEExpertCacheHitRateLow", str(layer), "") for layer in f.cache_low}
+
+
+def _judge_fires(j) -> set:
+    out = set()
+    for i, layer in enumerate(j.layers):
+        for alert, on in (("MoEExpertCollapse", j.collapsed[i]), ("MoEExpertLoadImbalance", j.imbalanced[i]),
+                          ("MoEDeadExperts", j.dead[i] > 0), ("MoERoutingDrift", j.drifted[i])):
+            if on:
+                out.add((alert, str(layer), ""))
+        out |= {("MoEExpertHot", str(layer), str(e)) for e in np.nonzero(j.hot[i])[0]}
+    return out
+
+
+def _summary_fires(per_request, baseline) -> set:
+    load = {layer: per_request.sum(0)[j].tolist() for j, layer in enumerate(LAYERS)}
+    judged, per = summary.judgement(load, len(per_request), K, Draws.of(per_request), baseline)
+    out = set()
+    for layer, v in judged["layers"].items():
+        if v["imbalanced"]:
+            out.add(("MoEExpertLoadImbalance", layer, ""))
+        if v["collapsed"]:
+            out.add(("MoEExpertCollapse", layer, ""))
+        if per[layer]["dead"]:
+            out.add(("MoEDeadExperts", layer, ""))
+        out |= {("MoEExpertHot", layer, str(h["expert"])) for h in per[layer]["hot"]}
+    return out
+
+
+def _input_series(series: dict, values=None) -> list[dict]:
+    out = []
+    for (name, lab), v in sorted(series.items()):
+        labels = ",".join(f'{k}="{x}"' for k, x in (*LAB.items(), *lab))
+        vals = values.get((name, lab)) if values else None
+        if vals is None:
+            vals = " ".join(["NaN"] * (STEPS + 1)) if math.isnan(v) else f"{v!r}x{STEPS}"
+        out.append({"series": f"{name}{{{labels}}}", "values": vals})
+    return out
+
+
+def _promtool_test(name: str, inputs: list[dict], fires: set) -> dict:
+    exp = []
+    for alert, layer, expert in sorted(fires):
+        lab = f'alertname="{alert}", layer="{layer}"' + (f', expert="{expert}"' if expert else "")
+        exp.append({"labels": f"{{{lab}}}", "value": 1})
+    return {"name": name, "interval": "1m", "input_series": inputs,
+            "promql_expr_test": [{"expr": 'count by (alertname, layer, expert) (ALERTS{alertstate="firing", '
+                                          f'alertname=~"{"|".join(ALERTS)}"}})', "eval_time": "15m",
+                                  "exp_samples": exp}]}
+
+
+def _cache_case():
+    """Counters over a minute for top (two polls) and over 20 minutes for promtool; capacity per layer."""
+    rates = {1: (5, 100, 0.25), 2: (20, 100, 0.25), 3: (30, 100, 0.75)}  # hits, lookups per minute, capacity
+    series, values = {}, {}
+    for layer, (h, n, cap) in rates.items():
+        lab = (("layer", str(layer)),)
+        series[("moescope_expert_cache_capacity_ratio", lab)] = cap
+        for name, per_min in (("moescope_expert_cache_hits_total", h), ("moescope_expert_cache_lookups_total", n)):
+            series[(name, lab)] = per_min * 11.0  # the poll at 11 minutes; the previous at 10
+            values[(name, lab)] = f"0+{per_min}x{STEPS}"
+    prev = {k: (v - rates[int(k[1][0][1])][0 if "hits" in k[0] else 1] if k[0].endswith("_total") else v)
+            for k, v in series.items()}
+    return series, prev, values
+
+
+def _rank_case():
+    return {("moescope_rank_load_max_over_mean_ratio", (("layer", str(layer)),)): v
+            for layer, v in ((1, 1.2), (2, DEFAULT.rank_max_over_mean + 0.2), (3, DEFAULT.rank_max_over_mean))}
+
+
+def test_views_and_rules_fire_the_same_alerts(tmp_path):
+    from moescope.alerts.rules import rules_document
+
+    promtool = require("promtool", "prometheus")
+    tests, seen = [], {}
+    for name, per_request, baseline in _cases():
+        j = diagnose.judge_requests(per_request, LAYERS, K, baseline)
+        fires = _judge_fires(j)
+        series = _series(j)
+        assert _top_fires(_exposition(series)) == fires, name
+        # the summary says nothing of drift, and leaves out a collapsed layer's hot experts (as Alertmanager's
+        # inhibition does: a collapse is the extreme of both)
+        collapsed = {la for a, la, _ in fires if a == "MoEExpertCollapse"}
+        assert _summary_fires(per_request, baseline) == {
+            f for f in fires if f[0] != "MoERoutingDrift" and not (f[0] == "MoEExpertHot" and f[1] in collapsed)}, name
+        seen[name] = fires
+        tests.append(_promtool_test(name, _input_series(series), fires))
+    series, prev, values = _cache_case()
+    cache = _top_fires(_exposition(series), _exposition(prev))
+    assert cache == {("MoEExpertCacheHitRateLow", "1", ""), ("MoEExpertCacheHitRateLow", "3", "")}
+    tests.append(_promtool_test("cache under half its capacity's hit rate", _input_series(series, values), cache))
+    rank = _top_fires(_exposition(_rank_case()))
+    assert rank == {("MoERankLoadImbalance", "2", "")}
+    tests.append(_promtool_test("rank max/mean", _input_series(_rank_case()), rank))
+    # the cases cover every judgement both ways (a case that fires nothing would agree by accident otherwise)
+    assert seen["healthy, no baseline"] == set() and seen["one request: not judged"] == set()
+    skewed = seen["imbalance over the no-baseline bar"]  # its busiest experts are also hot against 1/E
+    assert ("MoEExpertLoadImbalance", "2", "") in skewed
+    assert {(a, la) for a, la, _ in skewed} <= {("MoEExpertLoadImbalance", "2"), ("MoEExpertHot", "2")}
+    assert seen["imbalance against a baseline (no drift)"] == {("MoEExpertLoadImbalance", "1", "")}
+    assert seen["a hot expert against the fair share"] == {("MoEExpertHot", "3", "9")}
+    assert seen["dead experts where traffic predicts them"] == {("MoEDeadExperts", "3", "")}
+    assert seen["dead experts in a thin window are chance"] == set()
+    moved = seen["drift from the baseline (and its imbalance held back)"]
+    assert ("MoERoutingDrift", "1", "") in moved and not any(a == "MoEExpertLoadImbalance" for a, _, _ in moved)
+    assert ("MoEExpertCollapse", "1", "") in seen["collapse"]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "moescope-rules.yml").write_text(yaml.safe_dump(rules_document(), sort_keys=False))
+    doc = {"rule_files": ["../moescope-rules.yml"], "evaluation_interval": "1m", "tests": tests}
+    (tmp_path / "tests" / "t.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = subprocess.run([promtool, "test", "rules", "tests/t.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("excess,base,fires", [(1.05, None, True), (0.95, None, False), (0.5, 0.2, True),
+                                                (0.35, 0.2, False), (float("nan"), 0.2, False)])
+def test_top_reads_the_imbalance_bar_from_the_baseline_series(excess, base, fires):
+    """The imbalance bar top applies comes from moescope_baseline_load_cv_ratio through imbalance_bar."""
+    series = {("moescope_expert_load_excess_cv_ratio", (("layer", "1"),)): excess}
+    if base is not None:
+        series[("moescope_baseline_load_cv_ratio", (("layer", "1"),))] = base
+    assert (("MoEExpertLoadImbalance", "1", "") in _top_fires(_exposition(series))) == fires
+    assert DEFAULT.imbalanced(excess, base) == fires
