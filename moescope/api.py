@@ -114,10 +114,10 @@ class Instrumentation:
             hf.attach(self.observer)
             self._stack.callback(hf.detach)
         if m.baseline is not None:
-            from moescope.analysis import baseline as bl
-
-            self.metrics.baseline = bl.load(m.baseline) if not isinstance(m.baseline, dict) else \
-                {int(k): list(v) for k, v in m.baseline.items()}
+            self.metrics.baseline = m.baseline  # a file, a Profile or {layer: load} (analysis.baseline.coerce)
+        if runtime:  # read at scrape time: a placement or cache set up after instrument() counts too
+            self.metrics.placement_source = lambda: _placement(model)
+            self.metrics.cache_capacity_source = lambda: _cache_capacity(model)
         if config.cache is not None:
             self.cache = self._stack.enter_context(_expert_cache(model, config.cache))
         if config.canary is not None:
@@ -189,6 +189,26 @@ class Instrumentation:
 def instrument(model, config: Config | None = None, **metrics) -> Instrumentation:
     """Instrument ``model`` as ``config`` says (see ``Instrumentation``)."""
     return Instrumentation(model, config, **metrics)
+
+
+def _placement(model):
+    """The expert-parallel placement the model's MoE layers dispatch by (``moescope.parallel``), or None."""
+    for layer in model.moe_layers():
+        ep = getattr(layer, "parallel", None)
+        if ep is not None:
+            return getattr(ep, "placement", None)
+    return None
+
+
+def _cache_capacity(model) -> dict[int, float]:
+    """{MoE layer: experts its expert cache holds resident / experts} where a cache is attached."""
+    out = {}
+    for layer in model.moe_layers():
+        lc = getattr(layer.experts, "weight_source", None)
+        capacity = getattr(getattr(lc, "policy", None), "capacity", None)
+        if capacity is not None:
+            out[layer.layer_index] = min(1.0, capacity / layer.experts.n_experts)
+    return out
 
 
 def _expert_cache(model, c: Cache):

@@ -19,9 +19,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from moescope.errors import ConfigError
+
+if TYPE_CHECKING:
+    from moescope.analysis.baseline import Profile
 
 CACHE_POLICIES = ("lru", "lfu", "static", "none")
 CACHE_TIERS = ("memory", "disk")
@@ -33,7 +36,9 @@ class Metrics:
     """Prometheus metrics. ``port``: serve them there (0: any free port; None: no exporter, counters only).
     ``export_routing``: False on a lock-step rank that routes the same tokens as an exporting rank.
     ``expert_series_budget``: None for the metrics' default (docs/metrics.md, "Cardinality").
-    ``baseline``: the drift reference, a baseline file (``moescope baseline save``) or {layer: load}."""
+    ``baseline``: the user's healthy baseline (``moescope baseline save``): a file, an
+    ``analysis.baseline.Profile`` or {layer: load}; the reference of the hot, dead and drift judgements and
+    the source of the ``moescope_baseline_*`` series."""
 
     port: int | None = None
     addr: str = "127.0.0.1"
@@ -42,7 +47,7 @@ class Metrics:
     export_routing: bool = True
     window_s: float = 60.0
     expert_series_budget: int | None = None
-    baseline: str | Path | Mapping[int, Sequence[float]] | None = None
+    baseline: str | Path | Profile | Mapping[int, Sequence[float]] | None = None
 
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:

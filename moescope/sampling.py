@@ -15,9 +15,11 @@ routes alike too.
 
 From ``Var(p_e)``:
 - ``noise_cv``: E[CV^2] = CV_structural^2 + E * sum_e Var(p_e), so the noise part of the load CV is
-  ``sqrt(E * sum_e Var(p_e))``, raised to its ``z``-deviation bound as a chi-square with ``df = min(E, R) - 1``
-  degrees of freedom would be (mean df, sd sqrt(2 df): a factor ``1 + z sqrt(2 / df)``). With independent slots
-  (df = E - 1) this is exactly the multinomial bound, which stays the floor.
+  ``sqrt(E * sum_e Var(p_e))``, raised to the chi-square's upper quantile at the normal tail of ``z``, with
+  ``df = min(E, R) - 1`` degrees of freedom (Wilson-Hilferty: a factor ``(1 - a + z sqrt(a))^3``, a = 2/(9 df);
+  ``1 + z sqrt(2 / df)`` at large df, but the chi-square's right skew at small df, where mean + z sd is only
+  its ~99% quantile at df 7). With independent slots (df = E - 1) this is exactly the multinomial bound, which
+  stays the floor.
 - ``excess_cv``: ``sqrt(max(0, cv^2 - noise_cv^2))``, the structure beyond noise (NaN: not judged).
 - ``hot``: an expert's window share over its reference share (the baseline's, else the fair share 1/E), kept
   only where the excess over the reference is significant at a Bonferroni ``z`` for all L x E experts.
@@ -105,19 +107,22 @@ def _df(n_experts: int, draws: np.ndarray) -> np.ndarray:
 
 
 def chi2_bound(df, z: float):
-    """The mean-plus-``z``-deviations bound of a chi-square with ``df`` degrees of freedom, over its mean."""
-    return 1 + z * np.sqrt(2 / np.asarray(df, dtype=np.float64))
+    """The upper quantile of a chi-square with ``df`` degrees of freedom at the normal tail of ``z``, over its
+    mean (Wilson-Hilferty; within 3% of the exact quantile at df >= 3, z = 3)."""
+    a = 2 / (9 * np.asarray(df, dtype=np.float64))
+    return np.maximum(1 - a + z * np.sqrt(a), 0.0) ** 3
 
 
 def multinomial_noise_cv(n_experts: int, slots, z: float):
-    """The load CV that noise alone stays under (``z`` deviations) when ``slots`` slots are routed uniformly and
-    independently over ``n_experts`` experts: ``sqrt((E - 1 + z sqrt(2 (E - 1))) / N)``; inf without slots."""
+    """The load CV that noise alone stays under (the chi-square quantile of ``chi2_bound``) when ``slots`` slots
+    are routed uniformly and independently over ``n_experts`` experts: ``sqrt((E - 1) chi2_bound(E - 1, z) /
+    N)``; inf without slots."""
     slots = np.asarray(slots, dtype=np.float64)
     if n_experts < 2:
         return np.zeros_like(slots)
     e1 = n_experts - 1
     with np.errstate(divide="ignore"):
-        return np.where(slots > 0, np.sqrt((e1 + z * math.sqrt(2 * e1)) / np.where(slots > 0, slots, 1)), np.inf)
+        return np.where(slots > 0, np.sqrt(e1 * float(chi2_bound(e1, z)) / np.where(slots > 0, slots, 1)), np.inf)
 
 
 def scaled_var(draws: Draws, window_slots: np.ndarray) -> np.ndarray:

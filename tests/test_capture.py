@@ -225,15 +225,18 @@ def test_canary_flips_only_under_router_noise_and_drift_against_a_baseline(tiny_
         inst.metrics.baseline = {layer: list(w["slots"]) for layer, w in win.items()}
         g = inst.metrics.window_gauges()["layers"]
         assert all(v["moescope_routing_drift_jsd_bits"] == pytest.approx(0.0, abs=1e-12) for v in g.values())
-        inst.metrics.baseline = {layer: [1.0] + [0.0] * (tiny_cfg.n_experts - 1) for layer in win}
+        one_hot = {layer: [1.0] + [0.0] * (tiny_cfg.n_experts - 1) for layer in win}
+        inst.metrics.baseline = one_hot
         g = inst.metrics.window_gauges()["layers"]
-        want = {layer: stats.jensen_shannon(list(w["slots"]), inst.metrics.baseline[layer]) for layer, w in win.items()}
+        want = {layer: stats.jensen_shannon(list(w["slots"]), one_hot[layer]) for layer, w in win.items()}
         assert {k: v["moescope_routing_drift_jsd_bits"] for k, v in g.items()} == pytest.approx(want)
         assert all(v > 0.3 for v in want.values())
 
 
 def test_device_summary_path_equals_the_host_path(tiny_cfg):
-    """The CUDA path (batched device ops) computes exactly what the CPU path (numpy views) does."""
+    """The CUDA path (batched device ops) computes exactly what the CPU path (numpy views) does, per draw too."""
+    import numpy as np
+
     from moescope.capture.routing_probe import RoutingProbe
     from moescope.runtime.router import route
 
@@ -241,9 +244,236 @@ def test_device_summary_path_equals_the_host_path(tiny_cfg):
     by_layer = {layer: [route(torch.randn(n, 6, generator=gen), 2, capacity_factor=cf)
                         for n, cf in ((9, None), (17, 0.7), (1, None))] for layer in (1, 2)}
     by_layer[2][0].nonfinite.fill_(2)  # a made-up count, so the non-finite column is not all zeros
-    host = RoutingProbe._host(by_layer, 6)
-    dev = RoutingProbe._device(by_layer, 6)
+    draws = [np.array([0] * 4 + [2] * 5), 1, 2]  # rows of the first forward split over two draws
+    items = {layer: list(zip(decs, draws)) for layer, decs in by_layer.items()}
+    host, host_draws = RoutingProbe._host(items, 6, 3)
+    dev, dev_draws = RoutingProbe._device(items, 6, 3)
+    np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-9)
+    np.testing.assert_array_equal(dev_draws, host_draws)
+    assert host[:, :6].sum() > 0 and host[:, 10].sum() > 0 and host[1, 9] == 2
+    for i, decs in enumerate(by_layer.values()):  # per draw: counted row by row
+        want = np.zeros((3, 7))
+        for d, dr in zip(decs, draws):
+            for row, ids in enumerate(d.active_ids.tolist()):
+                for e in ids:
+                    want[dr[row] if isinstance(dr, np.ndarray) else dr, e] += 1
+        np.testing.assert_array_equal(host_draws[:, i], want[:, :6])  # dropped slots are no draw's load
+        np.testing.assert_array_equal(host[i, :7], want.sum(0))
+
+
+class Recorder(Observer):
+    """Independent reference: every decision's expert ids and every step's segments, mapped to requests row by
+    row with plain Python after the run."""
+
+    def __init__(self):
+        self.pending, self.steps, self.finished = [], [], []
+
+    def on_routing(self, layer, decision):
+        self.pending.append((layer, decision.active_ids.tolist(), decision.n_experts))
+
+    def on_step(self, step):
+        self.steps.append((tuple(step.segments), self.pending))
+        self.pending = []
+
+    def on_request(self, record):
+        self.finished.append(record.request_id)
+
+    def per_request(self, layers):
+        """{request id: [L, E] slots} (dropped slots excluded), layers in ``layers`` order."""
+        import numpy as np
+
+        out = {}
+        for segments, decisions in self.steps:
+            for layer, ids, n_exp in decisions:
+                row = 0
+                for rid, _, n in segments:
+                    acc = out.setdefault(rid, np.zeros((len(layers), n_exp)))
+                    for r in range(row, row + n):
+                        for e in ids[r]:
+                            if e < n_exp:
+                                acc[layers.index(layer), e] += 1
+                    row += n
+        return out
+
+
+def test_per_request_counts_and_the_judged_series_equal_a_recomputation_from_recorded_routing(tiny_cfg):
     import numpy as np
 
-    np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-9)
-    assert host[:, :6].sum() > 0 and host[:, 10].sum() > 0 and host[1, 9] == 2
+    from moescope import sampling, thresholds
+
+    model = MoETransformer(tiny_cfg.replace(capacity_factor=1.0)).eval()
+    rec = Recorder()
+    seen = []
+    with moescope.instrument(model, port=0, model_name="t", observers=[rec]) as inst:
+        probe_listener = inst.metrics.probe._listener
+        inst.metrics.probe._listener = lambda st: (seen.append(st), probe_listener(st))
+        inst.metrics.probe.interval_s = 0.0  # a flush per step: many flushes, requests spanning them
+        records = Engine(model, max_batch=3).run(
+            traffic.generate(traffic.TrafficConfig(seed=11, output_tokens_median=6), 9), realtime=False)
+        parsed = parse(inst.exporter.exposition().decode())
+        window = inst.metrics.window()
+    layers = list(tiny_cfg.moe_layers)
+    want = rec.per_request(layers)
+    assert set(want) == {r.request_id for r in records} == set(rec.finished)
+    # the probe's per-request counts, summed over its flushes, equal the row-by-row recount
+    got: dict = {}
+    for st in seen:
+        if st.draws is None or not st.layers:
+            continue
+        assert None not in st.draws.keys  # every row mapped to a request
+        idx = [layers.index(ls.layer) for ls in st.layers]
+        for key, c in zip(st.draws.keys, st.draws.counts):
+            got.setdefault(key, np.zeros((len(layers), tiny_cfg.n_experts)))[idx] += c
+    assert set(got) == set(want)
+    for rid in want:
+        np.testing.assert_array_equal(got[rid], want[rid])
+    # the exported judged series equal moescope.sampling over the recorded requests (all finished: the draws)
+    d = sampling.Draws.of(np.stack([want[r.request_id] for r in records]))
+    t = thresholds.DEFAULT
+    slots = np.stack([window[layer]["slots"] for layer in layers]).astype(float)
+    np.testing.assert_array_equal(slots, d.counts)  # every slot of the window is in some request
+    n = slots.sum(1)
+    noise = sampling.noise_cv(tiny_cfg.n_experts, n, d, t.noise_z)
+    cv = np.array([stats.load_cv(row.tolist()) for row in slots])
+    fair = np.full_like(slots, 1 / tiny_cfg.n_experts)
+    hot = sampling.hot_factor(slots, d, fair, t.hot_z(len(layers), tiny_cfg.n_experts))
+    dead = sampling.dead_unexpected(slots, d, np.full_like(slots, t.dead_reference(tiny_cfg.n_experts)),
+                                    t.dead_min_expected_slots)
+    assert by_label(parsed, "moescope_window_draws", "model")["t"] == len(records)
+    for i, layer in enumerate(layers):
+        lay = str(layer)
+        assert by_label(parsed, "moescope_expert_load_cv_noise_ratio", "layer")[lay] == pytest.approx(noise[i])
+        assert by_label(parsed, "moescope_expert_load_excess_cv_ratio", "layer")[lay] == \
+            pytest.approx(np.sqrt(max(0.0, cv[i] ** 2 - noise[i] ** 2)), abs=1e-12)
+        assert by_label(parsed, "moescope_dead_experts_unexpected", "layer")[lay] == dead[i]
+        exported = by_label(parsed, "moescope_expert_hot_factor_ratio", "expert", layer=lay, reference="fair")
+        assert exported == pytest.approx({str(e): hot[i, e] for e in np.nonzero(np.isfinite(hot[i]))[0]})
+    assert by_label(parsed, "moescope_capture_dropped_total", "queue")["draws"] == 0
+
+
+def test_in_flight_requests_stay_bounded_for_days_of_requests():
+    """Many requests, most never reported finished: the in-flight dict stays at its cap (evictions counted and
+    exported), the draw bins at a window's worth."""
+    import numpy as np
+
+    from moescope.capture.routing_probe import DrawCounts, LayerStats, StepStats
+    from moescope.metrics.exporter import Exporter
+    from moescope.metrics.state import MetricsObserver, ModelInfo
+    from moescope.metrics.window import DRAW_BINS
+
+    E, layers = 16, (1, 2)
+    clock = [0.0]
+    st = MetricsObserver(ModelInfo("m", E, 2, layers, 100, 10), window_s=60, max_inflight=50,
+                         clock=lambda: clock[0])
+    rng = np.random.default_rng(0)
+    finished = 0
+    for i in range(3000):  # 3000 flushes, 4 new requests each: 12,000 requests over 3 hours
+        clock[0] = i * 3.6
+        keys = tuple(f"r{i}-{j}" for j in range(4))
+        counts = rng.poisson(3, (4, 2, E)).astype(np.int64)
+        done = (f"r{i}-0",) if i % 2 else ()
+        finished += len(done)
+        stats_ = tuple(LayerStats(layer, 10, counts[:, j].sum(0), 0, 0, 1.0, 1.0) for j, layer in enumerate(layers))
+        st._on_stats(StepStats(1, stats_, E, 2, DrawCounts(keys, counts, done)))
+        assert len(st.inflight) <= 50
+        assert len(st.routing_window._draw_bins) <= DRAW_BINS + 1
+    assert st.draws_dropped == 4 * 3000 - finished - len(st.inflight)
+    parsed = parse(Exporter(st, port=0).exposition().decode())
+    assert by_label(parsed, "moescope_capture_dropped_total", "queue")["draws"] == st.draws_dropped
+    win = st.routing_window
+    assert win.n_draws == sum(b.n for b in win._draw_bins) > 0
+
+
+def test_forwards_that_cannot_be_mapped_to_requests_are_one_draw_each():
+    """No segments (an instrumented HF model) or rows that do not match them: each forward is a draw of its
+    own, complete at once; a model driven without steps is split into forwards where a layer repeats."""
+    import types
+
+    import numpy as np
+
+    from moescope.capture.routing_probe import RoutingProbe
+    from moescope.runtime.router import route
+
+    gen = torch.Generator().manual_seed(1)
+    seen = []
+    probe = RoutingProbe(seen.append, interval_s=1e9)
+    decs = [route(torch.randn(5, 6, generator=gen), 2) for _ in range(6)]
+    for i in range(3):  # three forwards of two layers each
+        probe.on_routing(1, decs[2 * i])
+        probe.on_routing(2, decs[2 * i + 1])
+        segments = () if i == 0 else ((f"a{i}", 0, 2), (f"b{i}", 0, 3)) if i == 1 else (("c", 0, 4),)
+        probe.on_step(types.SimpleNamespace(segments=segments))
+    probe.flush()
+    d = seen[-1].draws
+    assert d.keys == (None, "a1", "b1", None)  # the third forward has 5 rows, its segment 4: unmapped
+    for j, i in ((0, 0), (3, 2)):
+        for lay in range(2):
+            np.testing.assert_array_equal(d.counts[j, lay], np.bincount(decs[2 * i + lay].active_ids.ravel(),
+                                                                        minlength=7)[:6])
+    free = RoutingProbe(seen.append, interval_s=1e9)
+    for dec, layer in zip(decs, (1, 2, 1, 2, 1, 2)):
+        free.on_routing(layer, dec)
+    free.flush()
+    assert seen[-1].draws.keys == (None, None, None)
+
+
+def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(tiny_cfg):
+    import numpy as np
+
+    from moescope import thresholds
+    from moescope.parallel.placement import build
+    from moescope.runtime.cache import attach_cache
+
+    model = MoETransformer(tiny_cfg).eval()
+    cache = attach_cache(model, size=2)
+    placement = build("contiguous", n_experts=tiny_cfg.n_experts, world_size=2, moe_layers=tiny_cfg.moe_layers)
+    with moescope.instrument(model, port=0, model_name="t") as inst:
+        Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=12), 6), realtime=False)
+        no_placement = parse(inst.exporter.exposition().decode())
+        inst.metrics.placement_source = lambda: placement  # what ExpertParallel on the layers would give
+        parsed = parse(inst.exporter.exposition().decode())
+        window = inst.metrics.window()
+    cache.close()
+    assert not by_label(no_placement, "moescope_rank_load_max_over_mean_ratio", "layer")
+    per_rank = [0.0, 0.0]
+    for layer, w in window.items():
+        loads = [sum(int(w["slots"][e]) for e in placement.local_experts(layer, r)) for r in range(2)]
+        per_rank = [a + b for a, b in zip(per_rank, loads)]
+        assert by_label(parsed, "moescope_rank_load_max_over_mean_ratio", "layer")[str(layer)] == \
+            pytest.approx(max(loads) / (sum(loads) / 2))
+    assert by_label(parsed, "moescope_rank_window_slots", "peer") == {"0": per_rank[0], "1": per_rank[1]}
+    assert by_label(parsed, "moescope_expert_cache_capacity_ratio", "layer") == \
+        {str(layer): 2 / tiny_cfg.n_experts for layer in tiny_cfg.moe_layers}
+    assert thresholds.DEFAULT.cache_floor(2 / tiny_cfg.n_experts) == pytest.approx(1 / tiny_cfg.n_experts)
+    # a replicated expert's slots split as the lock-step dispatch sends them
+    from moescope.parallel.placement import validate
+
+    rep = validate({layer: ((0, 1, 2), (2, 3, 4, 5)) for layer in tiny_cfg.moe_layers}, tiny_cfg.n_experts, 2,
+                   True, tiny_cfg.moe_layers)
+    inst.metrics.placement_source = lambda: rep
+    g = inst.metrics.layer_gauges()
+    per_layer, _ = inst.metrics.rank_loads(g)
+    for j, layer in enumerate(g.layers):
+        s = g.slots[j]
+        loads = np.array([s[0] + s[1] + s[2] / 2, s[2] / 2 + s[3:].sum()])
+        assert per_layer[layer] == pytest.approx(loads.max() / loads.mean())
+
+
+def test_baseline_series_and_the_hot_reference_come_from_the_loaded_profile(tiny_cfg):
+    from moescope.analysis import baseline as bl
+
+    model = MoETransformer(tiny_cfg).eval()
+    with moescope.instrument(model, port=0, model_name="t") as inst:
+        Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=13), 6), realtime=False)
+        win = inst.metrics.window()
+        load = {layer: [float(x) for x in w["slots"]] for layer, w in win.items()}
+        inst.metrics.baseline = load
+        parsed = parse(inst.exporter.exposition().decode())
+    profile = bl.coerce(load)
+    for layer, lp in profile.layers.items():
+        assert by_label(parsed, "moescope_baseline_load_cv_ratio", "layer")[str(layer)] == \
+            pytest.approx(lp.structural_cv)
+        shares = by_label(parsed, "moescope_baseline_expert_share_ratio", "expert", layer=str(layer))
+        assert shares == pytest.approx({str(e): v for e, v in enumerate(lp.share.tolist())})
+        assert by_label(parsed, "moescope_routing_drift_jsd_bits", "layer")[str(layer)] == pytest.approx(0.0, abs=1e-12)
+    assert not by_label(parsed, "moescope_expert_hot_factor_ratio", "layer", "expert")  # the window is the baseline

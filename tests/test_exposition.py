@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from metrics_util import by_label, parse
-from moescope import stats, thresholds
+from moescope import sampling, stats, thresholds
 from moescope.capture.routing_probe import LayerStats, StepStats
 from moescope.metrics import catalogue
 from moescope.metrics.exporter import Exporter
@@ -15,21 +15,34 @@ E, LAYERS = 20, (1, 2, 4)
 
 
 def _state(seed=0, budget=10**6, export_routing=True,
-           model='m"odd\\name'):
+           model='m"odd\\name', baseline=True):
+    """A state fed five seconds of routing as the probe delivers it: per-request counts, requests finishing
+    over later flushes. ``st.recorded`` keeps every finished request's [L, E] counts (the reference)."""
+    from moescope.capture.routing_probe import DrawCounts
+
     info = ModelInfo(model, E, 2, LAYERS, dense_params=1000, expert_params=50)
     clock = [100.0]
     st = MetricsObserver(info, rank=3, expert_series_budget=budget, export_routing=export_routing,
                          clock=lambda: clock[0])
     rng = np.random.default_rng(seed)
     p = rng.dirichlet(np.ones(E) * 0.7)
+    recorded, live = [], {}
     for sec in range(5):
         clock[0] = 100.0 + sec
-        layers = tuple(LayerStats(layer, 40, rng.multinomial(80 - 2 * i, p).astype(np.int64), 2 * i, i % 2,
-                                  20.0, 7.5, 1e-4, 2e-3, {"load": 3} if layer == 2 else None)
-                       for i, layer in enumerate(LAYERS))
-        st._on_stats(StepStats(1, layers, E, 2))
+        rids = [f"r{sec}-{j}" for j in range(4)]
+        counts = np.stack([np.stack([rng.multinomial(10 + 3 * j - i, rng.dirichlet(p * 30 + 0.05))
+                                     for i, _ in enumerate(LAYERS)]) for j in range(4)]).astype(np.int64)
+        for rid, c in zip(rids, counts):
+            live[rid] = live.get(rid, 0) + c
+        finished = tuple(r for r in live if r.endswith(("-0", "-1")) or not r.startswith(f"r{sec}-"))
+        recorded += [live.pop(r) for r in finished]
+        layers = tuple(LayerStats(layer, 40, counts[:, i].sum(0), 2 * i, i % 2, 20.0, 7.5, 1e-4, 2e-3,
+                                  {"load": 3} if layer == 2 else None) for i, layer in enumerate(LAYERS))
+        st._on_stats(StepStats(1, layers, E, 2, DrawCounts(tuple(rids), counts, finished)))
     st.flips = {1: 0.25, 2: 0.0}
-    st.baseline = {1: [1.0] * E}
+    if baseline:
+        st.baseline = {1: [1.0] * E}
+    st.recorded = np.stack(recorded)  # [R, L, E] finished requests, layers in LAYERS order
     return st
 
 
@@ -59,9 +72,12 @@ def _reference_text(st, openmetrics):
                 for layer in LAYERS:
                     f.add_metric([*base, str(layer)], st.layer_counters[name][layer])
                 yield f
+            judged = _judged(st, win)
             gauges = {
                 "moescope_expert_load_cv_ratio": lambda w: stats.load_cv(w["slots"].tolist()),
-                "moescope_expert_load_cv_noise_ratio": lambda w: thresholds.noise_cv(E, w["slots"].sum()),
+                "moescope_expert_load_cv_noise_ratio": lambda w: judged[w["layer"]]["noise"],
+                "moescope_expert_load_excess_cv_ratio": lambda w: judged[w["layer"]]["excess"],
+                "moescope_dead_experts_unexpected": lambda w: judged[w["layer"]]["dead"],
                 "moescope_expert_load_top_share_ratio": lambda w: stats.top_share(w["slots"].tolist(), w["tokens"]),
                 "moescope_expert_load_max_over_mean_ratio": lambda w: stats.max_over_mean(w["slots"].tolist()),
                 "moescope_dead_experts": lambda w: stats.dead_experts(w["slots"].tolist()),
@@ -71,10 +87,28 @@ def _reference_text(st, openmetrics):
             for name, fn in gauges.items():
                 f = fam(name)
                 for layer, w in win.items():
-                    f.add_metric([*base, str(layer)], float(fn(w)))
+                    f.add_metric([*base, str(layer)], float(fn({**w, "layer": layer})))
                 yield f
             f = fam("moescope_routing_drift_jsd_bits")
             f.add_metric([*base, "1"], stats.jensen_shannon(win[1]["slots"].tolist(), [1.0] * E))
+            yield f
+            f = fam("moescope_routing_drift_noise_bits")
+            f.add_metric([*base, "1"], judged[1]["drift_noise"])
+            yield f
+            f = fam("moescope_window_draws")
+            f.add_metric(base, float(len(st.recorded)))
+            yield f
+            f = fam("moescope_expert_hot_factor_ratio")
+            for layer in win:
+                for e, v in judged[layer]["hot"]:
+                    f.add_metric([*base, str(layer), str(e), "baseline" if layer == 1 else "fair"], v)
+            yield f
+            f = fam("moescope_baseline_load_cv_ratio")
+            f.add_metric([*base, "1"], 0.0)  # a uniform baseline: no structure
+            yield f
+            f = fam("moescope_baseline_expert_share_ratio")
+            for e in range(E):
+                f.add_metric([*base, "1", str(e)], 1 / E)
             yield f
             m = spec["moescope_expert_load_relative"]
             f = GaugeHistogramMetricFamily(m.family, m.help, labels=list(m.all_labels))
@@ -91,6 +125,30 @@ def _reference_text(st, openmetrics):
     else:
         from prometheus_client import generate_latest
     return generate_latest(r).decode()
+
+
+def _judged(st, win):
+    """Noise, excess, dead, hot and drift noise per layer, recomputed with moescope.sampling from the recorded
+    per-request counts of the finished requests (the window's draws)."""
+    out = {}
+    draws_all = sampling.Draws.of(st.recorded)
+    L = len(LAYERS)
+    for i, layer in enumerate(LAYERS):
+        slots = win[layer]["slots"].astype(float)[None]
+        d = draws_all.rows([i])
+        noise = float(sampling.noise_cv(E, slots.sum(1), d, thresholds.DEFAULT.noise_z)[0])
+        cv = stats.load_cv(slots[0].tolist())
+        has_base = layer == 1
+        ref = np.full((1, E), 1 / E)
+        dead_ref = ref if has_base else np.full((1, E), thresholds.DEFAULT.dead_reference(E))
+        hot = sampling.hot_factor(slots, d, ref, thresholds.DEFAULT.hot_z(L, E))[0]
+        order = sorted((e for e in range(E) if np.isfinite(hot[e])), key=lambda e: (-hot[e], e))[:EXTREMES_K]
+        out[layer] = {"noise": noise, "excess": float(np.sqrt(max(0.0, cv * cv - noise * noise))),
+                      "dead": float(sampling.dead_unexpected(slots, d, dead_ref,
+                                                             thresholds.DEFAULT.dead_min_expected_slots)[0]),
+                      "hot": [(e, float(hot[e])) for e in order],
+                      "drift_noise": float(sampling.drift_noise_bits(slots, d, ref, thresholds.DEFAULT.noise_z)[0])}
+    return out
 
 
 def _families(text, openmetrics):
@@ -161,8 +219,9 @@ def test_noise_bound_is_what_uniform_routing_stays_under():
     rng = np.random.default_rng(5)
     for n_experts, slots in ((256, 1000), (256, 14000), (8, 500)):
         cvs = [stats.load_cv(rng.multinomial(slots, np.ones(n_experts) / n_experts).tolist()) for _ in range(400)]
-        bound = thresholds.noise_cv(n_experts, slots)
-        assert np.mean(np.array(cvs) > bound) < 0.02  # 3 deviations of chi-square: rarely crossed
+        bound = sampling.multinomial_noise_cv(n_experts, slots, thresholds.DEFAULT.noise_z)
+        assert np.mean(np.array(cvs) > bound) < 0.02  # the chi-square's 3-sigma quantile: rarely crossed
         assert np.mean(np.square(cvs)) == pytest.approx((n_experts - 1) / slots, rel=0.05)  # the mean floor
-        bar = thresholds.for_model(None).load_cv  # uniform routing at any traffic rarely reads as imbalance
-        assert np.mean([thresholds.excess_cv(cv, n_experts, slots) > bar for cv in cvs]) < 0.02
+        # uniform routing at any traffic rarely reads as imbalance, even without a baseline's bar
+        excess = sampling.excess_cv(np.array(cvs), bound)
+        assert np.mean(excess > thresholds.DEFAULT.imbalance_bar(None)) < 0.02

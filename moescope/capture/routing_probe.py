@@ -1,12 +1,23 @@
 """The routing probe: statistics of every MoE layer, from the routing decisions, summarised per interval.
 
-``on_routing`` only keeps a reference to the decision and ``on_step`` only checks the clock: no work on the
-hot path. Every ``interval_s`` (and at ``flush()``) the pending decisions of all steps since the last flush
-are summarised at once, per layer:
-- on CUDA, in batched device ops (one ``scatter_add_`` for all slots), then one device->host copy;
+``on_routing`` only keeps a reference to the decision and ``on_step`` only notes the step's boundary (which
+requests own which rows of the flat batch) and checks the clock: no work on the hot path. Every
+``interval_s`` (and at ``flush()``) the pending decisions of all steps since the last flush are summarised
+at once, per layer and per *draw* (the request a row belongs to: moescope.sampling's independent unit):
+- on CUDA, in batched device ops (one ``scatter_add_`` for all slots of all layers and draws), then the
+  interval's one device->host copy (the rows' draw offsets go up in one host->device copy per interval);
 - on CPU the tensors already live in host memory, so numpy reads them in place (no torch dispatch
-  overhead).
-The listener (the metrics state, tests) gets one ``StepStats`` per flush covering those steps.
+  overhead): one ``np.bincount`` of ``draw * (E + 1) + expert`` per layer.
+The listener (the metrics state, tests) gets one ``StepStats`` per flush covering those steps, with the slots
+of each draw (``DrawCounts``) and the requests that finished (``on_request``) by the end of those steps.
+
+Rows map to requests through ``StepRecord.segments`` ((request id, first position, n rows) in row order).
+Where they cannot (no segments, as from an instrumented HF model; a row count that does not match), the
+step's forward is one draw of its own, complete at once (key None). Decisions routed before any ``on_step``
+was ever seen (a model driven without an engine) are split into forwards where a layer repeats.
+
+Once steps are reported, a flush takes the decisions of finished steps only: a scrape that lands inside a
+forward leaves that forward's first layers pending until its ``on_step`` (``flush(final=True)`` takes all).
 Decisions are immutable after their forward, so holding references until the flush is safe; at most
 ``max_pending`` steps are held.
 """
@@ -44,6 +55,17 @@ class LayerStats:
 
 
 @dataclass(frozen=True)
+class DrawCounts:
+    """The slots of each draw in the summarised steps: ``keys[j]`` a request id (its counts continue in later
+    flushes until it is in ``finished``) or None (a forward that could not be mapped to requests: a complete
+    draw); ``counts`` [R, L, E] integers, layers in ``StepStats.layers`` order (dropped slots excluded)."""
+
+    keys: tuple
+    counts: np.ndarray
+    finished: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class StepStats:
     """The routing of the steps since the previous flush, per layer (timings: the latest step's)."""
 
@@ -51,6 +73,7 @@ class StepStats:
     layers: tuple[LayerStats, ...]
     n_experts: int
     top_k: int
+    draws: DrawCounts | None = None  # None: no per-draw information (a CUDA-graph decode's in-graph counters)
 
 
 REROUTE_REASONS = ("load", "smoothing")
@@ -63,6 +86,48 @@ def _rerouted(d) -> torch.Tensor:
     return torch.stack([r.get(name, zero) for name in REROUTE_REASONS])
 
 
+def draw_rows(pending, bounds) -> tuple[list, list[np.ndarray | int]]:
+    """Each pending decision's draw: (keys, per decision either a draw index for all its rows or an [T] int64
+    array of draw indices per row). ``bounds``: (end index into ``pending``, segments) per reported step."""
+    keys: list = []
+    index: dict[str, int] = {}
+    out: list[np.ndarray | int] = []
+
+    def forward_draw() -> int:
+        keys.append(None)
+        return len(keys) - 1
+
+    start = 0
+    for end, segments in bounds:
+        decs = pending[start:end]
+        if not decs:  # a step that called no per-layer hook (a CUDA-graph decode)
+            start = end
+            continue
+        rows = sum(n for _, _, n in segments)
+        if segments and all(d.ids.shape[0] == rows for _, d in decs):
+            per_seg = []
+            for rid, _, _ in segments:
+                j = index.get(rid)
+                if j is None:
+                    j = index[rid] = len(keys)
+                    keys.append(rid)
+                per_seg.append(j)
+            row_draw = np.repeat(np.asarray(per_seg, dtype=np.int64), [n for _, _, n in segments])
+            out += [row_draw] * len(decs)
+        else:
+            j = forward_draw()
+            out += [j] * len(decs)
+        start = end
+    seen: set[int] = set()
+    j = -1
+    for layer, _ in pending[start:]:  # no step reported: a layer routed again starts the next forward
+        if j < 0 or layer in seen:
+            j, seen = forward_draw(), set()
+        seen.add(layer)
+        out.append(j)
+    return keys, out
+
+
 class RoutingProbe(Observer):
     """Turns routing decisions into ``StepStats``, once per ``interval_s`` (0: every step)."""
 
@@ -71,6 +136,9 @@ class RoutingProbe(Observer):
         self._listener = listener
         self.interval_s, self.max_pending, self._clock = interval_s, max_pending, clock
         self._pending: list[tuple[int, "RoutingDecision"]] = []
+        self._bounds: list[tuple[int, tuple]] = []  # (end index into _pending, segments) per step
+        self._finished: list[str] = []
+        self._stepped = False  # an on_step was seen: flushes take finished steps only
         self._times: dict[int, tuple[float, float]] = {}
         self._steps = 0
         self._last_flush = clock()
@@ -87,50 +155,91 @@ class RoutingProbe(Observer):
             self._times[layer] = (router_s, experts_s)
 
     def on_step(self, step: Any) -> None:
+        with self._lock:
+            self._bounds.append((len(self._pending), tuple(getattr(step, "segments", ()) or ())))
+            self._stepped = True
         self._steps += 1
         if self._steps >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
             self.flush()
 
-    def flush(self) -> None:
+    def on_request(self, request_id: str) -> None:
+        """The request finished: its draw is complete once the steps already reported are summarised."""
         with self._lock:
-            pending, self._pending = self._pending, []
+            self._finished.append(request_id)
+
+    def flush(self, final: bool = False) -> None:
+        with self._lock:
+            cut = len(self._pending) if final or not self._stepped else \
+                (self._bounds[-1][0] if self._bounds else 0)
+            pending, self._pending = self._pending[:cut], self._pending[cut:]
+            bounds, self._bounds = self._bounds, []
+            finished, self._finished = self._finished, []
             times, self._times = self._times, {}
             steps, self._steps = self._steps, 0
             self._last_flush = self._clock()
         if pending:
-            self._listener(self.summarise(pending, times, steps))
+            self._listener(self.summarise(pending, times, steps, bounds, tuple(finished)))
+        elif finished:
+            self._listener(StepStats(steps, (), 0, 0, DrawCounts((), np.zeros((0, 0, 0), np.int64),
+                                                                tuple(finished))))
 
-    def summarise(self, pending, times, steps: int = 1) -> StepStats:
+    def summarise(self, pending, times, steps: int = 1, bounds=(), finished: tuple[str, ...] = ()) -> StepStats:
         first = pending[0][1]
         n_exp, k = first.n_experts, first.ids.shape[1]
-        by_layer: dict[int, list["RoutingDecision"]] = {}
-        for layer, d in pending:
-            by_layer.setdefault(layer, []).append(d)
-        rows = self._host(by_layer, n_exp) if first.ids.device.type == "cpu" else self._device(by_layer, n_exp)
+        keys, draw_of = draw_rows(pending, bounds)
+        n_draws = max(1, len(keys))
+        by_layer: dict[int, list] = {}
+        for (layer, d), dr in zip(pending, draw_of):
+            by_layer.setdefault(layer, []).append((d, dr))
+        summary = self._host if first.ids.device.type == "cpu" else self._device
+        rows, per_draw = summary(by_layer, n_exp, n_draws)
         layers = []
         for (layer, decs), row in zip(by_layer.items(), rows):
             r_s, e_s = times.get(layer, (None, None))
             rerouted = None
-            if decs[0].rerouted is not None:
+            if decs[0][0].rerouted is not None:
                 rerouted = {name: int(row[n_exp + 5 + i]) for i, name in enumerate(REROUTE_REASONS)
-                            if name in decs[0].rerouted}
-            layers.append(LayerStats(layer=layer, tokens=sum(d.ids.shape[0] for d in decs),
+                            if name in decs[0][0].rerouted}
+            layers.append(LayerStats(layer=layer, tokens=sum(d.ids.shape[0] for d, _ in decs),
                                      slots=row[:n_exp].astype(np.int64), dropped=int(row[n_exp + 4]),
                                      nonfinite=int(row[n_exp + 3]), entropy_sum=float(row[n_exp + 1]),
                                      margin_sum=float(row[n_exp + 2]), router_s=r_s, experts_s=e_s,
                                      rerouted=rerouted))
-        return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k)
+        return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k,
+                         draws=DrawCounts(tuple(keys), per_draw, finished))
 
     @staticmethod
-    def _host(by_layer, n_exp: int) -> np.ndarray:
-        """[L, E + 7] float64: slots per expert + dropped bucket, entropy sum, margin sum, non-finite, dropped,
-        slots rerouted by load-aware routing, by smoothing.
+    def _offsets(decs, width: int, cache: dict | None = None) -> np.ndarray:
+        """[sum T] int64: each row's draw times ``width`` (the draw's block in the layer's bincount). Layers
+        routed in the same steps share one array (``cache``: computed once per flush, not per layer)."""
+        key = tuple(id(dr) if isinstance(dr, np.ndarray) else (dr, d.ids.shape[0]) for d, dr in decs)
+        off = cache.get(key) if cache is not None else None
+        if off is None:
+            off = np.concatenate([dr * width if isinstance(dr, np.ndarray)
+                                  else np.full(d.ids.shape[0], dr * width, dtype=np.int64) for d, dr in decs])
+            if cache is not None:
+                cache[key] = off
+        return off
+
+    @classmethod
+    def _host(cls, by_layer, n_exp: int, n_draws: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """([L, E + 7] float64, [R, L, E] int32). The first: slots per expert + dropped bucket, entropy sum,
+        margin sum, non-finite, dropped, slots rerouted by load-aware routing, by smoothing; the second: slots
+        per draw per expert (dropped excluded), whose sum over draws is the first's slots.
         CPU tensors only: ``.numpy()`` views the same memory (no copy, no sync). One concatenation per layer
-        and quantity (cheaper than a numpy view per decision when an interval holds many steps)."""
+        and quantity (cheaper than a numpy view per decision when an interval holds many steps).
+        ``by_layer``: layer -> [(decision, draw: an index, or [T] indices per row)]."""
+        width = n_exp + 1
         rows = np.empty((len(by_layer), n_exp + 7))
-        for i, decs in enumerate(by_layer.values()):
-            rows[i, : n_exp + 1] = np.bincount(torch.cat([d.active_ids.reshape(-1) for d in decs]).numpy(),
-                                               minlength=n_exp + 1)
+        per_draw = np.empty((n_draws, len(by_layer), n_exp), np.int32)
+        cache: dict = {}
+        for i, items in enumerate(by_layer.values()):
+            decs = [d for d, _ in items]
+            off = cls._offsets(items, width, cache)
+            ids = torch.cat([d.active_ids.reshape(-1) for d in decs]).numpy().reshape(len(off), -1)  # [sum T, k]
+            counts = np.bincount((off[:, None] + ids).ravel(), minlength=n_draws * width).reshape(n_draws, width)
+            per_draw[:, i] = counts[:, :n_exp]
+            rows[i, :width] = counts.sum(0)
             rows[i, n_exp + 1] = torch.cat([d.entropy for d in decs]).numpy().sum(dtype=np.float64)
             rows[i, n_exp + 2] = torch.cat([d.margin for d in decs]).numpy().sum(dtype=np.float64)
             rows[i, n_exp + 3] = torch.stack([d.nonfinite for d in decs]).numpy().sum()
@@ -140,25 +249,39 @@ class RoutingProbe(Observer):
                 rows[i, n_exp + 5:] = torch.stack([_rerouted(d) for d in decs]).numpy().sum(0)
             else:
                 rows[i, n_exp + 5:] = 0
-        return rows
+        return rows, per_draw
 
-    @staticmethod
-    def _device(by_layer, n_exp: int) -> np.ndarray:
-        """Same layout as ``_host``, computed with batched device ops and one device->host copy."""
+    @classmethod
+    def _device(cls, by_layer, n_exp: int, n_draws: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Same as ``_host``, computed with batched device ops: the rows' draw offsets go up in one
+        host->device copy, every slot of every layer is counted by one ``scatter_add_``, and the counts and
+        scalars come back in one device->host copy."""
         width = n_exp + 1
-        ids, scalars = [], []
-        for i, decs in enumerate(by_layer.values()):
-            for d in decs:
-                ids.append(d.active_ids.reshape(-1) + i * width)
+        block = n_draws * width
+        n_layers = len(by_layer)
+        ids, offsets, scalars = [], [], []
+        device = None
+        cache: dict = {}
+        for i, items in enumerate(by_layer.values()):
+            decs = [d for d, _ in items]
+            device = decs[0].ids.device
+            ids += [d.active_ids.reshape(d.ids.shape[0], -1) for d in decs]
+            offsets.append(cls._offsets(items, width, cache) + i * block)
             scalars.append(torch.stack([torch.cat([d.entropy for d in decs]).sum(dtype=torch.float64),
                                         torch.cat([d.margin for d in decs]).sum(dtype=torch.float64),
                                         torch.stack([d.nonfinite for d in decs]).sum().double(),
                                         torch.stack([d.dropped for d in decs]).sum().double(),
                                         *(torch.stack([_rerouted(d) for d in decs]).sum(0).double()
                                           if decs[0].rerouted is not None
-                                          else torch.zeros(2, dtype=torch.float64, device=decs[0].ids.device))]))
-        flat = torch.cat(ids)
-        counts = torch.zeros(len(by_layer) * width, dtype=torch.float64, device=flat.device)
+                                          else torch.zeros(2, dtype=torch.float64, device=device))]))
+        off = torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True)
+        flat = (off[:, None] + torch.cat(ids)).reshape(-1)
+        counts = torch.zeros(n_layers * block, dtype=torch.float64, device=device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
         # The interval's one device->host copy.
-        return torch.cat([counts.view(len(by_layer), width), torch.stack(scalars)], dim=1).cpu().numpy()
+        host = torch.cat([counts, torch.stack(scalars).reshape(-1)]).cpu().numpy()
+        per_draw = host[: n_layers * block].reshape(n_layers, n_draws, width)
+        rows = np.empty((n_layers, n_exp + 7))
+        rows[:, :width] = per_draw.sum(1)
+        rows[:, width:] = host[n_layers * block:].reshape(n_layers, 6)
+        return rows, np.ascontiguousarray(per_draw[:, :, :n_exp].transpose(1, 0, 2), dtype=np.int32)

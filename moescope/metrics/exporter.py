@@ -33,7 +33,8 @@ TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 ROUTING_LAYER_COUNTERS = ("moescope_router_tokens_total", "moescope_tokens_dropped_total",
                           "moescope_router_nonfinite_logits_total")
-CACHE_LAYER_COUNTERS = tuple(m.name for m in catalogue.CATALOGUE if m.name.startswith("moescope_expert_cache_"))
+CACHE_LAYER_COUNTERS = tuple(m.name for m in catalogue.CATALOGUE
+                             if m.name.startswith("moescope_expert_cache_") and m.kind == "counter")
 
 
 class MoescopeCollector:
@@ -78,7 +79,7 @@ class MoescopeCollector:
                     f.add_metric([*base, *labels], v)
                 yield f
             errors = st.errors_source() if st.errors_source else {}
-            dropped = st.dropped_source() if st.dropped_source else {}
+            dropped = {**(st.dropped_source() if st.dropped_source else {}), "draws": st.draws_dropped}
         for h in st.histograms.values():
             for fam in h.collect():
                 if any(s.name.endswith("_count") for s in fam.samples):  # observed at least once
@@ -118,7 +119,7 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
     """The layer-labelled families (and the model's activation gauges), written by the fast writer."""
     spec = catalogue.BY_NAME
     g = st.layer_gauges()
-    drift = st.drift(g) if st.export_routing else {}
+    capacity = sorted(st.cache_capacity().items())
     with st.lock:  # copies only: formatting happens after the engine thread may take the lock again
         counters = {name: sorted(st.layer_counters[name].items()) for name in
                     (*ROUTING_LAYER_COUNTERS, *CACHE_LAYER_COUNTERS) if name in st.layer_counters}
@@ -126,6 +127,7 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
                           if name == "moescope_rerouted_slots_total")
         flips = sorted(st.flips.items())
         totals = [(layer, c.tolist()) for layer, c in sorted(st.expert_tokens.items())] if st.per_expert else []
+        profile = st.baseline
     out = []
     if st.export_routing:
         act = st.activation_ratio(g)
@@ -140,9 +142,18 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
         for name, attr in LAYER_GAUGES:
             out.append(w.family(spec[name], [((lay,), v) for lay, v in zip(layers, getattr(g, attr).tolist())],
                                 openmetrics))
+        out.append(w.family(spec["moescope_window_draws"], [((), g.window_draws)], openmetrics))
         out.append(w.family(spec["moescope_routing_drift_jsd_bits"],
-                            [((str(k),), v) for k, v in sorted(drift.items())], openmetrics))
+                            [((str(k),), v) for k, v in sorted(st.drift(g).items())], openmetrics))
+        out.append(w.family(spec["moescope_routing_drift_noise_bits"],
+                            [((str(k),), v) for k, v in sorted(st.drift_noise(g).items())], openmetrics))
         out.append(w.family(spec["moescope_routing_flip_ratio"], [((str(k),), v) for k, v in flips], openmetrics))
+        hot = g.hot_experts(EXTREMES_K)
+        reference = ["baseline" if b else "fair" for b in (g.baseline if g.baseline is not None else
+                                                          [False] * len(layers))]
+        out.append(w.family(spec["moescope_expert_hot_factor_ratio"],
+                            [((lay, str(e), reference[j]), f) for j, lay in enumerate(layers) for e, f in hot[j]],
+                            openmetrics))
         n_exp = st.info.n_experts
         out.append(w.gauge_histogram(spec["moescope_expert_load_relative"],
                                      [((lay,), [*rel, n_exp], float(n_exp)) for lay, rel in
@@ -152,12 +163,43 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
         out.append(w.family(spec["moescope_expert_window_slots"],
                             [((lay, str(e)), int(slots[j, e])) for j, lay in enumerate(layers)
                              for e in extremes[j]], openmetrics))
+        out.append(_baseline_text(st, g, profile, extremes, hot, w, openmetrics))
+        ranks = st.rank_loads(g)
+        if ranks is not None:
+            per_layer, per_rank = ranks
+            out.append(w.family(spec["moescope_rank_load_max_over_mean_ratio"],
+                                [((str(k),), v) for k, v in sorted(per_layer.items())], openmetrics))
+            out.append(w.family(spec["moescope_rank_window_slots"],
+                                [((str(r),), v) for r, v in sorted(per_rank.items())], openmetrics))
         if totals:
             big = spec["moescope_expert_tokens_total"]
             out.append(w.header(big, openmetrics) + "".join(w.expert_rows(big, layer, values)
                                                             for layer, values in totals))
     for name in CACHE_LAYER_COUNTERS:
         out.append(w.family(spec[name], [((str(k),), v) for k, v in counters.get(name, ())], openmetrics))
+    out.append(w.family(spec["moescope_expert_cache_capacity_ratio"], [((str(k),), v) for k, v in capacity],
+                        openmetrics))
+    return "".join(out)
+
+
+def _baseline_text(st: MetricsObserver, g, profile, extremes, hot, w: FamilyWriter, openmetrics: bool) -> str:
+    """The loaded baseline's series: its structural CV per layer and each expert's share (full tier: every
+    expert of every layer it has; reduced tier: the experts of moescope_expert_window_slots and the hot
+    experts)."""
+    if profile is None:
+        return ""
+    spec = catalogue.BY_NAME
+    model_layers = set(st.routing_window.layers)
+    layers = sorted(layer for layer in profile.layers if layer in model_layers)
+    out = [w.family(spec["moescope_baseline_load_cv_ratio"],
+                    [((str(k),), float(profile.layers[k].structural_cv)) for k in layers], openmetrics)]
+    share = spec["moescope_baseline_expert_share_ratio"]
+    if st.per_expert:
+        rows = [((str(k), str(e)), v) for k in layers for e, v in enumerate(profile.layers[k].share.tolist())]
+    else:
+        shown = {layer: sorted(set(extremes[j]) | {e for e, _ in hot[j]}) for j, layer in enumerate(g.layers)}
+        rows = [((str(k), str(e)), float(profile.layers[k].share[e])) for k in layers for e in shown.get(k, ())]
+    out.append(w.family(share, rows, openmetrics))
     return "".join(out)
 
 

@@ -2,6 +2,12 @@
 ``Histogram``), and the routing window behind the ratio gauges. Fed by ``MetricsObserver`` once per step; read
 by the exporter at scrape time.
 
+Sampling noise takes the request as the independent draw (``moescope.sampling``): the routing probe counts
+each request's slots per (layer, expert); the state sums them per in-flight request (at most
+``max_inflight`` requests, the oldest evicted first and folded as they are, counted in
+``moescope_capture_dropped_total{queue="draws"}``) and folds a request into the window's draws when
+``on_request`` reports it finished. A forward the probe could not map to requests is one draw, folded at once.
+
 Updates happen on the engine thread, reads on the HTTP thread: one lock, held for microseconds.
 """
 
@@ -18,13 +24,19 @@ import numpy as np
 from moescope import thresholds
 from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import RoutingProbe, StepStats
+from moescope.errors import BadInput
 from moescope.metrics import catalogue
-from moescope.metrics.window import LayerGauges, RoutingWindow, jensen_shannon_rows
+from moescope.metrics.window import LayerGauges, RoutingWindow
 
 # Per-(layer, expert) counters up to 64 MoE layers x 256 experts per replica: DeepSeek-V3's shape and a little
 # beyond (docs/metrics.md, "Cardinality", has the arithmetic).
 EXPERT_SERIES_BUDGET = 64 * 256
 EXTREMES_K = 8  # the hottest and coldest experts per layer every tier exports
+# In-flight requests' [L, E] counts are held up to this many bytes (int32): ~540 requests at 58 x 256, the
+# engine's batch is far fewer; never fewer than MIN_INFLIGHT requests.
+INFLIGHT_BYTES = 32 * 2**20
+MIN_INFLIGHT = 64
+MAX_INFLIGHT = 4096
 
 
 def _histogram(spec: catalogue.MetricSpec):
@@ -80,13 +92,19 @@ class MetricsObserver(Observer):
             expert parallelism): its routing series would repeat that rank's, and sums over ranks would count
             every token twice. The rank still exports timings, all-to-all, cache and memory.
         flush_interval_s: how often the routing probe summarises pending decisions (reads call ``flush()``
-            first, so a scrape always sees everything routed so far).
+            first, so a scrape sees every finished step).
+        max_inflight: in-flight requests whose per-(layer, expert) counts are held (None: from
+            ``INFLIGHT_BYTES``).
         clock: monotonic seconds (tests inject a fake one).
+    Attributes set by ``moescope.instrument``: ``baseline`` (a ``analysis.baseline.Profile``; assigning a
+    path or {layer: load} coerces it), ``placement_source`` (-> the expert-parallel ``Placement`` or None),
+    ``cache_capacity_source`` (-> {layer: resident experts / E} of the expert cache, or {}).
     """
 
     def __init__(self, info: ModelInfo, *, rank: int = 0, window_s: float = 60.0,
                  expert_series_budget: int = EXPERT_SERIES_BUDGET, export_routing: bool = True,
-                 flush_interval_s: float = 0.25, clock: Callable[[], float] = time.monotonic) -> None:
+                 flush_interval_s: float = 0.25, max_inflight: int | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.info, self.rank, self.window_s, self.clock = info, rank, window_s, clock
         self.per_expert = len(info.moe_layers) * info.n_experts <= expert_series_budget
         self.export_routing = export_routing
@@ -105,9 +123,31 @@ class MetricsObserver(Observer):
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
         self.routing_window = RoutingWindow(info.moe_layers, info.n_experts, window_s)
         self.flips: dict[int, float] = {}  # last canary run's flip ratio per layer
-        self.baseline: dict[int, list[float]] | None = None  # layer -> baseline load (drift reference)
+        self._baseline = None  # analysis.baseline.Profile: the hot/dead/drift reference and the baseline series
+        per_request = 4 * max(1, len(info.moe_layers) * info.n_experts)
+        self.max_inflight = max_inflight or min(MAX_INFLIGHT, max(MIN_INFLIGHT, INFLIGHT_BYTES // per_request))
+        self.inflight: collections.OrderedDict[str, np.ndarray] = collections.OrderedDict()  # id -> [L, E]
+        self.draws_dropped = 0  # in-flight requests evicted before they finished (folded as they were)
+        self.placement_source: Callable[[], Any] | None = None
+        self.cache_capacity_source: Callable[[], dict[int, float]] | None = None
         self.errors_source: Callable[[], dict[str, int]] | None = None  # observer -> errors raised
         self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
+
+    @property
+    def baseline(self):
+        """The loaded baseline (``analysis.baseline.Profile``) or None."""
+        return self._baseline
+
+    @baseline.setter
+    def baseline(self, value) -> None:
+        from moescope.analysis import baseline as bl
+
+        profile = bl.coerce(value)
+        if profile is not None and profile.n_experts != self.info.n_experts:
+            raise BadInput(f"the baseline has {profile.n_experts} experts per layer; {self.info.name} has "
+                           f"{self.info.n_experts}")
+        with self.lock:
+            self._baseline = profile
 
     # -- helpers ---------------------------------------------------------------------------------------
     def hist(self, name: str, *label_values: str):
@@ -135,7 +175,7 @@ class MetricsObserver(Observer):
         self._on_stats(st)
 
     def shutdown(self) -> None:
-        self.flush()
+        self.probe.flush(final=True)
 
     def on_step(self, step) -> None:
         self.probe.on_step(step)  # -> _on_stats once per interval
@@ -179,6 +219,7 @@ class MetricsObserver(Observer):
                     counters[("moescope_all_to_all_peer_wait_seconds_total", (str(peer),))] += wait
 
     def on_request(self, record) -> None:
+        self.probe.on_request(record.request_id)  # its draw is folded once its last step is summarised
         ex = {"request_id": record.request_id}
         with self.lock:
             h = self.hist("moescope_token_latency_seconds")
@@ -208,6 +249,48 @@ class MetricsObserver(Observer):
                 if ls.router_s is not None:
                     self.hist("moescope_router_seconds").observe(ls.router_s)
                     self.hist("moescope_expert_compute_seconds").observe(ls.experts_s)
+            if st.draws is not None:
+                self._fold(st, second)
+
+    def _fold(self, st: StepStats, second: int) -> None:
+        """Per-request counts into the in-flight requests; finished requests and unmapped forwards into the
+        window's draws (the caller holds the lock)."""
+        win = self.routing_window
+        d = st.draws
+        n_layers, e = len(win.layers), win.n_experts
+        rows = np.array([win.row[ls.layer] for ls in st.layers], dtype=np.int64)
+        done: list[np.ndarray] = []
+        inflight = self.inflight
+        for j, key in enumerate(d.keys):
+            counts = d.counts[j]
+            if key is None:  # a forward that could not be mapped to requests: a complete draw
+                full = np.zeros((n_layers, e))
+                full[rows] = counts[:, :e]
+                done.append(full)
+                continue
+            acc = inflight.get(key)
+            if acc is None:
+                if len(inflight) >= self.max_inflight:
+                    _, old = inflight.popitem(last=False)
+                    self.draws_dropped += 1
+                    done.append(self._rows(old, n_layers))
+                acc = inflight[key] = np.zeros((n_layers, e), np.int32)
+            elif len(acc) < n_layers:
+                acc = inflight[key] = self._rows(acc, n_layers).astype(np.int32)
+            acc[rows] += counts[:, :e].astype(np.int32)
+        for rid in d.finished:
+            acc = inflight.pop(rid, None)
+            if acc is not None:
+                done.append(self._rows(acc, n_layers))
+        if done:
+            win.add_draws(second, np.stack([a.astype(np.float64) for a in done]))
+
+    @staticmethod
+    def _rows(a: np.ndarray, n_layers: int) -> np.ndarray:
+        """``a`` padded with zero rows to ``n_layers`` (a layer the window grew after the request began)."""
+        if len(a) >= n_layers:
+            return a
+        return np.vstack([a, np.zeros((n_layers - len(a), a.shape[1]), a.dtype)])
 
     # -- reads (scrape thread) -------------------------------------------------------------------------
     def layer_gauges(self) -> LayerGauges:
@@ -215,17 +298,58 @@ class MetricsObserver(Observer):
         self.flush()
         with self.lock:
             self.routing_window.prune(int(self.clock()))
-            return self.routing_window.gauges()
+            return self.routing_window.gauges(self._baseline)
 
     def drift(self, g: LayerGauges) -> dict[int, float]:
-        """layer -> JS divergence (bits) of the window's load against the baseline, where one is set."""
-        base = self.baseline
-        rows = [j for j, layer in enumerate(g.layers) if base and layer in base]
-        if not rows:
+        """layer -> JS divergence (bits) of the window's load against the baseline's, where it has the layer."""
+        if g.drift_jsd is None:
             return {}
-        ref = np.array([base[g.layers[j]] for j in rows], dtype=np.float64)
-        jsd = jensen_shannon_rows(g.slots[rows], ref)
-        return {g.layers[j]: float(v) for j, v in zip(rows, jsd.tolist())}
+        return {layer: float(v) for layer, v in zip(g.layers, g.drift_jsd.tolist()) if np.isfinite(v)}
+
+    def drift_noise(self, g: LayerGauges) -> dict[int, float]:
+        """layer -> the JS divergence sampling noise alone gives against the baseline (judged layers only)."""
+        if g.drift_noise is None:
+            return {}
+        return {layer: float(v) for layer, v in zip(g.layers, g.drift_noise.tolist()) if np.isfinite(v)}
+
+    def placement(self):
+        """The expert-parallel placement over more than one rank this process routes for, or None."""
+        p = self.placement_source() if self.placement_source is not None else None
+        return p if p is not None and p.world_size > 1 else None
+
+    def rank_loads(self, g: LayerGauges) -> tuple[dict[int, float], dict[int, float]] | None:
+        """Over the window, with an expert-parallel placement over > 1 rank: ({layer: busiest rank's slots /
+        the mean rank's} for the judged layers (a finite noise bound), {rank: slots summed over layers});
+        None without a placement. A replicated expert's slots are split as the lock-step dispatch sends them:
+        each rank sends its 1/W of the tokens to its own replica, else to the lowest rank holding one."""
+        p = self.placement()
+        if p is None or not len(g.layers):
+            return None
+        w = p.world_size
+        known = [j for j, layer in enumerate(g.layers) if layer in p.layers]
+        if not known:
+            return None
+        slots = g.slots[known]
+        if not p.replicated:
+            owner = np.array([[p.ranks_of(g.layers[j], x)[0] for x in range(p.n_experts)] for j in known])
+            loads = thresholds.rank_loads(slots, owner, w)
+        else:
+            loads = np.zeros((len(known), w))
+            for i, j in enumerate(known):
+                split = np.zeros((p.n_experts, w))
+                for x in range(p.n_experts):
+                    ranks = p.ranks_of(g.layers[j], x)
+                    split[x, list(ranks)] = 1.0 / w
+                    split[x, ranks[0]] += (w - len(ranks)) / w
+                loads[i] = slots[i] @ split
+        mom = thresholds.max_over_mean(loads)
+        judged = {g.layers[j]: float(v) for j, v in zip(known, mom.tolist())
+                  if np.isfinite(v) and np.isfinite(g.noise_cv[j])}
+        return judged, {r: float(v) for r, v in enumerate(loads.sum(0).tolist())}
+
+    def cache_capacity(self) -> dict[int, float]:
+        """{layer: experts the cache holds resident / experts} where an expert cache is on."""
+        return dict(self.cache_capacity_source() or {}) if self.cache_capacity_source is not None else {}
 
     def activation_ratio(self, g: LayerGauges) -> float | None:
         """Parameters touched per token / total over the window, ``k_eff`` = computed slots / routed tokens
@@ -249,22 +373,28 @@ class MetricsObserver(Observer):
         """The ratio gauges by catalogue name, per layer, and the model's activation ratio (None without
         traffic)."""
         g = self.layer_gauges()
-        drift = self.drift(g)
+        drift, noise = self.drift(g), self.drift_noise(g)
+        hot = g.hot_experts(EXTREMES_K)
         per_layer = {}
         for j, layer in enumerate(g.layers):
             per_layer[layer] = {name: float(getattr(g, attr)[j]) for name, attr in LAYER_GAUGES}
             if layer in drift:
                 per_layer[layer]["moescope_routing_drift_jsd_bits"] = drift[layer]
-        return {"layers": per_layer, "activation_ratio": self.activation_ratio(g)}
+            if layer in noise:
+                per_layer[layer]["moescope_routing_drift_noise_bits"] = noise[layer]
+            per_layer[layer]["moescope_expert_hot_factor_ratio"] = dict(hot[j])
+        return {"layers": per_layer, "activation_ratio": self.activation_ratio(g), "window_draws": g.window_draws}
 
 
 # (catalogue name, LayerGauges field) of the per-layer window gauges
 LAYER_GAUGES = (
     ("moescope_expert_load_cv_ratio", "cv"),
     ("moescope_expert_load_cv_noise_ratio", "noise_cv"),
+    ("moescope_expert_load_excess_cv_ratio", "excess_cv"),
     ("moescope_expert_load_max_over_mean_ratio", "max_over_mean"),
     ("moescope_expert_load_top_share_ratio", "top_share"),
     ("moescope_dead_experts", "dead"),
+    ("moescope_dead_experts_unexpected", "dead_unexpected"),
     ("moescope_window_slots_per_expert", "slots_per_expert"),
     ("moescope_router_entropy_ratio", "entropy"),
     ("moescope_router_margin_ratio", "margin"),

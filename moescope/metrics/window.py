@@ -2,19 +2,26 @@
 
 Routing arrives in 1-second bins; the window keeps running sums (a bin is added when it opens and subtracted
 when it leaves), so a scrape costs one pass over layers x experts, never over bins x layers x experts. The
-gauges of every layer are computed at once with numpy (58 x 256 at DeepSeek-V3's shape) and follow the
-formulas of docs/metrics.md (``moescope.stats`` holds the reference implementations the tests compare with).
+window's *draws* (finished requests, moescope.sampling's independent unit) arrive as ``sampling.Draws`` running
+sums in coarser bins (``window_s / 12``: 13 bins of 58 x 256 x 3 sums at DeepSeek-V3's shape, ~5 MB), added
+when a request finishes and subtracted when its bin leaves the window. The gauges of every layer are computed
+at once with numpy and follow the formulas of docs/metrics.md (``moescope.sampling`` for the noise,
+``moescope.stats`` holds the reference implementations the tests compare with).
 """
 
 from __future__ import annotations
 
 import collections
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from moescope import thresholds
+from moescope import sampling, thresholds
 from moescope.metrics.catalogue import RELATIVE_LOAD_BUCKETS
+
+DRAW_BINS = 12  # the draws' bins per window
 
 
 @dataclass
@@ -26,17 +33,24 @@ class _Bin:
     margin: np.ndarray  # [L]
 
 
+@dataclass
+class _DrawBin:
+    index: int  # int(second // draw_bin_s)
+    draws: sampling.Draws
+    n: int  # draws folded (requests, or forwards)
+
+
 @dataclass(frozen=True)
 class LayerGauges:
     """Every routed layer's window gauges, as arrays aligned with ``layers`` (layers without tokens in the
-    window are left out)."""
+    window are left out). NaN in a judged quantity: not judged (too few draws, or no baseline)."""
 
     layers: tuple[int, ...]
     slots: np.ndarray  # [L, E] slots per expert over the window
     tokens: np.ndarray  # [L]
     cv: np.ndarray
-    noise_cv: np.ndarray
-    excess_cv: np.ndarray
+    noise_cv: np.ndarray  # the cluster-robust noise bound (sampling.noise_cv); NaN: not judged
+    excess_cv: np.ndarray  # sqrt(max(0, cv^2 - noise^2)); NaN: not judged
     max_over_mean: np.ndarray
     top_share: np.ndarray
     dead: np.ndarray
@@ -44,6 +58,14 @@ class LayerGauges:
     entropy: np.ndarray
     margin: np.ndarray
     relative: np.ndarray  # [L, buckets] experts with load / mean <= each RELATIVE_LOAD_BUCKETS bound (cumulative)
+    draws: np.ndarray | None = None  # [L] draws of each layer in the window
+    window_draws: int = 0  # draws (requests, or forwards) folded into the window
+    dead_unexpected: np.ndarray | None = None  # [L] zero-slot experts their reference says should have slots
+    hot: np.ndarray | None = None  # [L, E] share / reference share where significantly above it, else NaN
+    baseline: np.ndarray | None = None  # [L] bool: the reference is the loaded baseline (else the fair share)
+    baseline_cv: np.ndarray | None = None  # [L] the baseline's structural CV (NaN: no baseline for the layer)
+    drift_jsd: np.ndarray | None = None  # [L] JS divergence (bits) from the baseline's load (NaN: none)
+    drift_noise: np.ndarray | None = None  # [L] what sampling noise gives against the baseline (NaN: none)
 
     def extremes(self, k: int) -> list[list[int]]:
         """Per layer, the ids of the ``k`` hottest then the ``k`` coldest experts (ties: lower id first;
@@ -54,6 +76,28 @@ class LayerGauges:
             cold = np.argsort(row, kind="stable")[:k]
             out.append(list(dict.fromkeys([*hot.tolist(), *cold.tolist()])))
         return out
+
+    def hot_experts(self, k: int) -> list[list[tuple[int, float]]]:
+        """Per layer, up to ``k`` (expert, hot factor) with a finite factor, highest first (ties: lower id)."""
+        if self.hot is None:
+            return [[] for _ in self.layers]
+        out = []
+        for row in self.hot:
+            finite = np.nonzero(np.isfinite(row))[0]
+            order = finite[np.argsort(-row[finite], kind="stable")][:k]
+            out.append([(int(e), float(row[e])) for e in order])
+        return out
+
+
+def _profile_rows(profile: Any, layers: tuple[int, ...], n_experts: int) -> list:
+    """The baseline's LayerProfile of each layer (None where the profile has none of the right width)."""
+    if profile is None:
+        return [None] * len(layers)
+    out = []
+    for layer in layers:
+        lp = profile.layers.get(layer)
+        out.append(lp if lp is not None and len(lp.share) == n_experts else None)
+    return out
 
 
 class RoutingWindow:
@@ -68,6 +112,10 @@ class RoutingWindow:
         self.entropy = np.zeros(n)
         self.margin = np.zeros(n)
         self._bins: collections.deque[_Bin] = collections.deque()
+        self.draw_bin_s = max(1.0, window_s / DRAW_BINS)
+        self.draws = sampling.Draws.zeros(n, n_experts)
+        self.n_draws = 0
+        self._draw_bins: collections.deque[_DrawBin] = collections.deque()
 
     def _bin(self, second: int) -> _Bin:
         if not self._bins or self._bins[-1].second != second:
@@ -92,6 +140,22 @@ class RoutingWindow:
         b.margin[i] += margin
         self.margin[i] += margin
 
+    def add_draws(self, second: float, per_draw: np.ndarray) -> None:
+        """Finished draws' slots [R, L, E] (rows in ``self.layers`` order), counted in the draw bin of
+        ``second`` (callers hold the state's lock)."""
+        if not len(per_draw):
+            return
+        index = int(second // self.draw_bin_s)
+        if not self._draw_bins or self._draw_bins[-1].index != index:
+            self._draw_bins.append(_DrawBin(index, sampling.Draws.zeros(len(self.layers), self.n_experts), 0))
+            self.prune(int(second))
+        d = sampling.Draws.of(per_draw)
+        b = self._draw_bins[-1]
+        b.draws.add(d)
+        b.n += len(per_draw)
+        self.draws.add(d)
+        self.n_draws += len(per_draw)
+
     def _grow(self, layer: int) -> None:
         """A layer the model info did not list (an adapter that found one more MoE block): add its row."""
         self.row[layer] = len(self.layers)
@@ -102,6 +166,11 @@ class RoutingWindow:
         for b in self._bins:
             b.slots = np.vstack([b.slots, np.zeros((1, e), np.int64)])
             b.tokens, b.entropy, b.margin = (np.append(a, 0) for a in (b.tokens, b.entropy, b.margin))
+        for d in [self.draws, *(b.draws for b in self._draw_bins)]:
+            for name in ("draws", "slots", "slots_sq"):
+                setattr(d, name, np.append(getattr(d, name), 0.0))
+            for name in ("counts", "counts_sq", "cross"):
+                setattr(d, name, np.vstack([getattr(d, name), np.zeros((1, e))]))
 
     def prune(self, now_second: int) -> None:
         while self._bins and self._bins[0].second <= now_second - self.window_s:
@@ -113,29 +182,62 @@ class RoutingWindow:
         if not self._bins:  # no float residue from add/subtract
             self.entropy[:] = 0.0
             self.margin[:] = 0.0
+        while self._draw_bins and self._draw_bins[0].index * self.draw_bin_s <= now_second - self.window_s:
+            b = self._draw_bins.popleft()
+            self.draws.add(b.draws, -1.0)
+            self.n_draws -= b.n
+        if not self._draw_bins:
+            self.draws = sampling.Draws.zeros(len(self.layers), self.n_experts)
 
-    def gauges(self) -> LayerGauges:
-        """The window gauges of every layer that routed tokens in the window (callers hold the lock)."""
+    def gauges(self, profile: Any = None, t: thresholds.Thresholds = thresholds.DEFAULT) -> LayerGauges:
+        """The window gauges of every layer that routed tokens in the window (callers hold the lock).
+        ``profile``: the loaded baseline (``analysis.baseline.Profile``), the reference of the hot, dead and
+        drift judgements where it has the layer; else the fair share (hot) and ``t.dead_reference`` (dead)."""
         keep = np.nonzero(self.tokens > 0)[0]
         slots = self.slots[keep].astype(np.float64)  # [L, E]
         tokens = self.tokens[keep].astype(np.float64)
         e = self.n_experts
+        layers = tuple(self.layers[i] for i in keep.tolist())
         n = slots.sum(1)
         mean = n / e
         safe_mean = np.where(mean > 0, mean, 1.0)
         cv = np.where(mean > 0, slots.std(1) / safe_mean, 0.0)
         mx = slots.max(1) if e else np.zeros(len(keep))
-        noise = np.array([thresholds.noise_cv(e, x) for x in n.tolist()])
-        excess = np.array([thresholds.excess_cv(c, e, x) for c, x in zip(cv.tolist(), n.tolist())])
+        draws = self.draws.rows(keep)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            noise = sampling.noise_cv(e, n, draws, t.noise_z)
+        noise = np.where(np.isinf(noise), np.nan, noise)
+        excess = sampling.excess_cv(cv, noise)
         rel = slots / safe_mean[:, None]
         relative = np.stack([(rel <= le).sum(1) for le in RELATIVE_LOAD_BUCKETS], axis=1) if len(keep) else \
             np.zeros((0, len(RELATIVE_LOAD_BUCKETS)))
+        lps = _profile_rows(profile, layers, e)
+        has = np.array([lp is not None for lp in lps], dtype=bool)
+        fair = np.full((len(keep), e), 1.0 / e) if e else np.zeros((len(keep), 0))
+        base_share = fair.copy()
+        base_load = np.zeros_like(fair)
+        base_cv = np.full(len(keep), np.nan)
+        for j, lp in enumerate(lps):
+            if lp is not None:
+                base_share[j] = sampling.reference_shares(e, np.asarray(lp.share, np.float64)[None], 1)[0]
+                base_load[j] = np.asarray(lp.load, np.float64)
+                cv_j = lp.structural_cv
+                base_cv[j] = cv_j if cv_j is not None and math.isfinite(cv_j) else np.nan
+        with np.errstate(invalid="ignore", divide="ignore"):
+            hot = sampling.hot_factor(slots, draws, base_share, t.hot_z(len(self.layers), e))
+            dead_ref = np.where(has[:, None], base_share, t.dead_reference(e) if e else 0.0)
+            dead_unexpected = sampling.dead_unexpected(slots, draws, dead_ref, t.dead_min_expected_slots)
+            drift_noise = np.where(has, sampling.drift_noise_bits(slots, draws, base_share, t.noise_z), np.nan)
+        drift = np.full(len(keep), np.nan)
+        if has.any():
+            drift[has] = jensen_shannon_rows(slots[has], base_load[has])
         return LayerGauges(
-            layers=tuple(self.layers[i] for i in keep.tolist()), slots=slots, tokens=tokens, cv=cv,
-            noise_cv=np.where(np.isinf(noise), np.nan, noise), excess_cv=excess,
+            layers=layers, slots=slots, tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
             max_over_mean=np.where(mean > 0, mx / safe_mean, 0.0), top_share=mx / tokens,
             dead=(slots == 0).sum(1).astype(np.float64), slots_per_expert=mean,
-            entropy=self.entropy[keep] / tokens, margin=self.margin[keep] / tokens, relative=relative)
+            entropy=self.entropy[keep] / tokens, margin=self.margin[keep] / tokens, relative=relative,
+            draws=draws.draws.copy(), window_draws=int(self.n_draws), dead_unexpected=dead_unexpected, hot=hot,
+            baseline=has, baseline_cv=base_cv, drift_jsd=drift, drift_noise=drift_noise)
 
 
 def jensen_shannon_rows(load: np.ndarray, ref: np.ndarray) -> np.ndarray:
