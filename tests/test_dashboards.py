@@ -1,5 +1,6 @@
 """Dashboards as code: stable generation, offline validation, and every panel query answered by a real
-Prometheus that scraped a demo run (2 expert-parallel ranks, expert cache, capacity limit)."""
+Prometheus that scraped demo runs (2 expert-parallel ranks, expert cache, capacity limit; one process with a
+baseline and a hot expert)."""
 
 import json
 import re
@@ -19,8 +20,9 @@ from servers import Prometheus, free_port
 
 DASH = ROOT / "dashboards"
 # Series a healthy demo may lack, with why (a panel over only these may return nothing):
-OPTIONAL = {"moescope_gpu_memory": "NVML series exist only on GPU hosts",
-            "moescope_expert_hot_factor_ratio": "absent where no expert is significantly above its reference"}
+# (the hot-expert series is absent where no expert is significantly above its reference: the single demo below
+# runs a hot expert so that its panels are checked too)
+OPTIONAL = {"moescope_gpu_memory": "NVML series exist only on GPU hosts"}
 
 
 def test_generated_dashboards_are_stable_and_valid():
@@ -111,10 +113,11 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
              "--world-size", "2", "--cache-size", "4", "--capacity-factor", "1.0", "--metrics-port", str(port),
              "--linger", "30", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # A single-process demo beside it: the canary (flip ratio) and drift series (expert parallel runs
-        # have no canary yet).
+        # have no canary yet), and a hot expert (expert 3 of layer 1) for the hot-expert panels.
         single = subprocess.Popen(
             [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "12", "--rate", "0",
              "--metrics-port", str(port + 2), "--baseline", str(baseline), "--canary-interval", "0.2",
+             "--scenario", "hot=1:3:4",
              "--linger", "30", "--traces", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # wait until Prometheus has the run's final counters from both ranks
@@ -127,6 +130,8 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
             time.sleep(1)
         failures = check_panels(prom, "tiny-demo", "1")
         assert not failures, "\n".join(failures)
+        hot = prom.query('moescope_expert_hot_factor_ratio{model="tiny-demo"}')
+        assert ("1", "3") in {(h["metric"]["layer"], h["metric"]["expert"]) for h in hot}, hot
         views = expert_views(prom, "tiny-demo", "1")
         assert views == {"heatmap_rows": 8, "hottest": 8, "coldest": 8, "layers": 3,
                          "distribution_buckets": len(catalogue.RELATIVE_LOAD_BUCKETS) + 1}, views
@@ -139,7 +144,7 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
 
 def check_panels(prom, model: str, layer: str, at: float | None = None) -> list[str]:
     """Every query of every panel, variables filled in, that returns nothing from ``prom`` (``OPTIONAL``
-    series excepted). Shared with the detection matrix, which runs it at deepseek-v3-shape."""
+    series excepted)."""
     at = at or time.time()
     failures = []
     for name, doc in build.build_all().items():
