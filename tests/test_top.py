@@ -79,7 +79,9 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
                     await _until(pilot, lambda: "3 layers x 8 experts" in _plain(app, "#heat"), timeout=30)
                     heat = _plain(app, "#heat").splitlines()
                     assert "a cell per expert" in heat[0]
-                    assert heat[2].startswith("no baseline: imbalance only above excess CV")  # what is judged
+                    # what is judged: a live run's first seconds may hold too few finished requests
+                    assert heat[2].startswith(("no baseline: imbalance only above excess CV",
+                                               "too few requests in the window to judge")), heat[2]
                     assert [line[:2] for line in heat[3:6]] == ["L1", "L2", "L3"]  # one row per layer
                     await pilot.press("tab")  # the selected layer's experts x time
                     await _until(pilot, lambda: "e7" in _plain(app, "#heat"), timeout=30)

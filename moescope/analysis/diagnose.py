@@ -112,14 +112,28 @@ def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=
     return w
 
 
-def _request_counts(w: Window) -> np.ndarray:
-    """[R, L, E] slots per expert per request (dropped slots and non-finite positions excluded)."""
-    out = np.zeros((len(w.ids), len(w.layers), w.n_experts), dtype=np.int64)
-    for i, r in enumerate(w.routing):
-        r = r.astype(np.int64)[np.isfinite(w.entropy[i]).all(1)]  # NaN logits route arbitrarily
+def _request_counts(w: Window, rows: range | None = None) -> np.ndarray:
+    """[R, L, E] slots per expert per request (dropped slots and non-finite positions excluded); ``rows``: only
+    those requests."""
+    rows = range(len(w.ids)) if rows is None else rows
+    out = np.zeros((len(rows), len(w.layers), w.n_experts), dtype=np.int32)
+    for k, i in enumerate(rows):
+        r = w.routing[i].astype(np.int64)[np.isfinite(w.entropy[i]).all(1)]  # NaN logits route arbitrarily
         for j in range(len(w.layers)):
-            out[i, j] = np.bincount(r[:, j].ravel(), minlength=w.n_experts + 1)[: w.n_experts]
+            out[k, j] = np.bincount(r[:, j].ravel(), minlength=w.n_experts + 1)[: w.n_experts]
     return out
+
+
+def window_judgement(w: Window, baseline=None, t: Thresholds = DEFAULT, chunk: int = 256) -> Judgement:
+    """``judge`` of a whole window without holding every request's counts at once (``report`` reads up to
+    100,000 requests)."""
+    counts = np.zeros((len(w.layers), w.n_experts))
+    draws = sampling.Draws.zeros(len(w.layers), w.n_experts)
+    for lo in range(0, len(w.ids), chunk):
+        part = _request_counts(w, range(lo, min(len(w.ids), lo + chunk)))
+        counts += part.sum(0)
+        draws.add(sampling.Draws.of(part))
+    return judge(counts, draws, w.layers, w.top_k, baseline, t)
 
 
 # -- the judgement every view shares (the exporter's quantities, the rules' bars) ------------------------------
@@ -270,7 +284,17 @@ def judge_requests(per_request: np.ndarray, layers: list[int], top_k: int, basel
                    t: Thresholds = DEFAULT) -> Judgement:
     """``judge`` of per-request counts [R, L, E] (each request one draw, as the exporter folds them)."""
     per_request = np.asarray(per_request)
-    return judge(per_request.sum(0), sampling.Draws.of(per_request), layers, top_k, baseline, t)
+    return judge(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t)
+
+
+def draws_of(per_request: np.ndarray, chunk: int = 256) -> sampling.Draws:
+    """``sampling.Draws.of`` summed over chunks of requests (a float copy of 5000 requests at 58 x 256 would be
+    600 MB at once)."""
+    r, n_layers, n_exp = per_request.shape
+    out = sampling.Draws.zeros(n_layers, n_exp)
+    for lo in range(0, r, chunk):
+        out.add(sampling.Draws.of(per_request[lo: lo + chunk]))
+    return out
 
 
 def _check_nonfinite(w: Window) -> list[Finding]:
@@ -413,7 +437,7 @@ def _check_drift(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray
         if n < 2 * sampling.MIN_DRAWS:
             return []
         a, b = per_request[early].sum(0).astype(np.float64), per_request[late].sum(0).astype(np.float64)
-        da, db = sampling.Draws.of(per_request[early]), sampling.Draws.of(per_request[late])
+        da, db = draws_of(per_request[early]), draws_of(per_request[late])
         e = w.n_experts
         ra, rb = sampling.reference_shares(e, b, len(w.layers)), sampling.reference_shares(e, a, len(w.layers))
         jsd = jensen_shannon_rows(b, a)

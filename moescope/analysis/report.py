@@ -214,9 +214,9 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[di
         co += rc.pairs(ch.ids, n_exp)
         if sel:
             passes += rc.count(ch.ids[:, sel], n_exp, ch.groups["step"], max(1, n_steps))
-    from moescope.analysis.diagnose import _request_counts, judge_requests
+    from moescope.analysis.diagnose import window_judgement
 
-    j = judge_requests(_request_counts(w), w.layers, w.top_k)
+    j = window_judgement(w)
     summary, files = _load_files(out, dict(zip(w.layers, load)), w.model, "trace store", j)
     for k in KINDS:
         _long_table(by[k].sum(0), w.layers, names[k], k).to_csv(out / f"load_by_{k}.csv", index=False)

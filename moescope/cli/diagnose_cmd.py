@@ -28,7 +28,9 @@ def _brief(evidence: dict) -> str:
 @click.option("--limit", type=click.IntRange(min=1), default=5000, show_default=True,
               help="Most recent requests read.")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
-              help="Measure drift against this baseline (else: the window's earlier half).")
+              help="Judge against this baseline profile (`moescope baseline save`): the imbalance bar from its "
+              "structural CV, hot and dead experts against its shares, drift against its load (else: the "
+              "no-baseline bar, the fair share, and the window's earlier half).")
 @click.option("--prometheus", default=None, help="Prometheus URL: add its firing moescope alerts as evidence.")
 @json_option
 def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, as_json) -> None:
