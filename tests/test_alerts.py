@@ -14,6 +14,7 @@ import yaml
 from conftest import ROOT
 from moescope import thresholds
 from moescope.alerts import cases, rules, unit_tests
+from moescope.cli import main
 from moescope.metrics import catalogue
 from servers import Alertmanager, require
 
@@ -25,6 +26,19 @@ def test_generated_rules_are_stable():
     for path, doc in ((PROM / "moescope-rules.yml", rules.rules_document()),
                       (PROM / "tests" / "moescope-rules.test.yml", unit_tests.tests_document())):
         assert yaml.safe_load(path.read_text()) == doc, f"{path} is stale: run `moescope alerts build`"
+
+
+def test_alerts_build_writes_the_generated_files_and_fails_in_one_line(tmp_path, capsys):
+    assert main(["alerts", "build", "--root", str(tmp_path)]) == 0
+    assert yaml.safe_load((tmp_path / "collectors" / "prometheus" / "moescope-rules.yml").read_text()) == \
+        rules.rules_document()
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "collectors").write_text("a file where the directory goes")
+    capsys.readouterr()
+    assert main(["alerts", "build", "--root", str(blocked)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moescope: error: cannot write the rules under ") and err.count("\n") == 1, err
 
 
 def _promtool_test(rules_doc: dict, tests_doc: dict, tmp_path) -> subprocess.CompletedProcess:

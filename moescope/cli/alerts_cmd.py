@@ -6,6 +6,8 @@ from pathlib import Path
 
 import click
 
+from moescope.errors import BadInput
+
 
 @click.group("alerts")
 def alerts() -> None:
@@ -19,6 +21,10 @@ def build(root: Path) -> int:
     """Write collectors/prometheus/moescope-rules.yml and tests/moescope-rules.test.yml."""
     from moescope.alerts import rules
 
-    for path in rules.write(root):
+    try:
+        paths = rules.write(root)
+    except OSError as e:
+        raise BadInput(f"cannot write the rules under {root}: {e.strerror or e}") from None
+    for path in paths:
         click.echo(f"wrote {path}")
     return 0
