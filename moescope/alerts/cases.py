@@ -57,13 +57,14 @@ def lab(layer: str = "1", model: str = "m", **more) -> str:
 
 # -- MoEExpertLoadImbalance ----------------------------------------------------------------------------------
 def _load(excess: float, baseline: float | None = None, layer: str = "1", model: str = "m",
-          jsd: float | None = None, noise: float | None = None) -> dict:
-    out = {f"moescope_expert_load_excess_cv_ratio{{{lab(layer, model)}}}": v(excess)}
+          jsd: float | None = None, noise: float | None = None, **more) -> dict:
+    labels = lab(layer, model, **more)
+    out = {f"moescope_expert_load_excess_cv_ratio{{{labels}}}": v(excess)}
     if baseline is not None:
-        out[f"moescope_baseline_load_cv_ratio{{{lab(layer, model)}}}"] = v(baseline)
+        out[f"moescope_baseline_load_cv_ratio{{{labels}}}"] = v(baseline)
     if jsd is not None:
-        out[f"moescope_routing_drift_jsd_bits{{{lab(layer, model)}}}"] = v(jsd)
-        out[f"moescope_routing_drift_noise_bits{{{lab(layer, model)}}}"] = v(noise)
+        out[f"moescope_routing_drift_jsd_bits{{{labels}}}"] = v(jsd)
+        out[f"moescope_routing_drift_noise_bits{{{labels}}}"] = v(noise)
     return out
 
 
@@ -86,6 +87,11 @@ def imbalance(t: Thresholds) -> Suite:
     wide_case = (t.imbalance_cv + t.imbalance_bar(wide)) / 2
     assert t.imbalance_cv < wide_case < t.imbalance_bar(wide)
     other = {**_load(wide_case), **_load(0.1, wide, layer="2")}
+    # two replicas of one model (two processes serving the same name, each rank 0), one with a baseline: each is
+    # judged against its own (matched on (model, rank, layer) alone, the rule would not even evaluate)
+    replicas = {**_load(over, b, instance="a:9400", job="moescope"),
+                **_load(0.9 * t.imbalance_cv, instance="b:9400", job="moescope")}
+    replica = {**LAYER, "instance": "a:9400", "job": "moescope"}
     return Suite(
         Case("fires", _load(no_base), ((LAYER, imbalance_description(no_base, None, t)),)),
         # the healthy structure of the bundled shapes' routers (excess ~0.3-0.4), no baseline
@@ -99,6 +105,8 @@ def imbalance(t: Thresholds) -> Suite:
             Case("with a baseline: its bar replaces the no-baseline bar", _load(wide_case, wide)),
             Case("another layer's baseline does not set this layer's bar", other,
                  ((LAYER, imbalance_description(wide_case, None, t)),)),
+            Case("two replicas of one model are judged apart", replicas,
+                 ((replica, imbalance_description(over, b, t, replica)),)),
             Case("NaN excess (too few draws) is not judged", _load(float("nan"))),
             Case("NaN excess with a baseline is not judged", _load(float("nan"), 0.0)),
             Case("a drifted layer is drift, not imbalance", _load(no_base, jsd=0.3, noise=0.01)),
@@ -241,10 +249,10 @@ def cache_description(hit: float, capacity: float, t: Thresholds = DEFAULT) -> s
 
 
 def cache(t: Thresholds) -> Suite:
-    def s(hit, capacity, lookups=100):
-        return {f"moescope_expert_cache_hits_total{{{L}}}": f"0+{hit * lookups:g}x20",
-                f"moescope_expert_cache_lookups_total{{{L}}}": f"0+{lookups:g}x20",
-                f"moescope_expert_cache_capacity_ratio{{{L}}}": v(capacity)}
+    def s(hit, capacity, lookups=100, labels=L):
+        return {f"moescope_expert_cache_hits_total{{{labels}}}": f"0+{hit * lookups:g}x20",
+                f"moescope_expert_cache_lookups_total{{{labels}}}": f"0+{lookups:g}x20",
+                f"moescope_expert_cache_capacity_ratio{{{labels}}}": v(capacity)}
 
     half, small = 0.5, 1 / 8  # half the experts resident; tiny-demo with a cache of one expert of 8
     low = 0.5 * t.cache_floor(small)
@@ -256,6 +264,10 @@ def cache(t: Thresholds) -> Suite:
             # the old fixed floor (60-85%) paged on every small cache; its own capacity's floor does not
             Case("a small cache is judged against its own capacity", s(0.8 * small, small)),
             Case("a small cache under its floor fires", s(low, small), ((LAYER, cache_description(low, small, t)),)),
+            # two replicas, each with its own cache: one thrashes, the other's hits do not hide it
+            Case("two replicas are judged each by its own cache", {
+                **s(0.1, half, labels=lab(instance="a:9400")), **s(0.9, half, labels=lab(instance="b:9400"))},
+                 (({**LAYER, "instance": "a:9400"}, cache_description(0.1, half, t)),)),
             Case("without a capacity series nothing is judged", {
                 f"moescope_expert_cache_hits_total{{{L}}}": "0+1x20",
                 f"moescope_expert_cache_lookups_total{{{L}}}": "0+100x20"}),

@@ -21,7 +21,12 @@ from moescope.thresholds import DEFAULT, Thresholds
 __all__ = ["Thresholds", "AlertSpec", "specs", "rules_document", "write", "RUNBOOK_BASE", "markdown_table"]
 
 RUNBOOK_BASE = "https://github.com/moescope/moescope/blob/main/playbooks"
-ON = "on (model, rank, layer)"
+# The labels that name one exporter's layer: a live series and the baseline, noise or capacity series it is judged
+# against come from the same exporter. instance and job keep replicas of one model (several processes serving
+# the same name, each rank 0) apart: matched on (model, rank, layer) alone their series collide and the whole
+# rule fails to evaluate ("found duplicate series for the match group").
+LAYER_LABELS = "instance, job, model, rank, layer"
+ON = f"on ({LAYER_LABELS})"
 
 
 @dataclass(frozen=True)
@@ -44,8 +49,9 @@ def num(v: float) -> str:
 def _query(expr: str, found: str, missing: str) -> str:
     """Description text: ``found`` with ``VALUE`` the value of ``expr`` (``{SEL}``: the firing alert's model, rank
     and layer), ``missing`` where it returns nothing."""
-    q = expr.replace("{SEL}", "{model=%q,rank=%q,layer=%q}")
-    return (f'{{{{ with printf "{q}" $labels.model $labels.rank $labels.layer | query }}}}'
+    q = expr.replace("{SEL}", "{instance=%q,job=%q,model=%q,rank=%q,layer=%q}")
+    args = "$labels.instance $labels.job $labels.model $labels.rank $labels.layer"
+    return (f'{{{{ with printf "{q}" {args} | query }}}}'
             f'{found.replace("VALUE", "(. | first | value)")}{{{{ else }}}}{missing}{{{{ end }}}}')
 
 
@@ -81,8 +87,8 @@ def activation_vs_expected(m: str = "") -> str:
 
 def hit_rate(m: str = "", window: str = "5m") -> str:
     s = f"{{{m}}}" if m else ""
-    return (f"(sum by (model, rank, layer) (rate(moescope_expert_cache_hits_total{s}[{window}])) / "
-            f"sum by (model, rank, layer) (rate(moescope_expert_cache_lookups_total{s}[{window}])))")
+    return (f"(sum by ({LAYER_LABELS}) (rate(moescope_expert_cache_hits_total{s}[{window}])) / "
+            f"sum by ({LAYER_LABELS}) (rate(moescope_expert_cache_lookups_total{s}[{window}])))")
 
 
 def cache_floor(t: Thresholds = DEFAULT, m: str = "") -> str:
