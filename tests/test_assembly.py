@@ -117,7 +117,7 @@ def test_demo_at_a_terminal_shows_the_live_view_then_the_summary():
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and "EXITED" not in text:
             text = screen()
-            seen_view = seen_view or ("load CV" in text and " ok" in text)
+            seen_view = seen_view or ("excess CV" in text and " ok" in text)
             time.sleep(0.3)
         assert seen_view, text
         assert "EXITED 0" in text and "served 24/24 requests" in text, text

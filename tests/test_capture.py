@@ -2,7 +2,6 @@
 
 import shutil
 import subprocess
-import time
 
 import pytest
 import torch
@@ -157,7 +156,7 @@ class Blocking(Observer):
         self.seen = 0
 
     def on_step(self, step):
-        self.release.wait(30)
+        self.release.wait(300)  # held until the test releases it (a bound only so a broken test cannot hang)
         self.seen += 1
 
 
@@ -168,13 +167,12 @@ def test_a_sink_that_raises_or_blocks_never_stops_the_engine(tiny_cfg):
     blocking = Blocking()
     queued = QueuedObserver(blocking, maxsize=3, name="blocking")
     with moescope.instrument(model, port=0, observers=[Raising(), queued]) as inst:
-        t0 = time.perf_counter()
         records = Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=6), 4), realtime=False)
-        elapsed = time.perf_counter() - t0
+        held = blocking.seen  # the sink is still inside its first on_step: none has returned yet
         parsed = parse(inst.exporter.exposition().decode())
         blocking.release.set()
     assert [r.output_tokens for r in records] == reference  # results unaffected
-    assert elapsed < 20  # the blocking sink (30 s wait) did not hold the engine
+    assert held == 0  # the engine served every request while the sink was still blocked: it never waited on it
     n_steps = by_label(parsed, "moescope_steps_total", "phase")
     assert by_label(parsed, "moescope_observer_errors_total", "observer")["Raising"] > 0
     assert by_label(parsed, "moescope_capture_dropped_total", "queue")["blocking"] == queued.dropped > 0
