@@ -412,6 +412,15 @@ def _what_was_judged(w: Window, j: Judgement) -> Finding:
         i = max(quiet, key=lambda x: j.cv[x])
         ev["cannot_tell"] = (f"{len(quiet)} layer(s) within sampling noise, e.g. L{w.layers[i]}: {len(w.ids)} "
                              f"requests: noise CV {j.noise_cv[i]:.2f} >= observed {j.cv[i]:.2f}")
+    with np.errstate(invalid="ignore", divide="ignore"):
+        share = j.counts / np.maximum(j.counts.sum(1, keepdims=True), 1.0)
+        raw = np.where(judged[:, None] & ~j.hot, share / j.ref_share, 0.0)
+    if raw.size and np.nanmax(raw) > j.t.hot_factor:  # as hot as the bar, but not beyond this window's noise
+        i, e = np.unravel_index(np.nanargmax(raw), raw.shape)
+        z = (share[i, e] - j.ref_share[i, e]) / j.hot_sd[i, e]
+        ev["hot_cannot_tell"] = (f"L{w.layers[i]} E{e} at {raw[i, e]:.1f}x its {j.reference} share, z {z:.1f} < "
+                                 f"{j.t.hot_z(len(w.layers), w.n_experts):.2f} over {int(j.draws[i])} requests: "
+                                 "not beyond sampling noise yet")
     title = "Judged: " + ev["imbalance"] + (f"; {ev['not_judged']}" if "not_judged" in ev else "")
     return Finding("judged", "info", title, 0.0, ev)
 
