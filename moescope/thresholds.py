@@ -60,6 +60,9 @@ class Thresholds:
     # A hot expert: its window share at least 4x its reference share (the baseline's, else 1/E), and
     # significantly above the reference. 4x: one expert doing the work of four; on an expert-parallel rank
     # holding 8 experts it alone adds 3/8 to the rank's load, which every all-to-all then waits for.
+    # An expert takes at most one slot per token, so its share is at most 1/k: against the fair share a factor
+    # over E/k cannot happen, and where E/k <= 4 (8 experts, top-2) the collapse bar (3 of 4 tokens on one
+    # expert, a factor of 0.75 E/k) is the hot-expert alert's role; against a baseline share it can fire anywhere.
     hot_factor: float = 4.0
     # Ranks of an expert-parallel placement: the busiest rank's load over the mean (TensorRT-LLM's
     # straggler factor; EPLB's objective). 1.5: the other ranks idle a third of every dispatch.
