@@ -169,8 +169,9 @@ def test_readme_tour_runs_as_written(tmp_path):
 
     env = {**os.environ, "MOESCOPE_TRACES": str(tmp_path / "traces.sqlite")}
     tour = _tour()
-    assert [a[0] for a in tour] == ["demo", "requests", "trace", "demo", "top", "diagnose", "report"], tour
-    healthy, listed, trace, fault, _top, diagnose, report = tour
+    assert [a[0] for a in tour] == ["demo", "requests", "trace", "baseline", "demo", "top", "diagnose", "report"], \
+        tour
+    healthy, listed, trace, save, fault, _top, diagnose, report = tour
 
     run = _run([*healthy, "--metrics-port", "-1", "--requests", "16"], tmp_path, env)
     assert run.returncode == 0 and "served 16/16 requests" in run.stdout, run.stderr[-2000:]
@@ -182,6 +183,8 @@ def test_readme_tour_runs_as_written(tmp_path):
     run = _run([trace[0], ids[0], *trace[2:], "--plain"], tmp_path, env)
     assert run.returncode == 0 and f"request {ids[0]}" in run.stdout, run.stderr[-2000:]
 
+    run = _run(save, tmp_path, env)
+    assert run.returncode == 0 and (tmp_path / save[save.index("--out") + 1]).is_file(), run.stderr[-2000:]
     run = _run([*fault, "--metrics-port", "-1", "--duration", "8"], tmp_path, env)
     assert run.returncode == 0, run.stderr[-2000:]
     run = _run([*diagnose, "--since", "30s"], tmp_path, env)
