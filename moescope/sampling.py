@@ -74,6 +74,16 @@ class Draws:
         for name in ("draws", "slots", "slots_sq", "counts", "counts_sq", "cross"):
             getattr(self, name).__iadd__(sign * getattr(other, name))
 
+    def padded(self, n_layers: int) -> "Draws":
+        """These sums with zero rows appended up to ``n_layers`` layers (a layer found after they began)."""
+        extra = n_layers - len(self.draws)
+        if extra <= 0:
+            return self
+        e = self.counts.shape[1]
+        z = Draws.zeros(extra, e)
+        return Draws(*(np.concatenate([getattr(self, f), getattr(z, f)]) for f in
+                       ("draws", "slots", "slots_sq", "counts", "counts_sq", "cross")))
+
     def rows(self, idx) -> "Draws":
         return Draws(self.draws[idx], self.slots[idx], self.slots_sq[idx], self.counts[idx], self.counts_sq[idx],
                      self.cross[idx])

@@ -101,3 +101,34 @@ def test_demo_json_carries_the_summary_of_its_own_counts(capsys):
         got = s["expert_load_summary"][layer]
         assert got == _naive(c, dead=_naive_dead(c, 2), hot=got["hot"])
         assert got["hot"] == []  # two requests: nothing is significant
+
+
+def test_the_demo_summary_judges_the_run_per_request_as_diagnose_does_from_its_store(tmp_path):
+    """The demo's summary judges the whole run from the metrics state's per-request draws; the same run's
+    requests read back from its trace store, judged by diagnose's function, give the same excess CV per layer."""
+    import json
+    import sqlite3
+    import subprocess
+    import sys
+
+    from moescope.analysis import baseline as bl
+    from moescope.analysis.diagnose import judge_requests
+    from moescope.traces.store import iter_routed
+
+    store = tmp_path / "t.sqlite"
+    run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--requests", "16", "--rate", "0", "--json",
+                          "--metrics-port", "-1", "--traces", str(store)], capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout)
+    assert out["judged"]["draws"] == "per request" and out["judged"]["requests"] == 16
+    conn = sqlite3.connect(store)
+    routed = list(iter_routed(conn))
+    assert len(routed) == 16
+    layers = [int(k) for k in out["expert_load"]]
+    per = np.stack([bl.request_counts(r) for r in routed])  # [R, L, E] in the store's layer order
+    assert list(routed[0].layers) == layers
+    np.testing.assert_array_equal(per.sum(0), np.array([out["expert_load"][str(k)] for k in layers]))
+    j = judge_requests(per, layers, top_k=2)
+    for i, layer in enumerate(layers):
+        assert out["judged"]["layers"][str(layer)]["excess_cv"] == round(float(j.excess_cv[i]), 4)

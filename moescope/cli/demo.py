@@ -185,7 +185,8 @@ def _summarise(inst, records, wall: float, model, n_asked: int) -> dict:
     load = {layer: counts.tolist() for layer, counts in sorted(inst.metrics.expert_tokens.items())}
     dropped = {layer: int(n) for layer, n in
                sorted(inst.metrics.layer_counters["moescope_tokens_dropped_total"].items())}
-    summary = _summary(records, load, dropped, wall, model, model.device, n_asked)
+    summary = _summary(records, load, dropped, wall, model, model.device, n_asked,
+                       draws=inst.metrics.run_draws_of(list(load)), baseline=inst.metrics.baseline)
     if inst.cache is not None:
         summary["expert_cache"] = _cache_summary(inst.cache)
     if inst.metrics.flips:
