@@ -272,7 +272,12 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=3, help="demos at once")
     ap.add_argument("--out", default=None, help="results file")
     ap.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
+    ap.add_argument("--markdown", metavar="RESULTS", default=None,
+                    help="print the docs' tables from a results file and exit (no run)")
     args = ap.parse_args()
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())), end="")
+        return
     import tempfile
 
     work = Path(args.work or tempfile.mkdtemp(prefix="moescope-detection-"))
@@ -315,12 +320,65 @@ def main() -> None:
         "healthy_s": healthy_s, "parallel_demos": parallel, "chain_stops_at_first_miss": chain,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "note": "shared 2-core VM: other test runs share the cores"},
+        "commit": _git("rev-parse", "--short", "HEAD"),
+        "uncommitted_changes_in": [x for x in _git("status", "--porcelain", "-uno").split("\n") if x],
         "wall_s": None, "shapes": results,
     }
     report["wall_s"] = round(time.time() - t0, 1)
     name = "detection-quick.json" if args.quick else "detection.json"
     save(report, Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name)
     print(json.dumps(summary(report), indent=1))
+
+
+REALISED = {"hot": ("hot_factor_measured", "{:g}x"), "imbalance": ("worst_layer_load_cv", "CV {:g}"),
+            "collapse": ("max_expert_slot_share", "top {:.0%}"), "drop": ("dropped_slot_share", "{:.1%} dropped")}
+
+
+def _run_cell(fault: str, r: dict) -> str:
+    key, fmt = REALISED[fault]
+    size = fmt.format(r[key]) if r.get(key) is not None else "no stored request"
+    if "error" in r:
+        return f"{r['scenario']}: error"
+    verdict = f"{r['seconds_to_detect']:g} s" if r.get("detected") else \
+        ("paged as " + ", ".join(sorted({d.split('{')[0] for d in r['others_delivered']})) if r.get("paged")
+         else "missed")
+    return f"`{r['scenario'].split('=', 1)[1]}` ({size}): {verdict}"
+
+
+def _git(*args: str) -> str:
+    run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
+    return run.stdout.strip() if run.returncode == 0 else ""
+
+
+def markdown(report: dict) -> str:
+    """The docs' tables, every figure from the results file."""
+    lines = [f"Healthy traffic, {report['healthy_s']:g} s per run: alerts delivered other than the Watchdog.", "",
+             "| model | no baseline | with a baseline saved from healthy traffic |", "|---|---|---|"]
+    for r in report["shapes"].values():
+        cells = []
+        for part in ("no_baseline", "with_baseline"):
+            h = r["healthy"].get(part)
+            if h is None:
+                cells.append("not run")
+            elif "error" in h:
+                cells.append("error: " + h["error"][:80])
+            else:
+                cells.append(f"{len(h['delivered'])}" + (f" ({', '.join(h['delivered'])})" if h["delivered"] else "")
+                             + f"; {h.get('requests_stored', 0)} requests")
+        lines.append(f"| {r['model']} | {cells[0]} | {cells[1]} |")
+    lines += ["", "Faults, largest magnitude first (each run: the magnitude (its realised size in the run's trace "
+              "store): seconds to detect, or what paged instead, or missed):", "",
+              "| model | fault (magnitude) | runs | smallest detected | median seconds to detect |",
+              "|---|---|---|---|---|"]
+    for s, r in report["shapes"].items():
+        for f, v in r["faults"].items():
+            runs = "; ".join(_run_cell(f, x) for x in v["runs"])
+            if v["not_run"]:
+                runs += "; " + "; ".join(f"{x['magnitude']:g}: {x['why']}" for x in v["not_run"])
+            smallest = "none" if v["smallest_detected"] is None else f"{v['smallest_detected']:g}"
+            ttd = "-" if v["seconds_to_detect_median"] is None else f"{v['seconds_to_detect_median']:g}"
+            lines.append(f"| {s} | {f} ({v['magnitude_means']}) | {runs} | {smallest} | {ttd} |")
+    return "\n".join(lines) + "\n"
 
 
 def summary(report: dict) -> dict:
