@@ -42,12 +42,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # the matrix's alerting path: tests/pipeline.py, tests/servers.py
 from _results import save  # noqa: E402
 
-# Settings per shape. The shapes serve ~35 tokens/s on 2 shared cores: thin traffic (a request every 4 s), 2 s
+# Settings per shape. The shapes serve ~35 tokens/s on 2 shared cores: thin traffic (a request every 2 s), 2 s
 # scrapes (a 58 x 256 exposition is ~1.6 MB), minutes to start several at once.
 SHAPES = {
     "tiny-demo": {"rate": 8.0, "scrape": "1s", "start_s": 120, "watch_s": 60},
-    "qwen3-moe-shape": {"rate": 0.25, "scrape": "2s", "start_s": 300, "watch_s": 100},
-    "deepseek-v3-shape": {"rate": 0.25, "scrape": "2s", "start_s": 300, "watch_s": 100},
+    "qwen3-moe-shape": {"rate": 0.5, "scrape": "2s", "start_s": 300, "watch_s": 100},
+    "deepseek-v3-shape": {"rate": 0.5, "scrape": "2s", "start_s": 300, "watch_s": 100},
 }
 # Magnitudes, largest first. hot: factors over the fair share (those a model can reach: below E/k).
 SWEEP = {
