@@ -331,23 +331,32 @@ def main() -> None:
 
 
 REALISED = {"hot": ("hot_factor_measured", "{:g}x"), "imbalance": ("worst_layer_load_cv", "CV {:g}"),
-            "collapse": ("max_expert_slot_share", "top {:.0%}"), "drop": ("dropped_slot_share", "{:.1%} dropped")}
+            "collapse": ("max_expert_slot_share", "top expert in {:.0%} of tokens"),
+            "drop": ("dropped_slot_share", "{:.1%} dropped")}
 
 
-def _run_cell(fault: str, r: dict) -> str:
+def _run_cell(fault: str, r: dict, top_k: int) -> str:
     key, fmt = REALISED[fault]
-    size = fmt.format(r[key]) if r.get(key) is not None else "no stored request"
+    value = r.get(key)
+    if value is not None and fault == "collapse":  # a share of the slots; each token has k of them
+        value = value * top_k
+    size = fmt.format(value) if value is not None else "no request finished"
     if "error" in r:
         return f"{r['scenario']}: error"
     verdict = f"{r['seconds_to_detect']:g} s" if r.get("detected") else \
-        ("paged as " + ", ".join(sorted({d.split('{')[0] for d in r['others_delivered']})) if r.get("paged")
-         else "missed")
+        ("paged as " + _by_name(r["others_delivered"]) if r.get("paged") else "missed")
     return f"`{r['scenario'].split('=', 1)[1]}` ({size}): {verdict}"
 
 
 def _git(*args: str) -> str:
     run = subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT)
     return run.stdout.strip() if run.returncode == 0 else ""
+
+
+def _by_name(delivered: list[str]) -> str:
+    """'MoEExpertHot x51, MoEDeadExperts x7': alert instances per alert name."""
+    names = [d.split("{")[0] for d in delivered]
+    return ", ".join(f"{n} x{names.count(n)}" for n in sorted(set(names), key=lambda n: -names.count(n)))
 
 
 def markdown(report: dict) -> str:
@@ -363,16 +372,18 @@ def markdown(report: dict) -> str:
             elif "error" in h:
                 cells.append("error: " + h["error"][:80])
             else:
-                cells.append(f"{len(h['delivered'])}" + (f" ({', '.join(h['delivered'])})" if h["delivered"] else "")
+                cells.append(f"{len(h['delivered'])}" + (f" ({_by_name(h['delivered'])})" if h["delivered"] else "")
                              + f"; {h.get('requests_stored', 0)} requests")
         lines.append(f"| {r['model']} | {cells[0]} | {cells[1]} |")
     lines += ["", "Faults, largest magnitude first (each run: the magnitude (its realised size in the run's trace "
               "store): seconds to detect, or what paged instead, or missed):", "",
-              "| model | fault (magnitude) | runs | smallest detected | median seconds to detect |",
+              "| model | fault (magnitude) | runs | smallest detected | median seconds to detect (detected runs) |",
               "|---|---|---|---|---|"]
+    from moescope.runtime.config import preset
+
     for s, r in report["shapes"].items():
         for f, v in r["faults"].items():
-            runs = "; ".join(_run_cell(f, x) for x in v["runs"])
+            runs = "; ".join(_run_cell(f, x, preset(s).top_k) for x in v["runs"])
             if v["not_run"]:
                 runs += "; " + "; ".join(f"{x['magnitude']:g}: {x['why']}" for x in v["not_run"])
             smallest = "none" if v["smallest_detected"] is None else f"{v['smallest_detected']:g}"
