@@ -62,14 +62,16 @@ SHAPE_PARALLEL = int(os.environ.get("MOESCOPE_MATRIX_SHAPE_PARALLEL", "3"))
 # window by its sampling noise: that is what these rows test.
 SHAPE = "deepseek-v3-shape"
 AT_SHAPE = ("healthy", "collapse", "imbalance", "nan", "drop", "hot")
-# The hot row: expert 17 of the middle MoE layer (block 32 of 61; layers 0-2 are dense) at 5x its fair share
-# on calibration traffic (runtime/faults.py finds the logit bias); MoEExpertHot's bar is 4x.
-HOT_LAYER, HOT_EXPERT, HOT_FACTOR = 32, 17, 5
+# The hot row: expert 17 of the middle MoE layer (block 32 of 61; layers 0-2 are dense) at 8x its fair share
+# on calibration traffic (runtime/faults.py finds the logit bias), ~5.5x in the served traffic (5x gave ~4.4x:
+# at the bar, 4x, it paged in one run of two; benchmarks/results/detection.json).
+HOT_LAYER, HOT_EXPERT, HOT_FACTOR = 32, 17, 8
 SPEC = {"hot": f"hot={HOT_LAYER}:{HOT_EXPERT}:{HOT_FACTOR}x"}
-# imbalance at shape: the graded bias over 256 experts puts its first experts at 4-9x their fair share, so the hot
-# alert (for 5m) pages on those layers before the excess CV's (for 10m, no-baseline bar 1) and, by design
-# (alertmanager.yml), mutes the imbalance alert of its layer; diagnose names imbalance from the store.
-SHAPE_EXPECTED = {**EXPECTED, "hot": "MoEExpertHot", "imbalance": "MoEExpertHot"}
+SHAPE_EXPECTED = {**EXPECTED, "hot": "MoEExpertHot"}
+# imbalance at shape: the graded bias over 256 experts puts its first experts at 4-9x their fair share: the hot
+# alert pages on the layers where it does (and, by design, alertmanager.yml, mutes the imbalance alert there),
+# the imbalance alert on the others; two runs delivered one each. Either, or both, and nothing else.
+ALSO = {"imbalance": {"MoEExpertHot"}}
 # From the first exported hot factor over the bar to the delivery, beyond the alert's scaled `for` (10 s): a 2 s
 # scrape, a 1 s evaluation, Alertmanager's 1 s group wait and a resend within 2 s, on loaded cores. (Before that
 # the window gathers its evidence: finished requests, a request every 2 s here; ~30 s in the runs so far.)
@@ -96,6 +98,8 @@ SHAPE_SCRAPE = "2s"
 SHAPE_THRESHOLDS = rules.Thresholds(memory_window_s=3 * 1800, for_scale=1 / 30)
 # Imbalance at this shape is judged from 16 slots per expert in the window (~35 s of this traffic): longer watches.
 SHAPE_WATCH_S, SHAPE_HEALTHY_WATCH_S = 100, 60
+# A hot expert's evidence takes the window 60-85 s of finished requests at this traffic (detection.json).
+SHAPE_WATCH = {"hot": 150}
 
 
 def _state(prom):  # what Prometheus itself saw, for the failure message
@@ -156,7 +160,7 @@ def _one_at_shape(base, scenario, model):
                 **({"diagnose_stderr": run.stderr[-500:]} if run.returncode == 2 else {})}
 
     got = pipeline.run(base / scenario, SPEC.get(scenario, scenario),
-                       SHAPE_WATCH_S if expected else SHAPE_HEALTHY_WATCH_S,
+                       SHAPE_WATCH.get(scenario, SHAPE_WATCH_S) if expected else SHAPE_HEALTHY_WATCH_S,
                        stop_when=_stops_on(expected), settle_s=SETTLE_S, during=during, model=model,
                        rate=SHAPE_RATES.get(scenario, SHAPE_RATE), traces=str(store), scrape_interval=SHAPE_SCRAPE,
                        start_timeout_s=240, thresholds=SHAPE_THRESHOLDS)
@@ -167,7 +171,7 @@ def _table(results, diagnosed=False):
     table = {}
     for s, d in results.items():
         during = d.during if diagnosed else {"prometheus": d.during}
-        expected = SHAPE_EXPECTED[s]
+        expected = (SHAPE_EXPECTED if diagnosed else EXPECTED)[s]
         table[s] = {"expected": expected, "delivered": sorted(pipeline.firing(d) - {"Watchdog"}),
                     "seconds_to_detect": d.first.get(expected) if expected else None,
                     "watchdog": "Watchdog" in pipeline.firing(d), "prometheus_saw": during["prometheus"],
@@ -251,8 +255,9 @@ def test_scenario_delivers_its_alert_and_no_other(matrix, scenario):
 def test_at_deepseek_v3_shape_scenario_delivers_its_alert_and_no_other(matrix_at_shape, scenario):
     row = matrix_at_shape[scenario]
     assert row["watchdog"], "the Watchdog never arrived: the pipeline itself is broken"
-    want = [row["expected"]] if row["expected"] else []
-    assert row["delivered"] == want, row
+    want = {row["expected"]} if row["expected"] else set()
+    got = set(row["delivered"])
+    assert got == want or (got and got <= want | ALSO.get(scenario, set())), row
     if scenario in CAUSE:  # diagnose names the cause from the trace store
         assert row["diagnose_exit"] == 1 and CAUSE[scenario] in row["diagnose_named"], row
     if scenario == "healthy":  # nothing but the Watchdog, and diagnose names nothing
