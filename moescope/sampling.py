@@ -177,28 +177,74 @@ def reference_shares(n_experts: int, baseline: np.ndarray | None, n_layers: int)
     return np.where(s > 0, b / np.where(s > 0, s, 1.0), 1.0 / n_experts)
 
 
-def hot_factor(window: np.ndarray, draws: Draws, ref: np.ndarray, z: float) -> np.ndarray:
-    """[L, E] window share / reference share where the share is significantly above the reference (``z``
-    deviations of the cluster-robust noise), NaN elsewhere and where the layer is not judged."""
-    window = np.asarray(window, dtype=np.float64)
-    n = window.sum(1)
-    share = window / np.where(n > 0, n, 1.0)[:, None]
-    sd = np.sqrt(scaled_var(draws, n))
+def var_upper(draws, z: float):
+    """The factor a variance estimated from ``draws`` draws (``draws - 1`` degrees of freedom) may understate
+    the true one by, at ``z``: ``df / chi2_lower(df)`` (Wilson-Hilferty); inf where the lower quantile is 0 (too
+    few draws to bound it). A per-expert variance from five requests can be near zero by chance (the few
+    requests that used the expert happened to agree): judging against it paged on healthy traffic."""
+    df = np.maximum(np.asarray(draws, dtype=np.float64) - 1, 0)
+    a = 2 / (9 * np.where(df > 0, df, 1.0))
+    lower = np.maximum(1 - a - z * np.sqrt(a), 0.0) ** 3
+    with np.errstate(divide="ignore"):
+        return np.where((df > 0) & (lower > 0), 1 / np.where(lower > 0, lower, 1.0), np.inf)
+
+
+def hot_reference(n_experts: int, baseline_share: np.ndarray | None, n_layers: int) -> np.ndarray:
+    """[L, E] the share a hot expert is measured against: its baseline share, never below the fair share 1/E
+    (an expert the baseline left nearly idle is not hot at its fair share), or 1/E without a baseline."""
+    fair = np.full((n_layers, n_experts), 1.0 / n_experts)
+    return fair if baseline_share is None else np.maximum(np.asarray(baseline_share, dtype=np.float64), fair)
+
+
+def draw_shares(draws: Draws) -> np.ndarray:
+    """[L, E] each expert's share over the finished draws (the sample their variance describes)."""
+    n = draws.slots[:, None]
+    return draws.counts / np.where(n > 0, n, 1.0)
+
+
+def hot_sd(draws: Draws, z: float) -> np.ndarray:
+    """[L, E] the standard deviation a hot-expert test allows each share: the cluster-robust variance, never
+    below the layer's design effect times the multinomial one (pooled over the layer's experts), times its
+    small-sample upper bound (``var_upper`` at ``z``); NaN where not judged, inf where too few draws."""
+    p = draw_shares(draws)
+    n = np.where(draws.slots > 0, draws.slots, 1.0)[:, None]
+    deff = draws.design_effect()[:, None]
+    pooled = np.where(np.isfinite(deff), deff, np.nan) * p * (1 - p) / n
+    var = np.fmax(draws.share_var(), pooled)
+    with np.errstate(invalid="ignore"):
+        return np.sqrt(var * var_upper(draws.draws, z)[:, None])
+
+
+def hot_factor(window: np.ndarray, draws: Draws, ref: np.ndarray, z: float, z_var: float = 3.0) -> np.ndarray:
+    """[L, E] share / reference share (``hot_reference``) of the experts whose share over the window's finished
+    draws is significantly above the reference: by ``z`` (the family's) standard deviations of ``hot_sd`` (at
+    ``z_var``); NaN elsewhere and where the layer is not judged. ``window`` is unused (kept for callers that
+    judge a window of slots: the share comes from the draws, so that share and variance describe one sample)."""
+    share = draw_shares(draws)
+    sd = hot_sd(draws, z_var)
     with np.errstate(invalid="ignore", divide="ignore"):
         factor = share / ref
         significant = (share - ref) > z * sd
     return np.where(significant & (ref > 0), factor, np.nan)
 
 
-def dead_unexpected(window: np.ndarray, draws: Draws, ref: np.ndarray, min_expected: float) -> np.ndarray:
-    """[L] experts with no slot whose reference share predicts at least ``min_expected`` effective slots
-    (expected slots / design effect; Poisson P(0) = exp(-min_expected)); NaN where not judged."""
+def dead_mask(window: np.ndarray, draws: Draws, ref: np.ndarray, min_expected: float, z_var: float = 3.0):
+    """[L, E] experts with no slot in the window whose reference share predicts at least ``min_expected``
+    effective slots: expected slots / (design effect x its small-sample upper bound ``var_upper``); Poisson
+    P(0) = exp(-min_expected). False where the layer is not judged."""
     window = np.asarray(window, dtype=np.float64)
     n = window.sum(1)
-    deff = draws.design_effect()
-    expected = ref * n[:, None] / np.where(np.isfinite(deff), deff, 1.0)[:, None]
-    count = ((window == 0) & (expected >= min_expected)).sum(1).astype(np.float64)
-    return np.where(np.isfinite(deff), count, np.nan)
+    deff = draws.design_effect() * var_upper(draws.draws, z_var)
+    ok = np.isfinite(deff)
+    expected = ref * n[:, None] / np.where(ok, deff, 1.0)[:, None]
+    return (window == 0) & (expected >= min_expected) & ok[:, None]
+
+
+def dead_unexpected(window: np.ndarray, draws: Draws, ref: np.ndarray, min_expected: float,
+                    z_var: float = 3.0) -> np.ndarray:
+    """[L] how many experts ``dead_mask`` holds; NaN where not judged."""
+    ok = np.isfinite(draws.design_effect() * var_upper(draws.draws, z_var))
+    return np.where(ok, dead_mask(window, draws, ref, min_expected, z_var).sum(1).astype(np.float64), np.nan)
 
 
 def drift_noise_bits(window: np.ndarray, draws: Draws, ref: np.ndarray, z: float) -> np.ndarray:

@@ -77,7 +77,7 @@ def _cases():
     dead = np.full(E, 1.0)
     dead[[30, 31]] = 0.0
     cases.append(("dead experts where traffic predicts them",
-                  _requests(rng, 220, 50, {3: dead / dead.sum()}, False), None))
+                  _requests(rng, 400, 50, {3: dead / dead.sum()}, False), None))
     cases.append(("dead experts in a thin window are chance",
                   _requests(rng, 20, 50, {3: dead / dead.sum()}, False), None))
     base = _requests(rng, 60, 48, {})

@@ -23,10 +23,13 @@ DRAWS = 24  # draws (forwards) each feed is split into
 
 def tokens_to_judge() -> int:
     """Tokens per layer after which the thresholds object judges a zero-slot expert dead without a baseline
-    (its reference, ``dead_reference``, predicts ``dead_min_expected_slots``; with a margin)."""
+    (its reference, ``dead_reference``, predicts ``dead_min_expected_slots`` after the small-sample bound of
+    ``DRAWS`` draws' design effect, ``sampling.var_upper``; with a margin)."""
+    from moescope import sampling
     from moescope.thresholds import DEFAULT
 
-    return int(1.25 * DEFAULT.dead_min_expected_slots / DEFAULT.dead_reference(E) / K) + 1
+    bound = float(sampling.var_upper(DRAWS, DEFAULT.noise_z))
+    return int(1.25 * bound * DEFAULT.dead_min_expected_slots / DEFAULT.dead_reference(E) / K) + 1
 
 
 def probabilities(layer: int) -> np.ndarray:

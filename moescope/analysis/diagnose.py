@@ -254,15 +254,14 @@ def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: i
     share, base_cv, base_load = _baseline_rows(_baseline_profile(baseline), layers, n_exp)
     has_base = base_load is not None and np.isfinite(base_load).all(1).any()
     ref = sampling.reference_shares(n_exp, share if has_base else None, n_layers)
+    hot_ref = sampling.hot_reference(n_exp, ref if has_base else None, n_layers)
     hot_z = t.hot_z(n_layers, n_exp)
-    factor = sampling.hot_factor(counts, draws, ref, hot_z)
+    factor = sampling.hot_factor(counts, draws, hot_ref, hot_z, t.noise_z)
     with np.errstate(invalid="ignore"):
-        sd = np.sqrt(sampling.scaled_var(draws, slots))
+        sd = sampling.hot_sd(draws, t.noise_z)
     dead_ref = ref if has_base else np.full((n_layers, n_exp), t.dead_reference(n_exp))
-    dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots)
-    deff = draws.design_effect()
-    expected = dead_ref * slots[:, None] / np.where(np.isfinite(deff), deff, 1.0)[:, None]
-    dead_mask = (counts == 0) & (expected >= t.dead_min_expected_slots) & np.isfinite(deff)[:, None]
+    dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
+    dead_mask = sampling.dead_mask(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
     jsd = noise_bits = None
     if has_base:
         from moescope.metrics.window import jensen_shannon_rows
@@ -277,7 +276,7 @@ def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: i
                      noise, excess, base_cv if has_base else None,
                      np.array([t.imbalance_bar(None if b is None or not math.isfinite(b) else b)
                                for b in (base_cv.tolist() if has_base else [None] * n_layers)]),
-                     factor, sd, ref, dead, dead_mask, jsd, noise_bits, top, t)
+                     factor, sd, hot_ref, dead, dead_mask, jsd, noise_bits, top, t)
 
 
 def judge_requests(per_request: np.ndarray, layers: list[int], top_k: int, baseline=None,

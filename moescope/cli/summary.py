@@ -56,7 +56,7 @@ def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None) 
         ok = bool(j.judged[i])
         hot = [{"expert": int(e), "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
                for e in np.nonzero(j.hot[i])[0]] if ok and not j.collapsed[i] else []
-        dead = int(j.dead[i]) if ok else None
+        dead = int(j.dead[i]) if ok and np.isfinite(j.dead[i]) else None  # NaN: too few draws to bound it
         per[str(layer)] = layer_summary(load[layer], dead=dead, hot=sorted(hot, key=lambda h: -h["factor"]))
         judged[str(layer)] = {"excess_cv": round(float(j.excess_cv[i]), 4) if ok else None,
                               "bar": round(float(j.bar[i]), 4), "imbalanced": bool(j.imbalanced[i]),
@@ -142,7 +142,7 @@ def load_lines(s: dict) -> list[str]:
     worst = max(cvs, key=cvs.get)
     not_judged = [layer for layer, v in per.items() if v["dead"] is None]
     dead = {layer: v["dead"] for layer, v in per.items() if v["dead"]}
-    dead_text = (f"dead not judged: too few requests ({judged.get('requests', '?')})" if len(not_judged) == len(per)
+    dead_text = (f"dead: not judged ({judged.get('requests', '?')} req)" if len(not_judged) == len(per)
                  else f"{sum(dead.values())} dead in {len(dead)} layers")
     lines = [f"expert load: {len(per)} MoE layers x {n_exp} experts (fair share {1 / n_exp:.2%}); CV median "
              f"{float(np.median(list(cvs.values()))):.3f}, max {cvs[worst]:.3f} (L{worst}); {dead_text}"]

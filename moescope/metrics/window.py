@@ -224,9 +224,10 @@ class RoutingWindow:
                 cv_j = lp.structural_cv
                 base_cv[j] = cv_j if cv_j is not None and math.isfinite(cv_j) else np.nan
         with np.errstate(invalid="ignore", divide="ignore"):
-            hot = sampling.hot_factor(slots, draws, base_share, t.hot_z(len(self.layers), e))
+            hot_ref = np.maximum(base_share, 1.0 / max(1, e))
+            hot = sampling.hot_factor(slots, draws, hot_ref, t.hot_z(len(self.layers), e), t.noise_z)
             dead_ref = np.where(has[:, None], base_share, t.dead_reference(e) if e else 0.0)
-            dead_unexpected = sampling.dead_unexpected(slots, draws, dead_ref, t.dead_min_expected_slots)
+            dead_unexpected = sampling.dead_unexpected(slots, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
             drift_noise = np.where(has, sampling.drift_noise_bits(slots, draws, base_share, t.noise_z), np.nan)
         drift = np.full(len(keep), np.nan)
         if has.any():
