@@ -33,7 +33,7 @@ pytestmark = pytest.mark.integration
 EXPECTED = {
     "healthy": None,
     "collapse": "MoEExpertCollapse",
-    "imbalance": "MoEExpertLoadImbalance",
+    "imbalance": "MoEExpertLoadImbalance",  # at shape; tiny-demo: TINY below
     "jitter": "MoERoutingFlips",
     "nan": "MoERouterNonFiniteLogits",
     "thrash": "MoEExpertCacheHitRateLow",
@@ -43,6 +43,15 @@ EXPECTED = {
     "drift": "MoERoutingDrift",
     "leak": "MoEMemoryGrowth",
 }
+# tiny-demo (8 experts, top-2) is judged as the product is meant to run: against a baseline of the model's own
+# healthy routing (a calibration profile, as the drift row). Its graded-bias imbalance (excess CV ~0.57) is under
+# the no-baseline bar (1: at E/k = 4 that much imbalance is a collapse, top share > 0.75); against the baseline
+# the load both moved away from the healthy routing and grew uneven: the rules page imbalance on the layers
+# over the baseline's bar that did not drift, drift on those that did (imbalance unless drifted: the loads alone
+# cannot tell a router change from a traffic change). One run delivered both. Either, or both, nothing else.
+TINY = EXPECTED
+BASELINED = ("imbalance",)
+ALSO_TINY = {"imbalance": {"MoERoutingDrift"}}
 # Drift: the mix has already shifted when monitoring starts (in a gradual shift the load CV crosses its bar
 # before the divergence does, so MoEExpertLoadImbalance may page first, until the drift alert takes over).
 DEMO_ARGS = {"drift": ["--drift-after", "0"]}
@@ -61,7 +70,7 @@ SHAPE_PARALLEL = int(os.environ.get("MOESCOPE_MATRIX_SHAPE_PARALLEL", "3"))
 # finish no request within the watch (nothing for diagnose) and starve its own exporter. The rules judge a thin
 # window by its sampling noise: that is what these rows test.
 SHAPE = "deepseek-v3-shape"
-AT_SHAPE = ("healthy", "collapse", "imbalance", "nan", "drop", "hot")
+AT_SHAPE = ("hot", "healthy", "collapse", "imbalance", "nan", "drop")  # hot first: its watch is the longest
 # The hot row: expert 17 of the middle MoE layer (block 32 of 61; layers 0-2 are dense) at 8x its fair share
 # on calibration traffic (runtime/faults.py finds the logit bias), ~5.5x in the served traffic (5x gave ~4.4x:
 # at the bar, 4x, it paged in one run of two; benchmarks/results/detection.json).
@@ -99,7 +108,11 @@ SHAPE_THRESHOLDS = rules.Thresholds(memory_window_s=3 * 1800, for_scale=1 / 30)
 # Imbalance at this shape is judged from 16 slots per expert in the window (~35 s of this traffic): longer watches.
 SHAPE_WATCH_S, SHAPE_HEALTHY_WATCH_S = 100, 60
 # A hot expert's evidence takes the window 60-85 s of finished requests at this traffic (detection.json).
-SHAPE_WATCH = {"hot": 150}
+# The hot row's exporter window is 240 s, not 60: a hot expert is judged per expert against its small-sample
+# bound (sampling.var_upper: inf under 5 finished requests, 3.4x the variance at 20), and on these loaded cores a
+# 60 s window holds a handful of requests: too few to establish one expert among 58 x 256 at the family's 0.1%.
+SHAPE_DEMO_ARGS = {"hot": ["--metrics-window", "240"]}
+SHAPE_WATCH = {"hot": 300}
 
 
 def _state(prom):  # what Prometheus itself saw, for the failure message
@@ -108,10 +121,11 @@ def _state(prom):  # what Prometheus itself saw, for the failure message
 
 
 def _one(base, scenario):
-    expected = EXPECTED[scenario]
+    expected = TINY[scenario]
+    args = [*DEMO_ARGS.get(scenario, ()), *(["--baseline", str(base / "baseline.json")] if scenario in BASELINED
+                                            else [])]
     got = pipeline.run(base / scenario, scenario, WATCH.get(scenario, WATCH_S if expected else HEALTHY_WATCH_S),
-                       stop_when=_stops_on(expected), settle_s=SETTLE_S, demo_args=DEMO_ARGS.get(scenario, ()),
-                       during=_state)
+                       stop_when=_stops_on(expected), settle_s=SETTLE_S, demo_args=args, during=_state)
     return scenario, got
 
 
@@ -162,6 +176,7 @@ def _one_at_shape(base, scenario, model):
     got = pipeline.run(base / scenario, SPEC.get(scenario, scenario),
                        SHAPE_WATCH.get(scenario, SHAPE_WATCH_S) if expected else SHAPE_HEALTHY_WATCH_S,
                        stop_when=_stops_on(expected), settle_s=SETTLE_S, during=during, model=model,
+                       demo_args=SHAPE_DEMO_ARGS.get(scenario, ()),
                        rate=SHAPE_RATES.get(scenario, SHAPE_RATE), traces=str(store), scrape_interval=SHAPE_SCRAPE,
                        start_timeout_s=240, thresholds=SHAPE_THRESHOLDS)
     return scenario, got
@@ -171,7 +186,7 @@ def _table(results, diagnosed=False):
     table = {}
     for s, d in results.items():
         during = d.during if diagnosed else {"prometheus": d.during}
-        expected = (SHAPE_EXPECTED if diagnosed else EXPECTED)[s]
+        expected = (SHAPE_EXPECTED if diagnosed else TINY)[s]
         table[s] = {"expected": expected, "delivered": sorted(pipeline.firing(d) - {"Watchdog"}),
                     "seconds_to_detect": d.first.get(expected) if expected else None,
                     "watchdog": "Watchdog" in pipeline.firing(d), "prometheus_saw": during["prometheus"],
@@ -215,6 +230,9 @@ def matrix(tmp_path_factory):
     # so it runs alone, after the others (which run a few at a time, the 3-process one first).
     order = sorted((s for s in EXPECTED if s not in ALONE), key=lambda s: s != "slow-rank")
     base = tmp_path_factory.mktemp("matrix")
+    from moescope.analysis import baseline as bl
+
+    bl.save(base / "baseline.json", bl.calibration_profile(loader.build_model("tiny-demo"), seed=0, n_requests=64))
     with ThreadPoolExecutor(PARALLEL) as pool:
         results = dict(pool.map(lambda s: _one(base, s), order))
     results.update(_one(base, s) for s in ALONE)
@@ -243,12 +261,13 @@ def matrix_at_shape(tmp_path_factory):
     return table
 
 
-@pytest.mark.parametrize("scenario", sorted(EXPECTED))
+@pytest.mark.parametrize("scenario", sorted(TINY))
 def test_scenario_delivers_its_alert_and_no_other(matrix, scenario):
     row = matrix[scenario]
     assert row["watchdog"], "the Watchdog never arrived: the pipeline itself is broken"
-    want = [row["expected"]] if row["expected"] else []
-    assert row["delivered"] == want, row
+    want = {row["expected"]} if row["expected"] else set()
+    got = set(row["delivered"])
+    assert got == want or (got and got <= want | ALSO_TINY.get(scenario, set())), row
 
 
 @pytest.mark.parametrize("scenario", AT_SHAPE)

@@ -67,7 +67,12 @@ instrument_options = _stack(
                  help="Run the canary every N engine steps instead (expert-parallel ranks always do: they must "
                       "run it at the same step) [with --world-size > 1: 32]."),
     click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
-                 help="Routing baseline to measure drift against (moescope_routing_drift_jsd_bits)."),
+                 help="The model's healthy baseline (`moescope baseline save`): imbalance, hot and dead experts "
+                      "and drift are judged against it."),
+    click.option("--metrics-window", "metrics_window", type=click.FloatRange(min=1), default=60.0,
+                 show_default=True,
+                 help="Seconds of routing the window gauges cover: a longer window holds more requests, so thin "
+                      "traffic is judged (hot experts, imbalance), later."),
     click.option("--load-aware", "load_bound", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="Load-aware routing: demote experts whose estimated load exceeds this share of their "
                       "capacity (e.g. 0.85; capacity = 1.5 x the fair share). Default: off."),
@@ -108,7 +113,8 @@ def config_from_options(o: dict, *, rank: int = 0, world: int = 1, observers=(),
         mitigations = Mitigations(load_bound=o["load_bound"], smoothing_margin=o["smoothing_margin"])
     return Config(
         metrics=Metrics(port=None if port < 0 else port + (rank if port > 0 else 0), addr=o["metrics_addr"],
-                        rank=rank, export_routing=rank == 0, baseline=o["baseline_path"] or baseline),
+                        rank=rank, export_routing=rank == 0, baseline=o["baseline_path"] or baseline,
+                        window_s=o.get("metrics_window") or 60.0),
         traces=traces, routing_log=o.get("record_routing") if rank == 0 else None, cache=cache, canary=canary,
         mitigations=mitigations, scenarios=tuple(s.strip() for s in o["scenario"].split(",") if s.strip()),
         router_impl=o["router_impl"], observers=tuple(observers))

@@ -116,13 +116,28 @@ class RoutingWindow:
         self.draws = sampling.Draws.zeros(n, n_experts)
         self.n_draws = 0
         self._draw_bins: collections.deque[_DrawBin] = collections.deque()
+        # Bins leave the window as new ones open: their arrays are zeroed and reused, and the window's worth is
+        # allocated here, so the exporter's memory is flat from its first second (a window filling up over its
+        # first minute, ~16 MB at 58 x 256, read as a young process' memory trend).
+        self._spare_bins: list[_Bin] = [self._new_bin() for _ in range(int(math.ceil(window_s)) + 2)]
+        self._spare_draws: list[sampling.Draws] = [sampling.Draws.zeros(n, n_experts) for _ in range(DRAW_BINS + 2)]
+        for d in self._spare_draws:  # written once: calloc'd pages count in RSS only when first touched
+            for name in ("draws", "slots", "slots_sq", "counts", "counts_sq", "cross"):
+                getattr(d, name).fill(0)
+
+    def _new_bin(self) -> _Bin:
+        n, e = len(self.layers), self.n_experts
+        b = _Bin(-1, np.empty((n, e), np.int64), np.empty(n, np.int64), np.empty(n), np.empty(n))
+        for a in (b.slots, b.tokens, b.entropy, b.margin):
+            a.fill(0)  # touched now: the window's memory is resident from the start
+        return b
 
     def _bin(self, second: int) -> _Bin:
         if not self._bins or self._bins[-1].second != second:
-            n, e = len(self.layers), self.n_experts
-            self._bins.append(_Bin(second, np.zeros((n, e), np.int64), np.zeros(n, np.int64), np.zeros(n),
-                                   np.zeros(n)))
             self.prune(second)
+            b = self._spare_bins.pop() if self._spare_bins else self._new_bin()
+            b.second = second
+            self._bins.append(b)
         return self._bins[-1]
 
     def add(self, second: int, layer: int, slots: np.ndarray, tokens: int, entropy: float, margin: float) -> None:
@@ -147,8 +162,10 @@ class RoutingWindow:
             return
         index = int(second // self.draw_bin_s)
         if not self._draw_bins or self._draw_bins[-1].index != index:
-            self._draw_bins.append(_DrawBin(index, sampling.Draws.zeros(len(self.layers), self.n_experts), 0))
             self.prune(int(second))
+            spare = self._spare_draws.pop() if self._spare_draws else sampling.Draws.zeros(len(self.layers),
+                                                                                          self.n_experts)
+            self._draw_bins.append(_DrawBin(index, spare, 0))
         d = sampling.Draws.of(per_draw)
         b = self._draw_bins[-1]
         b.draws.add(d)
@@ -166,6 +183,7 @@ class RoutingWindow:
         for b in self._bins:
             b.slots = np.vstack([b.slots, np.zeros((1, e), np.int64)])
             b.tokens, b.entropy, b.margin = (np.append(a, 0) for a in (b.tokens, b.entropy, b.margin))
+        self._spare_bins, self._spare_draws = [], []  # rare: spares are allocated anew at the new size
         for d in [self.draws, *(b.draws for b in self._draw_bins)]:
             for name in ("draws", "slots", "slots_sq"):
                 setattr(d, name, np.append(getattr(d, name), 0.0))
@@ -179,6 +197,10 @@ class RoutingWindow:
             self.tokens -= b.tokens
             self.entropy -= b.entropy
             self.margin -= b.margin
+            if len(b.slots) == len(self.layers):
+                for a in (b.slots, b.tokens, b.entropy, b.margin):
+                    a[...] = 0
+                self._spare_bins.append(b)
         if not self._bins:  # no float residue from add/subtract
             self.entropy[:] = 0.0
             self.margin[:] = 0.0
@@ -186,6 +208,10 @@ class RoutingWindow:
             b = self._draw_bins.popleft()
             self.draws.add(b.draws, -1.0)
             self.n_draws -= b.n
+            if len(b.draws.draws) == len(self.layers):
+                for name in ("draws", "slots", "slots_sq", "counts", "counts_sq", "cross"):
+                    getattr(b.draws, name)[...] = 0
+                self._spare_draws.append(b.draws)
         if not self._draw_bins:
             self.draws = sampling.Draws.zeros(len(self.layers), self.n_experts)
 
