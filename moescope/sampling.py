@@ -203,16 +203,14 @@ def draw_shares(draws: Draws) -> np.ndarray:
 
 
 def hot_sd(draws: Draws, z: float) -> np.ndarray:
-    """[L, E] the standard deviation a hot-expert test allows each share: the cluster-robust variance, never
-    below the layer's design effect times the multinomial one (pooled over the layer's experts), times its
-    small-sample upper bound (``var_upper`` at ``z``); NaN where not judged, inf where too few draws."""
-    p = draw_shares(draws)
-    n = np.where(draws.slots > 0, draws.slots, 1.0)[:, None]
-    deff = draws.design_effect()[:, None]
-    pooled = np.where(np.isfinite(deff), deff, np.nan) * p * (1 - p) / n
-    var = np.fmax(draws.share_var(), pooled)
+    """[L, E] the standard deviation a hot-expert test allows each share: the cluster-robust variance (never
+    below the multinomial one) times its small-sample upper bound (``var_upper`` at ``z``, as a t-test's
+    quantile grows with few draws); NaN where not judged, inf where too few draws."""
+    # No pooled (layer design effect) floor: an expert every request uses alike (a biased router) has a small
+    # variance of its own, and the layer's other, clustered experts would hide it (a 4x expert at tiny-demo went
+    # unseen under a pooled design effect of 20). The small-sample bound covers a variance that is small by chance.
     with np.errstate(invalid="ignore"):
-        return np.sqrt(var * var_upper(draws.draws, z)[:, None])
+        return np.sqrt(draws.share_var() * var_upper(draws.draws, z)[:, None])
 
 
 def hot_factor(window: np.ndarray, draws: Draws, ref: np.ndarray, z: float, z_var: float = 3.0) -> np.ndarray:
