@@ -117,18 +117,20 @@ def _children(pid: int) -> dict[int, int]:
 @pytest.mark.slow
 @pytest.mark.integration
 def test_a_rank_that_dies_has_its_own_last_words_reported_by_the_launcher(tmp_path):
+    from servers import free_port
+
+    port = free_port(2)
     launcher = subprocess.Popen(
         [sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--rate", "0", "--requests",
-         "400", "--timeout", "5", "--metrics-port", "0", "--traces", "none"],
+         "400", "--timeout", "5", "--metrics-port", str(port), "--traces", "none"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 240
         ranks = {}
-        while len(ranks) < 2:
-            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
-            ranks = _children(launcher.pid)
+        while len(ranks) < 2 or not _stepped(port + 1):  # rank 1 serving: group joined, steps taken (not a
+            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"  # fixed sleep:
+            ranks = _children(launcher.pid)  # on loaded cores 6 s once killed it before the group had formed)
             time.sleep(0.2)
-        time.sleep(6)  # serving by now (model built, group joined)
         os.kill(ranks[1], signal.SIGKILL)
         _, err = launcher.communicate(timeout=120)
     finally:
@@ -142,6 +144,18 @@ def test_a_rank_that_dies_has_its_own_last_words_reported_by_the_launcher(tmp_pa
     survivor = [ln for ln in lines if ln.startswith("moescope: error: rank 0:")]
     assert survivor and "rank 1" in survivor[0] and "stopped responding" in survivor[0], err
     assert lines[-1].startswith("moescope: error: 2 of 2 ranks failed; first: rank 1 killed by SIGKILL"), err
+
+
+def _stepped(port: int) -> bool:
+    """Whether the exporter on ``port`` answers and counts an engine step (its rank is serving)."""
+    import urllib.request
+
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2).read().decode()
+    except OSError:
+        return False
+    return any(ln.startswith("moescope_steps_total{") and float(ln.rsplit(" ", 1)[1]) > 0
+               for ln in text.splitlines())
 
 
 def _alive(pid: int) -> bool:
