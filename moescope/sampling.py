@@ -168,13 +168,18 @@ def family_z(n_tests: int, alpha: float) -> float:
     return NormalDist().inv_cdf(1 - alpha / max(1, n_tests))
 
 
+def normalised(load) -> np.ndarray:
+    """Each row of ``load`` [..., E] over its sum: shares (1/E for a row without load)."""
+    load = np.asarray(load, dtype=np.float64)
+    s = load.sum(-1, keepdims=True)
+    return np.where(s > 0, load / np.where(s > 0, s, 1.0), 1.0 / load.shape[-1])
+
+
 def reference_shares(n_experts: int, baseline: np.ndarray | None, n_layers: int) -> np.ndarray:
     """[L, E] each expert's reference share: the baseline's where given (rows normalised), else 1/E."""
     if baseline is None:
         return np.full((n_layers, n_experts), 1.0 / n_experts)
-    b = np.asarray(baseline, dtype=np.float64)
-    s = b.sum(1, keepdims=True)
-    return np.where(s > 0, b / np.where(s > 0, s, 1.0), 1.0 / n_experts)
+    return normalised(baseline)
 
 
 def var_upper(draws, z: float):

@@ -24,6 +24,14 @@ def load_cv(load: Sequence[float]) -> float:
     return math.sqrt(sum((x - mean) ** 2 for x in load) / n) / mean
 
 
+def load_cv_rows(load) -> np.ndarray:
+    """``load_cv`` of each row of ``load`` [..., E] at once (numpy; 0 for a row without load)."""
+    load = np.asarray(load, dtype=np.float64)
+    mean = load.mean(-1)
+    safe = np.where(mean > 0, mean, 1.0)
+    return np.where(mean > 0, load.std(-1) / safe, 0.0)
+
+
 def max_over_mean(load: Sequence[float]) -> float:
     """max/mean load (1.0 = perfectly balanced); 0 for no load."""
     mean = sum(load) / len(load) if load else 0.0

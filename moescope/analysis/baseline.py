@@ -5,7 +5,7 @@ What a live window is judged against where a baseline is loaded (``moescope.samp
   dead-expert reference share);
 - ``structural_cv``: the load CV beyond the baseline's own sampling noise, with requests as the draws:
   ``sqrt(max(0, cv^2 - E * sum_e Var(p_e)))``, Var the cluster-robust share variance of ``sampling.Draws``
-  (the imbalance bar is ``1.5 x`` this ``+ 0.1``: ``Thresholds.imbalance_bar``);
+  (the imbalance bar grows from it: ``Thresholds.imbalance_bar``);
 - ``design_effect``: the cluster share variance over the multinomial one (how alike a request's tokens route);
 - ``share_sd`` [E]: each expert's share's standard deviation across windows of ``window_s`` seconds of the
   baseline traffic (requests binned by end time), or, where the traffic spans fewer than ``MIN_WINDOWS`` such
@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from moescope import sampling
+from moescope.stats import load_cv_rows
 from moescope.analysis.files import read_format
 from moescope.errors import BadInput
 
@@ -67,6 +68,17 @@ class LayerProfile:
     windows: int = 0  # windows (or groups) ``share_sd`` was measured over
 
 
+@dataclass(frozen=True)
+class BaselineRows:
+    """A baseline laid out for a window's layers (``Profile.rows``): ``has`` [L], ``share`` [L, E], ``load``
+    [L, E] (NaN where ``has`` is False), ``structural_cv`` [L] (NaN where unknown)."""
+
+    has: np.ndarray
+    share: np.ndarray
+    load: np.ndarray
+    structural_cv: np.ndarray
+
+
 @dataclass(frozen=True, eq=False)
 class Profile:
     """A baseline: ``layers`` {MoE layer: LayerProfile}; ``window_s`` the window ``share_sd`` is measured over
@@ -88,6 +100,24 @@ class Profile:
         return np.stack([self.layers[la].share if la in self.layers else fair for la in layers]) \
             if layers else np.zeros((0, self.n_experts))
 
+    def rows(self, layers: Iterable[int], n_experts: int) -> "BaselineRows":
+        """The layers' baseline as arrays (rows in ``layers`` order): where the profile has a layer of
+        ``n_experts`` experts with load, its share, load and structural CV; elsewhere the fair share, no load
+        (NaN) and no CV (NaN). The exporter's window and ``diagnose`` both read a baseline through this."""
+        layers = list(layers)
+        has = np.zeros(len(layers), dtype=bool)
+        share = np.full((len(layers), n_experts), 1.0 / n_experts)
+        load = np.full((len(layers), n_experts), np.nan)
+        cv = np.full(len(layers), np.nan)
+        for j, layer in enumerate(layers):
+            lp = self.layers.get(layer)
+            if lp is None or lp.load.shape != (n_experts,) or lp.load.sum() <= 0:
+                continue
+            has[j], share[j], load[j] = True, lp.share, lp.load
+            if lp.structural_cv is not None and math.isfinite(lp.structural_cv):
+                cv[j] = lp.structural_cv
+        return BaselineRows(has, share, load, cv)
+
     def structural_cvs(self, layers: Iterable[int]) -> np.ndarray:
         """[L] structural CVs for ``layers`` in that order (NaN for a layer the baseline lacks)."""
         return np.array([self.layers[la].structural_cv if la in self.layers else math.nan for la in layers],
@@ -96,13 +126,6 @@ class Profile:
 
 # -- building -----------------------------------------------------------------------------------------------
 
-def _cv(load: np.ndarray) -> np.ndarray:
-    """Row-wise population CV (std/mean over all experts, zeros included; 0 without load), as stats.load_cv."""
-    mean = load.mean(-1)
-    safe = np.where(mean > 0, mean, 1.0)
-    return np.where(mean > 0, load.std(-1) / safe, 0.0)
-
-
 def multinomial_structural_cv(load: np.ndarray) -> np.ndarray:
     """Row-wise ``sqrt(max(0, cv^2 - E sum_e p(1-p)/N))``: the CV beyond the noise of N independent slots."""
     load = np.atleast_2d(np.asarray(load, dtype=np.float64))
@@ -110,12 +133,7 @@ def multinomial_structural_cv(load: np.ndarray) -> np.ndarray:
     e = load.shape[-1]
     p = load / np.where(n > 0, n, 1.0)[:, None]
     noise2 = np.where(n > 0, e * (p * (1 - p)).sum(-1) / np.where(n > 0, n, 1.0), 0.0)
-    return np.sqrt(np.maximum(0.0, _cv(load) ** 2 - noise2))
-
-
-def _shares(load: np.ndarray) -> np.ndarray:
-    n = load.sum(-1, keepdims=True)
-    return np.where(n > 0, load / np.where(n > 0, n, 1.0), 1.0 / load.shape[-1])
+    return np.sqrt(np.maximum(0.0, load_cv_rows(load) ** 2 - noise2))
 
 
 class _Spread:
@@ -132,7 +150,7 @@ class _Spread:
         ok = draws >= sampling.MIN_DRAWS
         if not ok.any():
             return
-        p = _shares(counts)
+        p = sampling.normalised(counts)
         self.n += ok
         self.s1 += np.where(ok[:, None], p, 0.0)
         self.s2 += np.where(ok[:, None], p * p, 0.0)
@@ -232,9 +250,10 @@ class _Builder:
         var = d.share_var()
         deff = d.design_effect()
         with np.errstate(invalid="ignore"):
-            cluster = np.sqrt(np.maximum(0.0, _cv(load) ** 2 - e * var.sum(1)))
+            # the expectation of the structure (noise at z = 0: its mean, not its bound)
+            cluster = sampling.excess_cv(load_cv_rows(load), np.sqrt(e * var.sum(1)))
         structural = np.where(np.isfinite(cluster), cluster, multinomial_structural_cv(load))
-        share = _shares(load)
+        share = sampling.normalised(load)
         out = {}
         for i, layer in enumerate(layers):
             out[layer] = LayerProfile(
@@ -279,7 +298,7 @@ def from_loads(loads: Mapping, model: str | None = None, where: str = "baseline"
             raise BadInput(f"{where}: layer {layer}: loads must be finite and non-negative")
     layers = sorted(rows)
     load = np.stack([rows[la] for la in layers])
-    structural, share = multinomial_structural_cv(load), _shares(load)
+    structural, share = multinomial_structural_cv(load), sampling.normalised(load)
     return Profile(model=model, n_experts=load.shape[1], window_s=None, layers={
         la: LayerProfile(load=load[i], share=share[i], share_sd=None, structural_cv=float(structural[i]),
                          design_effect=None, draws=0) for i, la in enumerate(layers)})
@@ -426,7 +445,8 @@ def load(path: str | Path) -> Profile:
         if isinstance(windows, bool) or not isinstance(windows, int) or windows < 0:
             raise BadInput(f"{lw}: windows must be a non-negative integer")
         layers[layer] = LayerProfile(
-            load=ld, share=_shares(ld), share_sd=sd, structural_cv=_num(v.get("structural_cv"), "structural_cv", lw),
+            load=ld, share=sampling.normalised(ld), share_sd=sd,
+            structural_cv=_num(v.get("structural_cv"), "structural_cv", lw),
             design_effect=_num(v.get("design_effect"), "design_effect", lw, allow_none=True), draws=draws,
             windows=windows)
     return Profile(model=data.get("model"), n_experts=e, layers=dict(sorted(layers.items())), window_s=window_s,

@@ -31,7 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from moescope import sampling
+from moescope import sampling, stats
+from moescope.analysis import baseline as bl
 from moescope.thresholds import DEFAULT, Thresholds
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -205,39 +206,6 @@ def worst_case_draws(counts: np.ndarray, requests) -> sampling.Draws:
     return sampling.Draws(r, n, n * per, c, c * per[:, None], c * per[:, None])
 
 
-def _baseline_profile(baseline):
-    """A ``baseline.Profile`` (or None) from what callers hold: a path, a Profile or {layer: load}."""
-    if baseline is None:
-        return None
-    from moescope.analysis import baseline as bl
-
-    coerce = getattr(bl, "coerce", None)
-    return coerce(baseline) if coerce is not None else baseline
-
-
-def _baseline_rows(profile, layers: list[int], n_experts: int):
-    """(share [L, E] or None, structural CV [L] (NaN where none), load [L, E] or None) of the layers the
-    baseline holds (other layers: the fair share, no CV, no drift)."""
-    if profile is None:
-        return None, None, None
-    per = getattr(profile, "layers", profile)
-    share = np.full((len(layers), n_experts), 1.0 / n_experts)
-    cv = np.full(len(layers), np.nan)
-    load = np.full((len(layers), n_experts), np.nan)
-    for j, layer in enumerate(layers):
-        lp = per.get(layer) if isinstance(per, dict) else None
-        if lp is None:
-            continue
-        ld = np.asarray(getattr(lp, "load", lp), dtype=np.float64)
-        if ld.shape != (n_experts,) or ld.sum() <= 0:
-            continue
-        load[j] = ld
-        share[j] = np.asarray(getattr(lp, "share", ld / ld.sum()), dtype=np.float64)
-        s = getattr(lp, "structural_cv", None)
-        cv[j] = np.nan if s is None else float(s)
-    return share, cv, load
-
-
 def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: int, baseline=None,
           t: Thresholds = DEFAULT) -> Judgement:
     """The exporter's judged quantities for a window (``counts`` [L, E] slots, ``draws`` its requests as
@@ -246,36 +214,35 @@ def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: i
     counts = np.asarray(counts, dtype=np.float64)
     n_layers, n_exp = counts.shape
     slots = counts.sum(1)
-    mean = slots / n_exp
-    with np.errstate(invalid="ignore", divide="ignore"):
-        cv = np.where(mean > 0, counts.std(1) / np.where(mean > 0, mean, 1.0), 0.0)
+    cv = stats.load_cv_rows(counts)
     noise = sampling.noise_cv(n_exp, slots, draws, t.noise_z)
     excess = sampling.excess_cv(cv, noise)
-    share, base_cv, base_load = _baseline_rows(_baseline_profile(baseline), layers, n_exp)
-    has_base = base_load is not None and np.isfinite(base_load).all(1).any()
-    ref = sampling.reference_shares(n_exp, share if has_base else None, n_layers)
+    profile = bl.coerce(baseline) if baseline is not None else None
+    base = profile.rows(layers, n_exp) if profile is not None else None  # as the exporter's window reads it
+    has = base.has if base is not None else np.zeros(n_layers, dtype=bool)
+    has_base = bool(has.any())
+    ref = base.share if base is not None else sampling.reference_shares(n_exp, None, n_layers)
+    base_cv = base.structural_cv if base is not None else np.full(n_layers, np.nan)
     hot_ref = sampling.hot_reference(n_exp, ref if has_base else None, n_layers)
     hot_z = t.hot_z(n_layers, n_exp)
     factor = sampling.hot_factor(counts, draws, hot_ref, hot_z, t.noise_z)
     with np.errstate(invalid="ignore"):
         sd = sampling.hot_sd(draws, t.noise_z)
-    dead_ref = ref if has_base else np.full((n_layers, n_exp), t.dead_reference(n_exp))
+    dead_ref = np.where(has[:, None], ref, t.dead_reference(n_exp))
     dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
     dead_mask = sampling.dead_mask(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
     jsd = noise_bits = None
     if has_base:
         from moescope.metrics.window import jensen_shannon_rows
 
-        rows = np.isfinite(base_load).all(1)
         jsd = np.full(n_layers, np.nan)
-        jsd[rows] = jensen_shannon_rows(counts[rows], base_load[rows])
-        noise_bits = np.where(rows, sampling.drift_noise_bits(counts, draws, ref, t.noise_z), np.nan)
+        jsd[has] = jensen_shannon_rows(counts[has], base.load[has])
+        noise_bits = np.where(has, sampling.drift_noise_bits(counts, draws, ref, t.noise_z), np.nan)
     tokens = slots / max(1, top_k)
     top = np.where(tokens > 0, counts.max(1) / np.where(tokens > 0, tokens, 1.0), 0.0)
     return Judgement(list(layers), n_exp, "baseline" if has_base else "fair", counts, draws.draws.copy(), cv,
                      noise, excess, base_cv if has_base else None,
-                     np.array([t.imbalance_bar(None if b is None or not math.isfinite(b) else b)
-                               for b in (base_cv.tolist() if has_base else [None] * n_layers)]),
+                     np.array([t.imbalance_bar(b) for b in base_cv.tolist()]),
                      factor, sd, hot_ref, dead, dead_mask, jsd, noise_bits, top, t)
 
 

@@ -89,17 +89,6 @@ class LayerGauges:
         return out
 
 
-def _profile_rows(profile: Any, layers: tuple[int, ...], n_experts: int) -> list:
-    """The baseline's LayerProfile of each layer (None where the profile has none of the right width)."""
-    if profile is None:
-        return [None] * len(layers)
-    out = []
-    for layer in layers:
-        lp = profile.layers.get(layer)
-        out.append(lp if lp is not None and len(lp.share) == n_experts else None)
-    return out
-
-
 class RoutingWindow:
     """Running sums of the last ``window_s`` seconds of routing, per MoE layer."""
 
@@ -237,18 +226,10 @@ class RoutingWindow:
         rel = slots / safe_mean[:, None]
         relative = np.stack([(rel <= le).sum(1) for le in RELATIVE_LOAD_BUCKETS], axis=1) if len(keep) else \
             np.zeros((0, len(RELATIVE_LOAD_BUCKETS)))
-        lps = _profile_rows(profile, layers, e)
-        has = np.array([lp is not None for lp in lps], dtype=bool)
-        fair = np.full((len(keep), e), 1.0 / e) if e else np.zeros((len(keep), 0))
-        base_share = fair.copy()
-        base_load = np.zeros_like(fair)
-        base_cv = np.full(len(keep), np.nan)
-        for j, lp in enumerate(lps):
-            if lp is not None:
-                base_share[j] = sampling.reference_shares(e, np.asarray(lp.share, np.float64)[None], 1)[0]
-                base_load[j] = np.asarray(lp.load, np.float64)
-                cv_j = lp.structural_cv
-                base_cv[j] = cv_j if cv_j is not None and math.isfinite(cv_j) else np.nan
+        base = profile.rows(layers, e) if profile is not None else None
+        has = base.has if base is not None else np.zeros(len(keep), dtype=bool)
+        base_share = base.share if base is not None else np.full((len(keep), e), 1.0 / max(1, e))
+        base_cv = base.structural_cv if base is not None else np.full(len(keep), np.nan)
         with np.errstate(invalid="ignore", divide="ignore"):
             hot_ref = np.maximum(base_share, 1.0 / max(1, e))
             hot = sampling.hot_factor(slots, draws, hot_ref, t.hot_z(len(self.layers), e), t.noise_z)
@@ -257,7 +238,7 @@ class RoutingWindow:
             drift_noise = np.where(has, sampling.drift_noise_bits(slots, draws, base_share, t.noise_z), np.nan)
         drift = np.full(len(keep), np.nan)
         if has.any():
-            drift[has] = jensen_shannon_rows(slots[has], base_load[has])
+            drift[has] = jensen_shannon_rows(slots[has], base.load[has])
         return LayerGauges(
             layers=layers, slots=slots, tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
             max_over_mean=np.where(mean > 0, mx / safe_mean, 0.0), top_share=mx / tokens,
