@@ -293,6 +293,9 @@ def main() -> None:
         print(f"unknown shape(s)/fault(s): {', '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
     t0 = time.time()
+    # the code measured is the code at the start (the runs take half an hour: a commit meanwhile is not it)
+    commit = _git("rev-parse", "--short", "HEAD")
+    dirty = [x for x in _git("status", "--porcelain", "-uno").split("\n") if x]
     prebuild(shapes, work)
     jobs = [(s, f) for f in sweeps for s in shapes]
     watch = {s: QUICK["watch_s"] if args.quick else SHAPES[s]["watch_s"] for s in shapes}
@@ -320,8 +323,7 @@ def main() -> None:
         "healthy_s": healthy_s, "parallel_demos": parallel, "chain_stops_at_first_miss": chain,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "note": "shared 2-core VM: other test runs share the cores"},
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "uncommitted_changes_in": [x for x in _git("status", "--porcelain", "-uno").split("\n") if x],
+        "commit": commit, "uncommitted_changes_in": dirty,
         "wall_s": None, "shapes": results,
     }
     report["wall_s"] = round(time.time() - t0, 1)
