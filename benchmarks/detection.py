@@ -41,13 +41,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # the matrix's alerting path: tests/pipeline.py, tests/servers.py
 from _results import save  # noqa: E402
+from pipeline import SHAPE_HOT_WATCH_S, SHAPE_HOT_WINDOW_S  # noqa: E402
 
 # Settings per shape. The shapes serve ~35 tokens/s on 2 shared cores: thin traffic (a request every 2 s), 2 s
 # scrapes (a 58 x 256 exposition is ~1.6 MB), minutes to start several at once.
+# window_s: the exporter's window in the healthy and hot runs (None: the default 60 s); hot_watch_s: the hot
+# runs' watch (None: watch_s). At the shapes both are the detection matrix's (tests/pipeline.py SHAPE_HOT_*: why
+# there), so false alarms are counted at the settings power is measured at.
 SHAPES = {
-    "tiny-demo": {"rate": 8.0, "scrape": "1s", "start_s": 120, "watch_s": 60},
-    "qwen3-moe-shape": {"rate": 0.5, "scrape": "2s", "start_s": 300, "watch_s": 100},
-    "deepseek-v3-shape": {"rate": 0.5, "scrape": "2s", "start_s": 300, "watch_s": 100},
+    "tiny-demo": {"rate": 8.0, "scrape": "1s", "start_s": 120, "watch_s": 60, "window_s": None, "hot_watch_s": None},
+    **{shape: {"rate": 0.5, "scrape": "2s", "start_s": 300, "watch_s": 100, "window_s": SHAPE_HOT_WINDOW_S,
+               "hot_watch_s": SHAPE_HOT_WATCH_S} for shape in ("qwen3-moe-shape", "deepseek-v3-shape")},
 }
 # Magnitudes, largest first. hot: factors over the fair share (those a model can reach: below E/k).
 SWEEP = {
@@ -151,12 +155,14 @@ def _watchdog(got) -> bool:
 
 
 def run_one(base: Path, shape: str, scenario: str, watch_s: float, *, matches=None, demo_args=(),
-            seed: int = 0) -> dict:
+            seed: int = 0, window_s: float | None = None) -> dict:
     """One demo through the alerting path; ``matches(alert)`` marks the expected alert (None: healthy)."""
     import pipeline
 
     cfg = SHAPES[shape]
     spec, model_args = renamed(shape, base.parent.parent)
+    if window_s is not None:
+        model_args = [*model_args, "--metrics-window", f"{window_s:g}"]
     store = base / "traces.sqlite"
     stop = None if matches is None else (lambda alerts: any(a["status"] == "firing" and matches(a)
                                                             for _, a in alerts))
@@ -169,8 +175,8 @@ def run_one(base: Path, shape: str, scenario: str, watch_s: float, *, matches=No
     except Exception as exc:  # a run that broke is a row saying so, not a lost sweep
         return {"scenario": scenario, "error": f"{type(exc).__name__}: {str(exc)[-600:]}",
                 "wall_s": round(time.time() - started, 1)}
-    row = {"scenario": scenario, "watch_s": watch_s, "watchdog": _watchdog(got), "delivered": _delivered(got),
-           "wall_s": round(time.time() - started, 1)}
+    row = {"scenario": scenario, "watch_s": watch_s, "window_s": window_s or 60, "watchdog": _watchdog(got),
+           "delivered": _delivered(got), "wall_s": round(time.time() - started, 1)}
     if matches is not None:
         hits = [t for t, a in got.timeline if a["status"] == "firing" and matches(a)]
         row["detected"] = bool(hits)
@@ -180,7 +186,8 @@ def run_one(base: Path, shape: str, scenario: str, watch_s: float, *, matches=No
 
 def healthy(out: Path, shape: str, seconds: float, with_baseline: bool) -> dict:
     base = out / shape / "healthy"
-    row = {"no_baseline": run_one(base, shape, "healthy", seconds)}
+    window = SHAPES[shape]["window_s"]
+    row = {"no_baseline": run_one(base, shape, "healthy", seconds, window_s=window)}
     row["no_baseline"].update(store_figures(base / "traces.sqlite", "healthy", None))
     if with_baseline and "error" not in row["no_baseline"]:
         bl = out / shape / "baseline.json"
@@ -191,7 +198,8 @@ def healthy(out: Path, shape: str, seconds: float, with_baseline: bool) -> dict:
         else:
             row["baseline_saved"] = save_run.stdout.strip()[-300:]
             b2 = out / shape / "healthy-baseline"
-            row["with_baseline"] = run_one(b2, shape, "healthy", seconds, demo_args=["--baseline", str(bl)], seed=1)
+            row["with_baseline"] = run_one(b2, shape, "healthy", seconds, demo_args=["--baseline", str(bl)], seed=1,
+                                          window_s=window)
             row["with_baseline"].update(store_figures(b2 / "traces.sqlite", "healthy", None))
     for part in ("no_baseline", "with_baseline"):
         if part in row and "delivered" in row[part]:
@@ -226,7 +234,9 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
             continue
         scenario = _scenario(fault, m, layer)
         base = out / shape / scenario.replace("=", "-").replace(":", "_")
-        row = run_one(base, shape, scenario, watch_s, matches=_matcher(fault, layer))
+        hot = fault == "hot"
+        row = run_one(base, shape, scenario, (hot and SHAPES[shape]["hot_watch_s"]) or watch_s,
+                      matches=_matcher(fault, layer), window_s=SHAPES[shape]["window_s"] if hot else None)
         row["magnitude"] = m
         row.update(store_figures(base / "traces.sqlite", fault, layer))
         row["others_delivered"] = [d for d in row.get("delivered", []) if not d.startswith(EXPECTED[fault])]
@@ -293,6 +303,9 @@ def main() -> None:
         print(f"unknown shape(s)/fault(s): {', '.join(unknown)}", file=sys.stderr)
         sys.exit(2)
     t0 = time.time()
+    # the code measured is the code at the start (the runs take half an hour: a commit meanwhile is not it)
+    commit = _git("rev-parse", "--short", "HEAD")
+    dirty = [x for x in _git("status", "--porcelain", "-uno").split("\n") if x]
     prebuild(shapes, work)
     jobs = [(s, f) for f in sweeps for s in shapes]
     watch = {s: QUICK["watch_s"] if args.quick else SHAPES[s]["watch_s"] for s in shapes}
@@ -320,8 +333,7 @@ def main() -> None:
         "healthy_s": healthy_s, "parallel_demos": parallel, "chain_stops_at_first_miss": chain,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "note": "shared 2-core VM: other test runs share the cores"},
-        "commit": _git("rev-parse", "--short", "HEAD"),
-        "uncommitted_changes_in": [x for x in _git("status", "--porcelain", "-uno").split("\n") if x],
+        "commit": commit, "uncommitted_changes_in": dirty,
         "wall_s": None, "shapes": results,
     }
     report["wall_s"] = round(time.time() - t0, 1)
@@ -373,7 +385,7 @@ def markdown(report: dict) -> str:
                 cells.append("error: " + h["error"][:80])
             else:
                 cells.append(f"{len(h['delivered'])}" + (f" ({_by_name(h['delivered'])})" if h["delivered"] else "")
-                             + f"; {h.get('requests_stored', 0)} requests")
+                             + f"; {h.get('requests_stored', 0)} requests; {h.get('window_s', 60):g} s window")
         lines.append(f"| {r['model']} | {cells[0]} | {cells[1]} |")
     lines += ["", "Faults, largest magnitude first (each run: the magnitude (its realised size in the run's trace "
               "store): seconds to detect, or what paged instead, or missed):", "",
@@ -384,6 +396,9 @@ def markdown(report: dict) -> str:
     for s, r in report["shapes"].items():
         for f, v in r["faults"].items():
             runs = "; ".join(_run_cell(f, x, preset(s).top_k) for x in v["runs"])
+            if v["runs"]:
+                first = v["runs"][0]
+                runs = f"({first.get('window_s', 60):g} s window, {first.get('watch_s', 0):g} s watch) {runs}"
             if v["not_run"]:
                 runs += "; " + "; ".join(f"{x['magnitude']:g}: {x['why']}" for x in v["not_run"])
             smallest = "none" if v["smallest_detected"] is None else f"{v['smallest_detected']:g}"

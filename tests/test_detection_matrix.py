@@ -110,12 +110,9 @@ SHAPE_SCRAPE = "2s"
 SHAPE_THRESHOLDS = rules.Thresholds(memory_window_s=3 * 1800, for_scale=1 / 30)
 # Imbalance at this shape is judged from 16 slots per expert in the window (~35 s of this traffic): longer watches.
 SHAPE_WATCH_S, SHAPE_HEALTHY_WATCH_S = 100, 60
-# A hot expert's evidence takes the window 60-85 s of finished requests at this traffic (detection.json).
-# The hot row's exporter window is 240 s, not 60: a hot expert is judged per expert against its small-sample
-# bound (sampling.var_upper: inf under 5 finished requests, 3.4x the variance at 20), and on these loaded cores a
-# 60 s window holds a handful of requests: too few to establish one expert among 58 x 256 at the family's 0.1%.
-SHAPE_DEMO_ARGS = {"hot": ["--metrics-window", "240"]}
-SHAPE_WATCH = {"hot": 300}
+# The hot row: pipeline.SHAPE_HOT_WINDOW_S / SHAPE_HOT_WATCH_S (why there).
+SHAPE_DEMO_ARGS = {"hot": ["--metrics-window", str(pipeline.SHAPE_HOT_WINDOW_S)]}
+SHAPE_WATCH = {"hot": pipeline.SHAPE_HOT_WATCH_S}
 
 
 def _state(prom):  # what Prometheus itself saw, for the failure message
