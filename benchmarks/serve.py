@@ -12,6 +12,11 @@ same CPUs (the SDK's per-chunk parsing takes more CPU than the server), so throu
 whatever else runs, while CPU per token counts only the server's own work.
 
     python benchmarks/serve.py [--quick] [--rounds 7] [--concurrency 1 8 32] [--model tiny-demo]
+
+Soak mode (``--soak SECONDS``): both servers side by side, each under ``--soak-clients`` (8) closed-loop streaming
+clients; the servers' RSS is sampled every 2 s against the requests each answered, and the report gives the RSS
+slope per 1,000 requests after ``--soak-warmup`` (least squares) and the growth after warm-up
+(``results/serve-soak.json``).
 """
 
 from __future__ import annotations

@@ -231,3 +231,37 @@ def test_the_loop_keeps_nothing_per_answered_request(model):
         assert engine.finished == [] and loop.running == 0 and not loop._ids and len(loop.admission) == 0
     finally:
         loop.close()
+
+
+def test_steps_failing_three_turns_in_a_row_make_the_loop_unhealthy(model):
+    """``MAX_FAILED_TURNS`` turns in a row in which no request progressed: unhealthy (sticky), new offers refused.
+    A request that progresses in between resets the count."""
+    from moescope.serve.loop import MAX_FAILED_TURNS, EngineLoop, Job, now
+    from moescope.serve.protocol import Params
+
+    assert MAX_FAILED_TURNS == 3
+    engine = Engine(model, max_batch=4)
+    engine.poison = {f"p{i}" for i in range(5)}
+    loop = EngineLoop(engine, max_queue=8).start(lambda streams: None)
+
+    def run(rid: str) -> Job:
+        job = Job(rid, Params("completion", "x", 0, 2, 0.0, None, (), None, False, False), now())
+        assert loop.offer(job) == "ok"
+        deadline = time.monotonic() + 60
+        while not job.stream.ended:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        return job
+
+    try:
+        for rid in ("p0", "p1", "ok", "p2", "p3"):
+            job = run(rid)
+            assert job.stream.record.finish_reason == ("length" if rid == "ok" else "error")
+            assert loop.unhealthy is None  # never three failed turns in a row: "ok" progressed between
+        run("p4")
+        time.sleep(0.1)
+        assert loop.unhealthy and "3 engine steps in a row" in loop.unhealthy and loop.failed_requests == 5
+        late = Job("late", Params("completion", "x", 0, 2, 0.0, None, (), None, False, False), now())
+        assert loop.offer(late) == "unhealthy" and loop.alive
+    finally:
+        loop.close()
