@@ -12,6 +12,11 @@ same CPUs (the SDK's per-chunk parsing takes more CPU than the server), so throu
 whatever else runs, while CPU per token counts only the server's own work.
 
     python benchmarks/serve.py [--quick] [--rounds 7] [--concurrency 1 8 32] [--model tiny-demo]
+
+Soak mode (``--soak SECONDS``): both servers side by side, each under ``--soak-clients`` (8) closed-loop streaming
+clients; the servers' RSS is sampled every 2 s against the requests each answered, and the report gives the RSS
+slope per 1,000 requests after ``--soak-warmup`` (least squares) and the growth after warm-up
+(``results/serve-soak.json``).
 """
 
 from __future__ import annotations
@@ -148,6 +153,108 @@ def summarise(runs: dict, concurrency: list[int]) -> list[dict]:
     return rows
 
 
+def rss_mb(pid: int) -> float | None:
+    """Resident set size of process ``pid`` in MB (Linux /proc), or None."""
+    try:
+        for line in open(f"/proc/{pid}/status"):
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _slope(xs: list[float], ys: list[float]) -> float | None:
+    """Least-squares slope of ys on xs."""
+    if len(xs) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else None
+
+
+async def soak_load(servers: dict, model: str, clients: int, seconds: float, warmup_s: float, max_tokens: int,
+                    sample_s: float = 2.0) -> dict:
+    """``clients`` closed-loop streaming clients per server for ``seconds``; the servers' RSS sampled every
+    ``sample_s`` against the requests each has answered. Per server: RSS slope per 1,000 requests after
+    ``warmup_s`` (least squares over the samples), growth from the first sample after warm-up to the last."""
+    import openai
+
+    stop = time.monotonic() + seconds
+    done = {v: 0 for v in servers}
+    errors = {v: 0 for v in servers}
+    samples: dict[str, list[tuple[float, int, float]]] = {v: [] for v in servers}
+
+    async def client(v: str, url: str, k: int) -> None:
+        sdk = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        i = 0
+        while time.monotonic() < stop:
+            i += 1
+            try:
+                stream = await sdk.completions.create(model=model, prompt=f"soak {k}-{i}: the quick brown fox",
+                                                      max_tokens=max_tokens, temperature=0, stream=True)
+                async for _ in stream:
+                    pass
+                done[v] += 1
+            except openai.OpenAIError:
+                errors[v] += 1
+        await sdk.close()
+
+    async def sampler() -> None:
+        t0 = time.monotonic()
+        while time.monotonic() < stop:
+            for v, (proc, _) in servers.items():
+                rss = rss_mb(proc.pid)
+                if rss is not None:
+                    samples[v].append((time.monotonic() - t0, done[v], rss))
+            await asyncio.sleep(sample_s)
+
+    await asyncio.gather(sampler(), *(client(v, url, k) for v, (_, url) in servers.items() for k in range(clients)))
+    out = {}
+    for v, rows in samples.items():
+        after = [r for r in rows if r[0] >= warmup_s]
+        slope = _slope([r[1] for r in after], [r[2] for r in after])
+        out[v] = {"requests": done[v], "errors": errors[v], "requests_after_warmup": after[-1][1] - after[0][1]
+                  if after else 0, "rss_mb_start": rows[0][2] if rows else None,
+                  "rss_mb_after_warmup": after[0][2] if after else None, "rss_mb_end": rows[-1][2] if rows else None,
+                  "growth_after_warmup_pct": (after[-1][2] / after[0][2] - 1) * 100 if after else None,
+                  "rss_kb_per_1000_requests": None if slope is None else slope * 1024 * 1000,
+                  "samples": [[round(t, 1), n, round(m, 2)] for t, n, m in rows]}
+    return out
+
+
+def soak(args) -> int:
+    """``--soak SECONDS``: both servers (capture on and off) side by side, each under ``--soak-clients``
+    streaming clients; reports the RSS slope per 1,000 requests after ``--soak-warmup`` seconds."""
+    out = args.out or HERE / "results" / "serve-soak.json"
+    max_tokens = args.max_tokens or 32
+    with tempfile.TemporaryDirectory(prefix="moescope-bench-soak-") as tmp:
+        servers = {v: start(args.model, extra, Path(tmp), v, args.max_batch) for v, extra in VARIANTS.items()}
+        try:
+            for proc, url in servers.values():
+                wait_ready(proc, url)
+            res = asyncio.run(soak_load(servers, args.model, args.soak_clients, args.soak, args.soak_warmup,
+                                        max_tokens))
+        finally:
+            for proc, _ in servers.values():
+                proc.send_signal(signal.SIGTERM)
+            for proc, _ in servers.values():
+                proc.wait(60)
+    print(f"\nsoak: moescope serve, {args.model}, {args.soak_clients} streaming clients per server, {args.soak:.0f} s "
+          f"(warm-up {args.soak_warmup:.0f} s), {max_tokens} tokens per request")
+    for v, r in res.items():
+        slope, growth = r["rss_kb_per_1000_requests"], r["growth_after_warmup_pct"]
+        print(f"{v:<11} {r['requests']:>7} requests, {r['errors']} errors; RSS {r['rss_mb_start']:.1f} -> "
+              f"{r['rss_mb_after_warmup']:.1f} (warm) -> {r['rss_mb_end']:.1f} MB: "
+              + (f"{slope:+.1f} KB per 1,000 requests, {growth:+.2f}% after warm-up" if slope is not None else "n/a"))
+    import torch
+
+    save({"mode": "soak", "model": args.model, "max_batch": args.max_batch, "max_tokens": max_tokens,
+          "clients_per_server": args.soak_clients, "seconds": args.soak, "warmup_s": args.soak_warmup,
+          "cpus": os.cpu_count(), "torch": torch.__version__, "results": res}, out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="one small round at 1 and 8 clients (CI: the script runs)")
@@ -158,7 +265,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--out", type=Path, default=None,
                     help="[benchmarks/results/serve.json; --quick: serve-quick.json]")
+    ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
+                    help="soak mode: RSS slope per 1,000 requests under --soak-clients streaming clients "
+                         "[results/serve-soak.json]")
+    ap.add_argument("--soak-clients", type=int, default=8, help="[8]")
+    ap.add_argument("--soak-warmup", type=float, default=60.0, help="seconds before the slope is fitted [60]")
     args = ap.parse_args(argv)
+    if args.soak:
+        return soak(args)
     rounds = args.rounds or (1 if args.quick else 7)
     concurrency = args.concurrency or ([1, 8] if args.quick else [1, 8, 32])
     max_tokens = args.max_tokens or (4 if args.quick else 32)

@@ -49,9 +49,13 @@ def assemble(stack: ExitStack, o: dict):
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True, help="uvicorn's log level.")
 @click.option("--access-log", is_flag=True, help="Log every HTTP request (off: the trace store has them).")
+@click.option("--debug-endpoints", is_flag=True,
+              help="Fault injection for tests and drills: POST /debug/kill-engine, POST /debug/poison. Never in "
+                   "production.")
 @model_options
 @instrument_options
-def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, access_log, **o) -> int:
+def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, access_log, debug_endpoints,
+          **o) -> int:
     """Serve the OpenAI completions and chat completions API on the reference MoE runtime.
 
     Each response's id (and x-request-id header) opens in `moescope trace ID`.
@@ -74,7 +78,8 @@ def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, a
         engine, inst, recorder = assemble(stack, o)
         loop = EngineLoop(engine, max_queue=max_queue, request_timeout_s=request_timeout or None)
         stack.callback(loop.close)  # first out: cancels what is left, before the recorder flushes
-        service = app_mod.Service(loop, ModelLimits(engine.model.cfg.name, engine.model.cfg.max_seq_len))
+        service = app_mod.Service(loop, ModelLimits(engine.model.cfg.name, engine.model.cfg.max_seq_len),
+                                  debug=debug_endpoints)
         bound = sock.getsockname()
         where = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
         click.echo(f"moescope serve: {where} (model {service.limits.name}, max batch {engine.max_batch}, queue "

@@ -44,8 +44,9 @@ class RequestRecord:
     ttft_s: float
     token_latencies_s: tuple[float, ...]  # per output token: first = ttft, then gaps between tokens
     total_s: float
-    # "length", "eos", "max_seq_len", "stop" (a stop string), "cancelled" (``Engine.cancel``) or "timeout"
-    # (``timeout_s``); a request that ends before its first token has ttft_s 0 and no token latencies.
+    # "length", "eos", "max_seq_len", "stop" (a stop string), "cancelled" (``Engine.cancel``), "timeout"
+    # (``timeout_s``) or "error" (its sampling failed, or ``cancel(reason="error")`` after a step failed on it); a
+    # request that ends before its first token has ttft_s 0 and no token latencies.
     finish_reason: str
     domain: str | None = None
     tenant: str | None = None
@@ -95,6 +96,15 @@ class _Live:
 
 
 DECODE_MODES = ("eager", "static", "graph")
+
+
+class StepFailed(Exception):
+    """``Engine.step`` raised inside its forward or sampling. The engine is as it was before the step: its
+    requests are queued or running again (a retry reruns them); ``request_ids`` are the requests of that step."""
+
+    def __init__(self, request_ids: tuple[str, ...], cause: BaseException) -> None:
+        super().__init__(f"engine step over {len(request_ids)} request(s) failed: {cause!r}")
+        self.request_ids = request_ids
 
 
 def _ends_with_stop(output_ids: list[int], stops: tuple[tuple[int, ...], ...]) -> bool:
@@ -162,6 +172,7 @@ class Engine:
         self._collector = None
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self.sink_errors = 0  # exceptions raised by request sinks (counted, logged once, never raised)
+        self.poison: set[str] = set()  # a debugging fault: a step that holds one of these request ids raises
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -206,13 +217,14 @@ class Engine:
         self._submitted += 1
         return rid
 
-    def cancel(self, request_id: str) -> RequestRecord | None:
-        """End a queued or running request now (finish_reason "cancelled"): its KV cache and batch slot are
-        freed before the next step, its record goes to observers like any other. Call it from the thread that
-        steps the engine. Returns the record, or None when no such request is queued or running."""
+    def cancel(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
+        """End a queued or running request now (finish_reason ``reason``: "cancelled", or "error" for one a
+        failed step was traced to): its KV cache and batch slot are freed before the next step, its record
+        goes to observers like any other. Call it from the thread that steps the engine. Returns the record, or
+        None when no such request is queued or running."""
         for live in (*self._waiting, *self._running):
             if live.request_id == request_id:
-                return self._end(live, "cancelled")
+                return self._end(live, reason)
         return None
 
     def _end(self, live: _Live, reason: str) -> RequestRecord:
@@ -256,30 +268,65 @@ class Engine:
 
     # -- one step --------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def step(self) -> list[RequestRecord]:
-        """Run one forward (prefill of newly admitted requests, else a decode); returns requests finished."""
+    def step(self, only: set[str] | None = None) -> list[RequestRecord]:
+        """Run one forward (prefill of newly admitted requests, else a decode); returns requests finished.
+
+        ``only``: run only these requests this step (the others wait): how a server retries a failed step
+        request by request. Raises ``StepFailed`` (state restored) when the forward or sampling raises."""
         if self.canary is not None and self.canary.due():
             self.observer.on_canary(self.canary.run())
         now = self.clock()
         self._expire(now)
         new = []
-        while self._waiting and len(self._running) + len(new) < self.max_batch:
-            live = self._waiting.popleft()
+        waiting = self._waiting if only is None else [r for r in self._waiting if r.request_id in only]
+        for live in waiting:
+            if len(self._running) + len(new) >= self.max_batch:
+                break
             live.admitted_at = now
             live.cache = self.model.new_cache()
             if self.decode != "eager":
                 live.slot = self._free_slots.pop()
             new.append(live)
+        for live in new:
+            if only is None:
+                self._waiting.popleft()
+            else:
+                self._waiting.remove(live)
+        running = self._running if only is None else [r for r in self._running if r.request_id in only]
         if new:
             batch, phase = new, "prefill"
-            flat = [t for r in new for t in r.prompt_ids]
-            segments = [Segment(len(r.prompt_ids), r.cache) for r in new]
-        elif self._running:
-            batch, phase = self._running, "decode"
-            flat = [r.output_ids[-1] for r in batch]
-            segments = [Segment(1, r.cache) for r in batch]
+        elif running:
+            batch, phase = running, "decode"
         else:
             return []
+        saved = [(r.prefix_key, r.cache.length) for r in batch]
+        try:
+            next_ids, started, n_tokens, seg_info = self._forward(batch, phase, new)
+        except Exception as exc:  # put the step's requests back as they were: a retry reruns them
+            for r, (key, length) in zip(batch, saved):
+                r.prefix_key, r.cache.length = key, length
+            for live in reversed(new):
+                live.cache, live.admitted_at = None, 0.0
+                if live.slot >= 0:
+                    self._free_slots.append(live.slot)
+                    live.slot = -1
+                if live in self._running:
+                    self._running.remove(live)
+                self._waiting.appendleft(live)
+            raise StepFailed(tuple(r.request_id for r in batch), exc) from exc
+        return self._advance(batch, phase, new, next_ids, started, n_tokens, seg_info)
+
+    def _forward(self, batch: list[_Live], phase: str, new: list[_Live]):
+        """The step's forward and sampling (what ``step`` undoes when it raises): the sampled ids and what the
+        step's record needs."""
+        if phase == "prefill":
+            flat = [t for r in new for t in r.prompt_ids]
+            segments = [Segment(len(r.prompt_ids), r.cache) for r in new]
+        else:
+            flat = [r.output_ids[-1] for r in batch]
+            segments = [Segment(1, r.cache) for r in batch]
+        if self.poison and any(r.request_id in self.poison for r in batch):
+            raise RuntimeError("injected fault: a request in this step is poisoned (POST /debug/poison)")
         seg_info = tuple((r.request_id, s.start_pos, s.n) for r, s in zip(batch, segments))
         started = self.clock()
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)
@@ -302,6 +349,11 @@ class Engine:
         next_ids = self._sample(logits, batch).tolist()  # the engine's one host sync per step
         if self.leak is not None:  # leak_bytes retained per step, never freed: memory grows with traffic
             self.leak.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32, device=logits.device))
+        return next_ids, started, len(flat), seg_info
+
+    def _advance(self, batch: list[_Live], phase: str, new: list[_Live], next_ids: list[int], started: float,
+                 n_tokens: int, seg_info: tuple) -> list[RequestRecord]:
+        """After a forward: record each request's token, finish those that are done, tell observers and sinks."""
         done_at = self.clock()
         if phase == "prefill":
             self._running.extend(new)
@@ -309,6 +361,10 @@ class Engine:
         for live, tok in zip(batch, next_ids):
             if phase == "prefill":
                 live.prefill_s = done_at - started
+            if tok < 0:  # its logits or probabilities were not finite: only this request ends
+                live.finish_reason = "error"
+                finished.append(live)
+                continue
             live.output_ids.append(tok)
             live.token_times.append(done_at)
             reason = ("eos" if tok == tokenizer.EOS else
@@ -318,16 +374,16 @@ class Engine:
             if reason:
                 live.finish_reason = reason
                 finished.append(live)
-        self.observer.on_step(StepRecord(self._steps, phase, started, done_at - started, len(flat), seg_info))
+        self.observer.on_step(StepRecord(self._steps, phase, started, done_at - started, n_tokens, seg_info))
         self._steps += 1
         made = list(zip(batch, next_ids))  # (a decode batch is self._running itself: copy before removing)
         records = []
         for live in finished:
             self._running.remove(live)
-            records.append(self._retire(live))
+            records.append(self._retire(live, end=done_at if live.finish_reason == "error" else None))
         ended = {r.request_id: r for r in records}
         for live, tok in made:
-            self._emit(live, tok, ended.get(live.request_id))
+            self._emit(live, tok if tok >= 0 else None, ended.get(live.request_id))
         return records
 
     def _static(self):
@@ -356,15 +412,23 @@ class Engine:
         return logits
 
     def _sample(self, logits: torch.Tensor, batch: list[_Live]) -> torch.Tensor:
+        """The next token of each request, or -1 for a request whose logits (or, sampled, probabilities) are not
+        finite. Guarded on the device, without a host sync: a row that would make ``torch.multinomial`` fail
+        (a device-side assert on CUDA, which no later step survives) samples a harmless uniform row instead and
+        is marked -1, so one request's numbers never fail the others'."""
         logits = logits.float()
+        bad = logits.isnan().any(-1)
         logits[:, tokenizer.PAD] = float("-inf")  # never sample padding or a second BOS
         logits[:, tokenizer.BOS] = float("-inf")
         out = logits.argmax(-1)
         for i, live in enumerate(batch):
             if live.temperature > 0:
                 probs = torch.softmax(logits[i] / live.temperature, -1)
+                ok = torch.isfinite(probs).all() & (probs.sum() > 0)
+                probs = torch.where(ok, probs, torch.ones_like(probs))
                 out[i] = torch.multinomial(probs, 1, generator=live.generator)[0]
-        return out
+                bad[i] |= ~ok
+        return torch.where(bad, -1, out)
 
     @staticmethod
     def _record(live: _Live, end: float | None = None) -> RequestRecord:

@@ -34,6 +34,7 @@ class Service:
     limits: protocol.ModelLimits
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
+    debug: bool = False  # --debug-endpoints: POST /debug/kill-engine and /debug/poison (fault injection)
 
 
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -45,6 +46,10 @@ def _ended_error(record) -> APIError:
     if record is not None and record.finish_reason == "timeout":
         return APIError(408, f"the request timed out after {record.total_s:.1f}s ({record.n_output} tokens made; "
                         "stored with finish_reason 'timeout')", type="timeout_error", code="request_timeout")
+    if record is not None and record.finish_reason == "error":  # retrying the same request cannot help
+        return APIError(500, "the engine failed on this request (stored with finish_reason 'error'; GET /health "
+                        "says whether the engine still serves)", type="server_error", code="engine_error",
+                        headers={"x-should-retry": "false"})
     return APIError(503, "the request was cancelled: the server is shutting down or the engine failed",
                     type="service_unavailable", code="cancelled")
 
@@ -141,6 +146,9 @@ async def _handle(service: Service, request: Request, parse) -> Response:
             raise APIError(429, f"the server's queue is full ({service.loop.admission.capacity} waiting); retry "
                            f"in {wait}s", type="rate_limit_error", code="queue_full",
                            headers={"retry-after": str(wait)})
+        if offered == "unhealthy":
+            raise APIError(503, f"the engine cannot serve: {service.loop.unhealthy}", type="service_unavailable",
+                           code="engine_unhealthy")
         if offered == "duplicate":
             raise APIError(409, f"a request with id {rid!r} (x-request-id) is already in flight",
                            param="x-request-id", code="duplicate_request_id")
@@ -182,13 +190,43 @@ def create_app(service: Service) -> FastAPI:
         return {"object": "list", "data": [{"id": service.limits.name, "object": "model", "created": service.started,
                                             "owned_by": "moescope", "max_model_len": service.limits.max_seq_len}]}
 
-    @app.get("/health")
-    async def health():
+    def _state() -> tuple[dict, str | None]:
         loop = service.loop
-        doc = {"status": "draining" if service.draining else "ok", "model": service.limits.name,
+        why = loop.unhealthy or (None if loop.alive else "the engine thread is not running")
+        doc = {"status": "unhealthy" if why else "draining" if service.draining else "ok", "model": service.limits.name,
                "running": loop.running, "queued": len(loop.admission), "max_batch": loop.engine.max_batch,
                "max_queue": loop.admission.capacity, "rejected": loop.admission.rejected, "served": loop.served,
-               "step_errors": loop.step_errors}
-        return JSONResponse(doc, status_code=503 if service.draining else 200)
+               "step_errors": loop.step_errors, "failed_requests": loop.failed_requests}
+        if why:
+            doc["reason"] = why
+        return doc, why
+
+    @app.get("/health")
+    async def health():
+        """Liveness: 503 only when the engine cannot serve (its thread died, or steps keep failing)."""
+        doc, why = _state()
+        return JSONResponse(doc, status_code=503 if why else 200)
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 503 also while draining (SIGTERM), so a load balancer stops sending new requests."""
+        doc, why = _state()
+        return JSONResponse(doc, status_code=503 if why or service.draining else 200)
+
+    if service.debug:
+        @app.post("/debug/kill-engine")
+        async def kill_engine():
+            service.loop.kill()
+            return {"killed": True}
+
+        @app.post("/debug/poison")
+        async def poison(request: Request):
+            body = protocol.decode_json(await _read_body(request))
+            rid = body.get("request_id")
+            if not isinstance(rid, str) or not rid:
+                raise APIError(400, "request_id: a request id (string) to poison", param="request_id",
+                               code="invalid_value")
+            service.loop.engine.poison.add(rid)
+            return {"poisoned": rid}
 
     return app

@@ -12,6 +12,14 @@ thread-safe structures and never touch the engine.
   it between steps with ``Engine.cancel``, which frees the slot and records the request as "cancelled". A job
   cancelled while still waiting here is submitted and cancelled at once, so it reaches the trace store too.
 
+- Failures: a step that raises (``StepFailed``: the engine put its requests back) is rerun request by request;
+  a request that fails alone ends as "error" (stored; its client gets 500), the others go on. After
+  ``MAX_FAILED_TURNS`` turns in a row in which no request progressed, or when the thread itself dies (any
+  exception outside a step, a ``BaseException``), the loop is unhealthy for good: what is queued or running
+  ends as "error" and is answered, new requests are refused at once (503), ``/health`` answers 503 with why.
+- Memory: records reach their handlers through the sinks; the engine's own list of finished records is
+  emptied after every step (it would otherwise keep every request the server ever answered).
+
 Continuous batching is the engine's: each ``step()`` prefills whatever was admitted since the last one, else
 decodes one token for every running request, so a new request joins at the next step.
 """
@@ -27,10 +35,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from moescope.runtime.engine import Engine, RequestRecord
+from moescope.runtime.engine import Engine, RequestRecord, StepFailed
 from moescope.serve.protocol import Params
 
 log = logging.getLogger("moescope.serve")
+
+MAX_FAILED_TURNS = 3  # failed steps in a row (none of whose requests progressed) before the engine is unhealthy
+
+
+class EngineKilled(BaseException):
+    """Raised on the engine thread by ``EngineLoop.kill`` (``POST /debug/kill-engine``): a BaseException, so no
+    handler for ordinary errors catches it and the thread dies as it would from a fatal error."""
 
 
 class TokenStream:
@@ -148,14 +163,28 @@ class EngineLoop:
         self._touched: list[TokenStream] = []
         self._closing = threading.Event()
         self._drain_at: float | None = None  # time.monotonic() after which everything left is cancelled
-        self._thread = threading.Thread(target=self._run, name="moescope-engine", daemon=True)
-        self.step_errors = 0
+        self._thread = threading.Thread(target=self._main, name="moescope-engine", daemon=True)
+        self.step_errors = 0  # steps that raised (each then rerun request by request)
+        self.failed_requests = 0  # requests a failed step was traced to (ended as "error")
+        self.unhealthy: str | None = None  # why the engine cannot serve (sticky: restart the process)
+        self._failed_turns = 0  # turns in a row whose step failed and no request progressed
+        self._kill: str | None = None
         self.served = 0  # requests that ended, any reason (engine thread)
         self._mean_total_s = 1.0  # running mean of request time: the Retry-After estimate
 
     @property
     def running(self) -> int:
         return len(self._live)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (false before ``start`` and after it died or closed)."""
+        return self._thread.is_alive()
+
+    def kill(self, why: str = "killed through POST /debug/kill-engine") -> None:
+        """Any thread: make the engine thread raise ``EngineKilled`` at its next turn (a debugging fault)."""
+        self._kill = why
+        self.admission.poke()
 
     def start(self, wake: Callable[[list[TokenStream]], None]) -> "EngineLoop":
         """Start the thread. ``wake`` is called on it after a step with the streams that got tokens; it must
@@ -165,9 +194,11 @@ class EngineLoop:
         return self
 
     def offer(self, job: Job) -> str:
-        """Any thread: queue a job. Returns "ok", "full" (the admission queue is) or "duplicate" (a request with
-        this id is queued or running)."""
+        """Any thread: queue a job. Returns "ok", "full" (the admission queue is), "duplicate" (a request with
+        this id is queued or running) or "unhealthy" (the engine cannot serve: ``unhealthy`` says why)."""
         with self._ids_lock:
+            if self.unhealthy is not None:
+                return "unhealthy"
             if job.request_id in self._ids:
                 return "duplicate"
             if not self.admission.offer(job):
@@ -238,9 +269,32 @@ class EngineLoop:
             except Exception:  # the event loop is gone (shutdown): nothing is waiting any more
                 log.debug("waking handlers failed", exc_info=True)
 
+    def _main(self) -> None:
+        """The thread: ``_run``, guarded. However it ends, every request still queued or running is answered."""
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 (the thread is dying: say why, answer everyone)
+            log.critical("the engine thread died (%r): /health answers 503, new requests 503", exc,
+                         exc_info=not isinstance(exc, EngineKilled))
+            self._set_unhealthy(f"the engine thread died: {exc!r}")
+            try:
+                self._cancel_all("error")
+            except BaseException:  # noqa: BLE001 (the engine is broken: the clients still get an answer)
+                log.exception("the engine could not end its requests; they are answered without a record")
+            for job in [*self._live.values(), *self.admission.take(len(self.admission))]:
+                self._fail(job)
+            self._flush()
+
+    def _set_unhealthy(self, why: str) -> None:
+        with self._ids_lock:  # no offer gets in after this
+            if self.unhealthy is None:
+                self.unhealthy = why
+
     def _run(self) -> None:
         engine = self.engine
         while True:
+            if self._kill is not None:
+                raise EngineKilled(self._kill)
             self._apply_cancels()
             if self._drain_at is not None and time.monotonic() >= self._drain_at:
                 self._cancel_all()
@@ -248,26 +302,50 @@ class EngineLoop:
                 self._cancel_all()
                 self._flush()
                 return
-            for job in self.admission.take(engine.max_batch - len(self._live)):
-                self._submit(job)
-            if engine.has_work:
-                try:
-                    engine.step()
-                except Exception:  # a bug or a broken device: fail what is in flight, keep serving
-                    self.step_errors += 1
-                    log.exception("engine step failed: cancelling the %d requests in flight", len(self._live))
-                    for rid, job in list(self._live.items()):
-                        if engine.cancel(rid) is None:  # lost inside the failed step
-                            self._fail(job)
-            else:
+            if self.unhealthy is not None:  # no more steps: answer what is left, then only wait to close
+                self._cancel_all("error")
                 self.admission.wait(0.05)
+            else:
+                for job in self.admission.take(engine.max_batch - len(self._live)):
+                    self._submit(job)
+                if engine.has_work:
+                    try:
+                        engine.step()
+                        self._failed_turns = 0
+                    except StepFailed as exc:
+                        self._isolate(exc)
+                else:
+                    self.admission.wait(0.05)
+            engine.finished.clear()  # the records went to the sinks: never keep every request served
             self._flush()
 
-    def _cancel_all(self) -> None:
+    def _isolate(self, failed: StepFailed) -> None:
+        """Rerun a failed step's requests one at a time: one that fails alone ends as "error" (stored); the
+        others take their step. A turn in which none progressed counts towards ``MAX_FAILED_TURNS``."""
+        self.step_errors += 1
+        log.error("%s: rerunning its requests one at a time", failed, exc_info=failed.__cause__)
+        progressed = False
+        for rid in failed.request_ids:
+            try:
+                self.engine.step(only={rid})
+                progressed = True
+            except StepFailed as alone:
+                self.failed_requests += 1
+                log.error("request %s fails the step alone (%r): it ends as 'error'", rid, alone.__cause__)
+                job = self._live.get(rid)
+                if self.engine.cancel(rid, reason="error") is None and job is not None:
+                    self._fail(job)
+        self._failed_turns = 0 if progressed else self._failed_turns + 1
+        if self._failed_turns >= MAX_FAILED_TURNS:
+            self._set_unhealthy(f"{self._failed_turns} engine steps in a row failed for every request in them "
+                                f"(last: {failed.__cause__!r})")
+            log.critical("engine unhealthy: %s", self.unhealthy)
+
+    def _cancel_all(self, reason: str = "cancelled") -> None:
         for job in self.admission.take(len(self.admission)):
             self._submit(job)
         for rid in list(self._live):
-            self.engine.cancel(rid)
+            self.engine.cancel(rid, reason=reason)
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Cancel whatever is still queued or running (recorded as "cancelled") and stop the thread."""

@@ -23,6 +23,8 @@ from moescope.serve.ids import tenant as tenant_label
 
 MAX_BODY_BYTES = 1 << 20
 MAX_STOP = 4  # as OpenAI
+MIN_TEMPERATURE = 0.01  # as vLLM's SamplingParams: 0 < temperature < 0.01 runs at 0.01 (softmax overflows below)
+SEED_RANGE = (-(2**63), 2**63 - 1)  # OpenAI's int64; torch.Generator.manual_seed takes [-2**63, 2**64)
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 # OpenAI fields whose effect the runtime does not implement: accepted only at their neutral values.
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
@@ -130,6 +132,16 @@ def _check_common(req: _Sampling, limits: ModelLimits) -> None:
                            "it); leave it unset", param=name, code="unsupported_parameter")
     if req.temperature is not None and not 0 <= req.temperature <= 2:
         raise APIError(400, "temperature must be between 0 and 2", param="temperature", code="invalid_value")
+    if req.seed is not None and not SEED_RANGE[0] <= req.seed <= SEED_RANGE[1]:
+        raise APIError(400, f"seed must be a 64-bit signed integer ({SEED_RANGE[0]} to {SEED_RANGE[1]})",
+                       param="seed", code="invalid_value")
+
+
+def _temperature(value: float | None) -> float:
+    """OpenAI's default 1; 0 is greedy; (0, MIN_TEMPERATURE) runs at MIN_TEMPERATURE, as vLLM does."""
+    if value is None:
+        return 1.0
+    return 0.0 if value == 0 else max(float(value), MIN_TEMPERATURE)
 
 
 def _stops(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -162,7 +174,7 @@ def _params(kind, req: _Sampling, prompt: str, max_tokens: int | None, default: 
     default = limits.max_seq_len if default is None else default
     return Params(kind=kind, prompt=prompt, prompt_tokens=n_prompt,
                   max_tokens=_max_tokens(max_tokens, default, n_prompt, limits, prompt_param),
-                  temperature=1.0 if req.temperature is None else float(req.temperature), seed=req.seed,
+                  temperature=_temperature(req.temperature), seed=req.seed,
                   stop=_stops(req.stop), tenant=tenant_label(req.user), stream=bool(req.stream),
                   include_usage=bool(req.stream_options and req.stream_options.include_usage))
 
