@@ -6,6 +6,7 @@ request served (counts, sums and finish reasons), the HTTP statuses the clients 
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import threading
 
 import httpx
@@ -133,10 +134,12 @@ def test_running_waiting_and_429_are_counted_and_match_health(server):
 
 def test_openmetrics_exemplars_are_served_request_ids(server):
     rid = server.client().completions.create(model=MODEL, prompt="exemplar", max_tokens=4).id
-    r = httpx.get(server.url + "/metrics", headers={"accept": "application/openmetrics-text"}, timeout=10)
-    assert r.headers["content-type"].startswith("application/openmetrics-text")
+    out = subprocess.run(["curl", "-si", "-H", "Accept: application/openmetrics-text", server.url + "/metrics"],
+                         capture_output=True, text=True, timeout=30, check=True)
+    head, _, text = out.stdout.replace("\r\n", "\n").partition("\n\n")
+    assert "content-type: application/openmetrics-text" in head.lower(), head
     exemplars = {}
-    for fam in parse_openmetrics(r.text):
+    for fam in parse_openmetrics(text):
         for smp in fam.samples:
             if smp.exemplar is not None:
                 exemplars.setdefault(fam.name, set()).add(smp.exemplar.labels["request_id"])

@@ -76,6 +76,7 @@ class RoutedExperts(Observer):
         with self._lock:
             self._watch.discard(rid)
             self._done.pop(rid, None)
+        self._rows.pop(rid, None)  # a request that never ended in the engine (a failed step)
 
     def take(self, rid: str, start: int = 0) -> dict | None:
         """The ended request's ``sgl_ext`` (None if it was not watched or made no step)."""
