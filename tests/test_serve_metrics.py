@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
+import time
 
 import httpx
 import openai
@@ -158,3 +159,57 @@ def test_every_serving_series_is_in_the_catalogue(server):
     assert exposed <= catalogue.exposed_sample_names(), exposed - catalogue.exposed_sample_names()
     assert {n.removesuffix("_count") for n in exposed if n.endswith("_count")} | \
         {n for n in exposed if not n.endswith(("_bucket", "_sum", "_count"))} == declared
+
+
+# The serving queries of vLLM's published Grafana dashboard (examples/online_serving/prometheus_grafana/
+# grafana.json), in its forms: quantiles and means of the histograms, rates of the counters, the gauges, the
+# per-request heatmaps, the finish reasons.
+VLLM_SERIES_HIST = ("e2e_request_latency_seconds", "time_per_output_token_seconds", "time_to_first_token_seconds")
+VLLM_QUERIES = (
+    *(f'histogram_quantile(0.99, sum by(le) (rate(vllm:{h}_bucket{{model_name="$m"}}[30s])))'
+      for h in VLLM_SERIES_HIST),
+    *(f'rate(vllm:{h}_sum{{model_name="$m"}}[30s]) / rate(vllm:{h}_count{{model_name="$m"}}[30s])'
+      for h in VLLM_SERIES_HIST),
+    'rate(vllm:prompt_tokens_total{model_name="$m"}[30s])', 'rate(vllm:generation_tokens_total{model_name="$m"}[30s])',
+    'vllm:num_requests_running{model_name="$m"}', 'vllm:num_requests_waiting{model_name="$m"}',
+    'sum by(le) (increase(vllm:request_prompt_tokens_bucket{model_name="$m"}[30s]))',
+    'sum by(le) (increase(vllm:request_generation_tokens_bucket{model_name="$m"}[30s]))',
+    'sum by(finished_reason) (increase(vllm:request_success_total{model_name="$m"}[30s]))',
+    'rate(vllm:request_queue_time_seconds_sum{model_name="$m"}[30s])',
+    'rate(vllm:request_prefill_time_seconds_sum{model_name="$m"}[30s])',
+    'rate(vllm:request_decode_time_seconds_sum{model_name="$m"}[30s])',
+    'rate(vllm:request_max_num_generation_tokens_sum{model_name="$m"}[30s])',
+)
+
+
+def test_vllm_dashboard_queries_answer_through_the_documented_relabel(server, tmp_path):
+    import re
+
+    import yaml
+
+    from conftest import ROOT
+    from moescope.serve.metrics import VLLM_RELABEL
+    from servers import Prometheus
+
+    doc = (ROOT / "docs" / "serve.md").read_text()
+    block = re.search(r"```yaml\n(metric_relabel_configs:.*?)```", doc, re.S).group(1)
+    assert yaml.safe_load(block)["metric_relabel_configs"] == list(VLLM_RELABEL)  # the docs show the rule tested
+
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{server.port}"], metric_relabel=list(VLLM_RELABEL))
+    try:
+        client = server.client()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # traffic across several scrapes: rates need two samples
+            client.completions.create(model=MODEL, prompt="relabel", max_tokens=6)
+            if prom.scalar(f'count(vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}) '
+                           f'and on() (count_over_time(vllm:generation_tokens_total{{model_name="{MODEL}"}}[30s]) '
+                           '> 4)'):
+                break
+        missing = [q for q in VLLM_QUERIES if not prom.query(q.replace("$m", MODEL))]
+        assert not missing, missing
+        assert not prom.query('{__name__=~"moescope_serve_.+"}')  # every serving series was renamed
+        time.sleep(2.5)  # (idle: a scrape or two after the last request)
+        total = prom.scalar(f'vllm:generation_tokens_total{{model_name="{MODEL}"}}')
+        assert total == value(scrape(server), "generation_tokens_total")
+    finally:
+        prom.stop()

@@ -25,6 +25,16 @@ OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
 FINISHED = ("stop", "length", "abort")  # vLLM's finished_reason values; abort: cancelled, timed out, failed
 CAUSES = ("queue_full", "invalid", "unavailable")
 P = "moescope_serve_"
+# Prometheus metric_relabel_configs that make vLLM's published Grafana dashboard
+# (examples/online_serving/prometheus_grafana/grafana.json) read these series: inter-token latency under the name
+# that dashboard reads (vLLM's older time_per_output_token_seconds; drop the first rule for a dashboard that reads
+# vllm:inter_token_latency_seconds), every other series as vllm:<name>, and the model as model_name.
+VLLM_RELABEL = (
+    {"source_labels": ["__name__"], "regex": P + "inter_token_latency_seconds(.*)", "target_label": "__name__",
+     "replacement": "vllm:time_per_output_token_seconds$1"},
+    {"source_labels": ["__name__"], "regex": P + "(.+)", "target_label": "__name__", "replacement": "vllm:$1"},
+    {"source_labels": ["model"], "target_label": "model_name"},
+)
 
 
 def cause(status: int) -> str:
@@ -54,19 +64,22 @@ class ServeMetrics:
 
         self.ttft, self.itl = hist("time_to_first_token_seconds"), hist("inter_token_latency_seconds")
         self.e2e, self.queue = hist("e2e_request_latency_seconds"), hist("request_queue_time_seconds")
+        self.prefill, self.decode = hist("request_prefill_time_seconds"), hist("request_decode_time_seconds")
+        self.prompt_hist, self.generation_hist = hist("request_prompt_tokens"), hist("request_generation_tokens")
+        self.max_tokens_hist = hist("request_max_num_generation_tokens")
         success, rejected = counter("request_success_total"), counter("request_rejected_total")
         self.success = {r: success.labels(*self.base, r) for r in FINISHED}
         self.rejected_by = {c: rejected.labels(*self.base, c) for c in CAUSES}
         self.prompt_tokens = counter("prompt_tokens_total").labels(*self.base)
         self.generation_tokens = counter("generation_tokens_total").labels(*self.base)
         self.registry.register(_Gauges(self))
-        # stream -> [request id, arrival, last token time, tokens seen]; event-loop thread only
+        # stream -> [request id, arrival, last token time, tokens seen, max_tokens]; event-loop thread only
         self._live: dict[TokenStream, list] = {}
 
     # -- event-loop thread -------------------------------------------------------------------------------
     def admitted(self, job: Job) -> None:
         """The job was queued (call before the handler awaits anything: no token can be observed earlier)."""
-        self._live[job.stream] = [job.request_id, job.arrival, job.arrival, 0]
+        self._live[job.stream] = [job.request_id, job.arrival, job.arrival, 0, job.params.max_tokens]
 
     def rejected(self, status: int) -> None:
         self.rejected_by[cause(status)].inc()
@@ -84,7 +97,7 @@ class ServeMetrics:
             s.wake()
 
     def _observe(self, s: TokenStream, entry: list, t: float) -> None:
-        rid, arrival, last, seen = entry
+        rid, arrival, last, seen, max_tokens = entry
         record = s.record
         # One sink call per request per step; it carried a token unless the request ended without one
         # (cancelled, timed out: the record then holds no more tokens than were already seen).
@@ -100,6 +113,7 @@ class ServeMetrics:
             return
         del self._live[s]
         ex = {"request_id": rid}
+        self.max_tokens_hist.observe(max_tokens)
         if record is None:  # lost in a failed step
             self.e2e.observe(t - arrival, ex)
             self.success["abort"].inc()
@@ -107,6 +121,11 @@ class ServeMetrics:
         self.e2e.observe(record.total_s, ex)
         self.queue.observe(record.queue_s, ex)
         self.prompt_tokens.inc(len(record.prompt_tokens))
+        self.prompt_hist.observe(len(record.prompt_tokens))
+        self.generation_hist.observe(record.n_output)
+        if record.n_output:  # it was prefilled
+            self.prefill.observe(record.prefill_s, ex)
+            self.decode.observe(sum(record.token_latencies_s[1:]), ex)
         self.success[FINISH_REASONS.get(record.finish_reason, "abort")].inc()
 
     def exposition(self, accept: str) -> tuple[bytes, str]:
