@@ -155,11 +155,11 @@ async def _handle(service: Service, request: Request, parse) -> Response:
         params = parse(body, service.limits)
         routed_from = routing.wanted(body)
         job = Job(rid, params, now())
-        if routed_from is not None:
-            service.routed.watch(rid)
+        if routed_from is not None:  # before the engine can see the job: its prefill is recorded too
+            service.routed.watch(job.request_id)
         offered = service.loop.offer(job)
         if offered != "ok" and routed_from is not None:
-            service.routed.forget(rid)
+            service.routed.forget(job.request_id)
         if offered == "full":
             wait = service.loop.retry_after_s()
             raise APIError(429, f"the server's queue is full ({service.loop.admission.capacity} waiting); retry "
@@ -180,7 +180,7 @@ async def _handle(service: Service, request: Request, parse) -> Response:
         return await _whole(service, job, request, created, headers, routed_from)
     finally:
         if routed_from is not None:
-            service.routed.forget(rid)
+            service.routed.forget(job.request_id)
 
 
 def create_app(service: Service) -> FastAPI:
