@@ -93,12 +93,14 @@ class Prometheus(_Server):
     """A Prometheus scraping ``targets`` every second (and evaluating ``rule_files`` every second)."""
 
     def __init__(self, tmp: Path, targets: list[str], *, rule_files: list[str] = (),
-                 alertmanager: str | None = None, extra_args: list[str] = (), scrape_interval: str = "1s") -> None:
+                 alertmanager: str | None = None, extra_args: list[str] = (), scrape_interval: str = "1s",
+                 metric_relabel: list[dict] = ()) -> None:
         self.binary = require("prometheus", "prometheus")
         self.tmp, self.port = tmp, free_port()
         # (the scrape timeout defaults to the interval: a longer interval is a longer timeout)
         cfg = {"global": {"scrape_interval": scrape_interval, "evaluation_interval": "1s"},
-               "scrape_configs": [{"job_name": "moescope", "static_configs": [{"targets": targets}]}],
+               "scrape_configs": [{"job_name": "moescope", "static_configs": [{"targets": targets}],
+                                   "metric_relabel_configs": list(metric_relabel)}],
                "rule_files": [str(Path(r).resolve()) for r in rule_files]}
         if alertmanager:
             cfg["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager]}]}]}

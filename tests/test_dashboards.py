@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -102,11 +103,12 @@ def test_push_to_an_unreachable_grafana_is_a_clear_error(capsys):
 
 @pytest.mark.integration
 def test_every_panel_query_returns_data_from_prometheus(tmp_path):
-    port = free_port(3)  # rank 0, rank 1, and a third process on port + 2
+    port = free_port(4)  # rank 0, rank 1, a third process on port + 2, `moescope serve`'s API port on port + 3
     baseline = tmp_path / "baseline.json"  # a uniform baseline: drift is measured against it
     baseline.write_text(json.dumps({"format": "moescope-baseline-v1", "model": "tiny-demo",
                                     "layers": {str(i): [1.0] * 8 for i in (1, 2, 3)}}))
-    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}", f"127.0.0.1:{port + 2}"])
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port + i}" for i in range(4)])
+    serve = None
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "16", "--rate", "0",
@@ -119,12 +121,20 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
              "--metrics-port", str(port + 2), "--baseline", str(baseline), "--canary-interval", "0.2",
              "--scenario", "hot=1:3:4",
              "--linger", "30", "--traces", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # The serving row: a real `moescope serve` (its API port's /metrics), answering streamed requests.
+        serve = subprocess.Popen(
+            [sys.executable, "-m", "moescope", "serve", "--port", str(port + 3), "--metrics-port", "-1", "--traces",
+             "none", "--canary-interval", "0", "--max-batch", "2"], stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        clients = threading.Thread(target=_serve_traffic, args=(f"http://127.0.0.1:{port + 3}", 120), daemon=True)
+        clients.start()
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:  # wait until Prometheus has the run's final counters from both ranks
             n = prom.scalar('count(moescope_build_info{model="tiny-demo"})') - 1 \
                 if prom.scalar('count(moescope_build_info{model="tiny-demo"})') else None
             steps = prom.scalar('sum(moescope_steps_total{model="tiny-demo"})')
-            if n == 2 and steps and proc.poll() is None and time.monotonic() > 0:
+            served = prom.scalar('sum(moescope_serve_e2e_request_latency_seconds_count{model="tiny-demo"})')
+            if n == 2 and steps and served and proc.poll() is None:
                 time.sleep(6)  # a few more scrapes: rates need several samples
                 break
             time.sleep(1)
@@ -136,10 +146,26 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
         assert views == {"heatmap_rows": 8, "hottest": 8, "coldest": 8, "layers": 3,
                          "distribution_buckets": len(catalogue.RELATIVE_LOAD_BUCKETS) + 1}, views
     finally:
-        for p in (proc, single):
-            if p.poll() is None:
+        for p in (proc, single, serve):
+            if p is not None and p.poll() is None:
                 p.kill()
         prom.stop()
+
+
+def _serve_traffic(url: str, seconds: float) -> None:
+    """Streamed completions against ``url`` until ``seconds`` passed (the server may still be starting)."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with httpx.stream("POST", url + "/v1/completions", timeout=30, json={
+                    "model": "tiny-demo", "prompt": "def f(x):", "max_tokens": 8, "stream": True}) as r:
+                for _ in r.iter_lines():
+                    pass
+            httpx.post(url + "/v1/completions", json={"model": "tiny-demo"}, timeout=30)  # a refusal (400)
+        except httpx.HTTPError:
+            time.sleep(0.5)
 
 
 def check_panels(prom, model: str, layer: str, at: float | None = None) -> list[str]:

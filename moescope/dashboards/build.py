@@ -215,7 +215,35 @@ def overview(t: Thresholds = DEFAULT):
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Step time p99 by phase", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le, phase) (rate(moescope_step_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "{{phase}}", True)], "s", 12, 14))
-    return dash
+    return serving(dash, prometheus, timeseries, ds, 22)
+
+
+def _quantiles(prometheus, name: str, label: str = "", qs=(0.5, 0.99)):
+    return [_q(prometheus, f"histogram_quantile({q}, sum by (le) (rate({name}_bucket{{{SEL}}}[$__rate_interval])))",
+               f"{label}p{round(q * 100)}", True) for q in qs]
+
+
+def serving(dash, prometheus, timeseries, ds, y: int):
+    """The serving row: ``moescope serve``'s API-port series (vLLM's serving panels, with moescope's labels)."""
+    p = "moescope_serve_"
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Serving: time to first token (exemplars: request ids)",
+                               _quantiles(prometheus, p + "time_to_first_token_seconds"), "s", 0, y))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Serving: inter-token latency",
+                               _quantiles(prometheus, p + "inter_token_latency_seconds"), "s", 12, y))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Serving: end-to-end latency and queue time", [
+        *_quantiles(prometheus, p + "e2e_request_latency_seconds", "e2e ", (0.99,)),
+        *_quantiles(prometheus, p + "request_queue_time_seconds", "queue ", (0.99,))], "s", 0, y + 8))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Serving: requests running and waiting", [
+        _q(prometheus, f"sum by (model) ({p}num_requests_running{{{SEL}}})", "running"),
+        _q(prometheus, f"sum by (model) ({p}num_requests_waiting{{{SEL}}})", "waiting")], "none", 12, y + 8))
+    return dash.with_panel(_ts(timeseries, prometheus, ds, "Serving: requests / s by finish reason; refusals by "
+                               "cause", [
+        _q(prometheus, f"sum by (finished_reason) (rate({p}request_success_total{{{SEL}}}[$__rate_interval]))",
+           "{{finished_reason}}"),
+        _q(prometheus, f"sum by (cause) (rate({p}request_rejected_total{{{SEL}}}[$__rate_interval]))",
+           "refused: {{cause}}"),
+        _q(prometheus, f"sum by (model) (rate({p}generation_tokens_total{{{SEL}}}[$__rate_interval]))",
+           "tokens generated")], "reqps", 0, y + 16, 24))
 
 
 def experts(t: Thresholds = DEFAULT):

@@ -18,6 +18,11 @@ FAST_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.00
                 0.1, 0.25)
 
 
+# Serving latencies (``moescope serve``'s API port): vLLM's buckets reach minutes; these start at the runtime's
+# milliseconds and end past the default request timeout (600 s).
+SERVE_BUCKETS = (*LATENCY_BUCKETS, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)  # vLLM's 1-2-5
+
 # Experts by load relative to the layer's mean (1 = fair share; le="0": dead), a gauge histogram per layer.
 RELATIVE_LOAD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 
@@ -165,6 +170,31 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "the engine).", "observer"),
     _c("moescope_capture_dropped_total", "Capture records dropped because a bounded queue was full.", "queue"),
     _g("moescope_build_info", "Always 1; labels carry the version and the device.", "version", "device"),
+    # serving (``moescope serve``'s own registry, on its API port: GET /metrics). Named as vLLM names them after
+    # the prefix: metric_relabel_configs rename moescope_serve_(.*) to vllm:$1 (docs/serve.md, "Serving metrics").
+    _h("moescope_serve_time_to_first_token_seconds", "Time from the request's arrival to its first token, "
+       "observed when the token is made; request id exemplars.", SERVE_BUCKETS),
+    _h("moescope_serve_inter_token_latency_seconds", "Time between a request's consecutive tokens, observed per "
+       "token; request id exemplars.", SERVE_BUCKETS),
+    _h("moescope_serve_e2e_request_latency_seconds", "Time from a request's arrival to its end (any finish "
+       "reason); request id exemplars.", SERVE_BUCKETS),
+    _h("moescope_serve_request_queue_time_seconds", "Time a request waited (admission queue and engine queue) "
+       "before its prefill; request id exemplars.", SERVE_BUCKETS),
+    _h("moescope_serve_request_prefill_time_seconds", "Time of a request's prefill step.", SERVE_BUCKETS),
+    _h("moescope_serve_request_decode_time_seconds", "Time from a request's first token to its last.",
+       SERVE_BUCKETS),
+    _h("moescope_serve_request_prompt_tokens", "Prompt tokens per request (BOS included).", TOKEN_BUCKETS),
+    _h("moescope_serve_request_generation_tokens", "Tokens generated per request.", TOKEN_BUCKETS),
+    _h("moescope_serve_request_max_num_generation_tokens", "The max_tokens each request asked for.",
+       TOKEN_BUCKETS),
+    _g("moescope_serve_num_requests_running", "Requests in the engine's batch."),
+    _g("moescope_serve_num_requests_waiting", "Requests in the admission queue, waiting for a batch slot."),
+    _c("moescope_serve_request_success_total", "Requests that ended, by vLLM's finished_reason (stop: EOS or a "
+       "stop string; length: max_tokens or the context; abort: cancelled or timed out).", "finished_reason"),
+    _c("moescope_serve_request_rejected_total", "Requests refused before they ran, by cause (queue_full: 429; "
+       "invalid: another 4xx; unavailable: 503 draining or unhealthy).", "cause"),
+    _c("moescope_serve_prompt_tokens_total", "Prompt tokens of the requests that ended (BOS included)."),
+    _c("moescope_serve_generation_tokens_total", "Tokens generated, counted as they are made."),
 )
 
 BY_NAME = {m.name: m for m in CATALOGUE}

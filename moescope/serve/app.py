@@ -18,9 +18,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from moescope.serve import ids, protocol, responses
+from moescope.serve import ids, protocol, responses, routing
 from moescope.serve.errors import APIError, http_error
-from moescope.serve.loop import EngineLoop, Job, asyncio_waker, now
+from moescope.serve.loop import EngineLoop, Job, now
+from moescope.serve.metrics import ServeMetrics
 from moescope.serve.text import FINISH_REASONS, TextAssembler, whole_text
 
 log = logging.getLogger("moescope.serve")
@@ -35,6 +36,9 @@ class Service:
     started: int = field(default_factory=lambda: int(time.time()))
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
     debug: bool = False  # --debug-endpoints: POST /debug/kill-engine and /debug/poison (fault injection)
+    metrics: ServeMetrics | None = None  # GET /metrics (create_app makes it)
+    routed: routing.RoutedExperts | None = None  # return_routed_experts (create_app attaches it)
+    distribution: routing.DistributionRecorder | None = None  # the expert-distribution endpoints
 
 
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -75,9 +79,9 @@ async def _disconnected(request: Request) -> None:
 class _JobResponse(StreamingResponse):
     """A streamed response that cancels its request if the request has not ended when the response does."""
 
-    def __init__(self, content, *, job: Job, loop: EngineLoop, headers: dict[str, str]) -> None:
+    def __init__(self, content, *, job: Job, loop: EngineLoop, headers: dict[str, str], routed=None) -> None:
         super().__init__(content, media_type="text/event-stream", headers={**headers, "cache-control": "no-cache"})
-        self._job, self._loop = job, loop
+        self._job, self._loop, self._routed = job, loop, routed
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -85,9 +89,11 @@ class _JobResponse(StreamingResponse):
         finally:
             if not self._job.stream.ended:
                 self._loop.cancel(self._job)
+            if self._routed is not None:
+                self._routed.forget(self._job.request_id)
 
 
-async def _events(service: Service, job: Job, created: int):
+async def _events(service: Service, job: Job, created: int, routed_from: int | None = None):
     kind, p, model = job.params.kind, job.params, service.limits.name
     asm = TextAssembler(p.stop)
     if kind == "chat":
@@ -103,15 +109,25 @@ async def _events(service: Service, job: Job, created: int):
             yield responses.sse(_ended_error(record).body())  # mid-stream errors: an error event, then [DONE]
         else:
             text += asm.finish(record.finish_reason)
-            yield responses.sse(responses.chunk(kind, job.request_id, created, model, text,
-                                                FINISH_REASONS[record.finish_reason]))
+            last = responses.chunk(kind, job.request_id, created, model, text, FINISH_REASONS[record.finish_reason])
+            _add_routed(service, job, last, routed_from)
+            yield responses.sse(last)
             if p.include_usage:
                 yield responses.sse(responses.chunk(kind, job.request_id, created, model, record=record))
         yield responses.sse("[DONE]")
         return
 
 
-async def _whole(service: Service, job: Job, request: Request, created: int, headers: dict[str, str]) -> Response:
+def _add_routed(service: Service, job: Job, doc: dict, routed_from: int | None) -> None:
+    """The request's routed experts in its choice's ``sgl_ext`` (SGLang's place), when it asked."""
+    if routed_from is not None:
+        ext = service.routed.take(job.request_id, routed_from)
+        if ext is not None:
+            doc["choices"][0]["sgl_ext"] = ext
+
+
+async def _whole(service: Service, job: Job, request: Request, created: int, headers: dict[str, str],
+                 routed_from: int | None = None) -> Response:
     done = asyncio.ensure_future(job.stream.done())
     gone = asyncio.ensure_future(_disconnected(request))
     try:
@@ -128,8 +144,10 @@ async def _whole(service: Service, job: Job, request: Request, created: int, hea
     if record is None or record.finish_reason not in FINISH_REASONS:
         return _error(_ended_error(record), headers)
     text = whole_text(record.output_tokens, job.params.stop, record.finish_reason)
-    return JSONResponse(responses.body(job.params.kind, job.request_id, created, service.limits.name, text,
-                                       FINISH_REASONS[record.finish_reason], record), headers=headers)
+    doc = responses.body(job.params.kind, job.request_id, created, service.limits.name, text,
+                         FINISH_REASONS[record.finish_reason], record)
+    _add_routed(service, job, doc, routed_from)
+    return JSONResponse(doc, headers=headers)
 
 
 async def _handle(service: Service, request: Request, parse) -> Response:
@@ -138,9 +156,15 @@ async def _handle(service: Service, request: Request, parse) -> Response:
     try:
         if service.draining:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
-        params = parse(protocol.decode_json(await _read_body(request)), service.limits)
+        body = protocol.decode_json(await _read_body(request))
+        params = parse(body, service.limits)
+        routed_from = routing.wanted(body)
         job = Job(rid, params, now())
+        if routed_from is not None:  # before the engine can see the job: its prefill is recorded too
+            service.routed.watch(job.request_id)
         offered = service.loop.offer(job)
+        if offered != "ok" and routed_from is not None:
+            service.routed.forget(job.request_id)
         if offered == "full":
             wait = service.loop.retry_after_s()
             raise APIError(429, f"the server's queue is full ({service.loop.admission.capacity} waiting); retry "
@@ -153,18 +177,34 @@ async def _handle(service: Service, request: Request, parse) -> Response:
             raise APIError(409, f"a request with id {rid!r} (x-request-id) is already in flight",
                            param="x-request-id", code="duplicate_request_id")
     except APIError as exc:
+        service.metrics.rejected(exc.status)
         return _error(exc, headers)
+    service.metrics.admitted(job)
     created = int(time.time())
     if params.stream:
-        return _JobResponse(_events(service, job, created), job=job, loop=service.loop, headers=headers)
-    return await _whole(service, job, request, created, headers)
+        return _JobResponse(_events(service, job, created, routed_from), job=job, loop=service.loop, headers=headers,
+                            routed=service.routed if routed_from is not None else None)
+    try:
+        return await _whole(service, job, request, created, headers, routed_from)
+    finally:
+        if routed_from is not None:
+            service.routed.forget(job.request_id)
 
 
 def create_app(service: Service) -> FastAPI:
     """The application; its lifespan starts the engine loop on the running event loop."""
 
+    engine = service.loop.engine
+    if service.metrics is None:
+        service.metrics = ServeMetrics(service.limits.name, service.loop)
+    if service.routed is None:
+        service.routed = routing.RoutedExperts.attach(engine)
+    if service.distribution is None:
+        state = routing.metrics_state(engine)
+        service.distribution = state and routing.DistributionRecorder(state, engine.model.cfg.n_layers)
+
     async def lifespan(app):
-        service.loop.start(asyncio_waker(asyncio.get_running_loop()))
+        service.loop.start(service.metrics.waker(asyncio.get_running_loop()))
         yield
 
     app = FastAPI(title="moescope serve", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -228,5 +268,30 @@ def create_app(service: Service) -> FastAPI:
                                code="invalid_value")
             service.loop.engine.poison.add(rid)
             return {"poisoned": rid}
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        body, kind = service.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, media_type=kind)
+
+    def _distribution() -> routing.DistributionRecorder:
+        if service.distribution is None:
+            raise APIError(503, "expert distribution recording needs the metrics state (this engine has none)",
+                           type="service_unavailable", code="unavailable")
+        return service.distribution
+
+    @app.post("/start_expert_distribution_record")
+    async def start_expert_distribution_record():
+        await asyncio.to_thread(_distribution().start)  # a probe flush: never on the event loop
+        return {"message": "Start recording the expert distribution"}
+
+    @app.post("/stop_expert_distribution_record")
+    async def stop_expert_distribution_record():
+        await asyncio.to_thread(_distribution().stop)
+        return {"message": "Stop recording the expert distribution"}
+
+    @app.post("/dump_expert_distribution_record")
+    async def dump_expert_distribution_record():
+        return await asyncio.to_thread(_distribution().dump)
 
     return app
