@@ -191,3 +191,34 @@ def test_served_connections_have_tcp_nodelay():
         return nodelay
 
     assert asyncio.run(main()) != 0
+
+
+def test_serving_metrics_count_every_token_when_the_event_loop_lags(tiny_cfg):
+    """The engine makes all of a request's tokens while the event loop is blocked, so every step's wake-up waits
+    in its queue: the metrics must still count each token once (per-step snapshots), against the records."""
+    from moescope.serve.metrics import ServeMetrics
+
+    model = MoETransformer(tiny_cfg)
+
+    async def main():
+        loop = EngineLoop(Engine(model, max_batch=2), max_queue=8)
+        metrics = ServeMetrics("tiny", loop)
+        jobs = _jobs(["lagging one", "lagging two"], max_tokens=12)
+        for j in jobs:
+            metrics.admitted(j)
+            assert loop.offer(j) == "ok"
+        loop.start(metrics.waker(asyncio.get_running_loop()))
+        deadline = time.monotonic() + 60
+        while loop.served < len(jobs) and time.monotonic() < deadline:
+            time.sleep(0.05)  # blocks the event loop: the wake-ups queue up behind it
+        records = [await j.stream.done() for j in jobs]
+        loop.close()
+        return metrics, records
+
+    metrics, records = asyncio.run(main())
+    n_out = [r.n_output for r in records]
+    assert all(n > 1 for n in n_out)
+    samples = {s.name: s.value for m in metrics.registry.collect() for s in m.samples}
+    assert samples["moescope_serve_generation_tokens_total"] == sum(n_out)
+    assert samples["moescope_serve_time_to_first_token_seconds_count"] == len(records)
+    assert samples["moescope_serve_inter_token_latency_seconds_count"] == sum(n - 1 for n in n_out)

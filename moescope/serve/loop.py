@@ -55,12 +55,14 @@ class TokenStream:
         self._items: collections.deque[int] = collections.deque()
         self.record: RequestRecord | None = None
         self.failed = False  # the engine lost the request (a failed step): no record will come
+        self.pushed = 0  # tokens pushed so far (engine thread): what a wake-up saw, for the serving metrics
         self._event = asyncio.Event()
 
     def push(self, token: int | None, record: RequestRecord | None) -> None:
         """Engine thread: never blocks."""
         if token is not None:
             self._items.append(token)
+            self.pushed += 1
         if record is not None:
             self.record = record
 

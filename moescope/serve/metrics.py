@@ -85,32 +85,37 @@ class ServeMetrics:
         self.rejected_by[cause(status)].inc()
 
     def waker(self, aloop: asyncio.AbstractEventLoop) -> Callable[[list[TokenStream]], None]:
-        """The engine loop's ``wake``: one clock read and one ``call_soon_threadsafe`` per step on the engine
-        thread; the observing and the handlers' wake-up run on ``aloop``."""
-        return lambda streams: aloop.call_soon_threadsafe(self._tick, streams, now())
+        """The engine loop's ``wake``: one clock read, a snapshot of each stream's (tokens pushed, ended) and one
+        ``call_soon_threadsafe`` per step on the engine thread; the observing and the handlers' wake-up run on
+        ``aloop``. The snapshot, not the stream read later, says what this step made: on a loaded event loop
+        several steps' wake-ups wait in its queue, and by the first one's turn the stream may hold the last
+        step's tokens and record."""
+        return lambda streams: aloop.call_soon_threadsafe(
+            self._tick, [(s, s.pushed, s.record is not None or s.failed) for s in streams], now())
 
-    def _tick(self, streams: list[TokenStream], t: float) -> None:
-        for s in streams:
+    def _tick(self, streams: list[tuple[TokenStream, int, bool]], t: float) -> None:
+        for s, pushed, ended in streams:
             entry = self._live.get(s)
             if entry is not None:
-                self._observe(s, entry, t)
+                self._observe(s, entry, t, pushed, ended)
             s.wake()
 
-    def _observe(self, s: TokenStream, entry: list, t: float) -> None:
+    def _observe(self, s: TokenStream, entry: list, t: float, pushed: int, ended: bool) -> None:
         rid, arrival, last, seen, max_tokens = entry
-        record = s.record
-        # One sink call per request per step; it carried a token unless the request ended without one
-        # (cancelled, timed out: the record then holds no more tokens than were already seen).
-        if not s.failed and (record is None or record.n_output > seen):
+        # One sink call per request per step: at most one new token per wake-up (a cancelled or timed-out
+        # request ends with none).
+        for _ in range(pushed - seen):
             ex = {"request_id": rid}
             if seen == 0:
                 self.ttft.observe(t - arrival, ex)
             else:
                 self.itl.observe(t - last, ex)
             self.generation_tokens.inc()
-            entry[2], entry[3] = t, seen + 1
-        if record is None and not s.failed:
+            last, seen = t, seen + 1
+        entry[2], entry[3] = last, seen
+        if not ended:
             return
+        record = s.record
         del self._live[s]
         ex = {"request_id": rid}
         self.max_tokens_hist.observe(max_tokens)
