@@ -310,7 +310,6 @@ BAD = [
     (json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), 404, "model_not_found", "model"),
     (json.dumps({"model": MODEL, "prompt": "x", "n": 2}).encode(), 400, "unsupported_value", "n"),
     (json.dumps({"model": MODEL, "prompt": "x", "logprobs": 2}).encode(), 400, "unsupported_parameter", "logprobs"),
-    (json.dumps({"model": MODEL, "prompt": "x", "user": "a b\x1b"}).encode(), 400, "invalid_user", "user"),
     (json.dumps({"model": MODEL, "prompt": "x", "temperature": 3}).encode(), 400, "invalid_value", "temperature"),
     (json.dumps({"model": MODEL}).encode(), 400, "missing", "prompt"),
 ]
@@ -336,8 +335,8 @@ def test_chat_bad_input_and_request_ids(server):
     assert _n_output(server.stored("client-chosen.id:42")) == 2
     r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
                    headers={"x-request-id": "no spaces or \x7f; " + "x" * 80}, timeout=30)
-    rid = r.headers["x-request-id"]
-    assert r.status_code == 200 and rid == r.json()["id"] and len(rid) == 16 and rid.isalnum()
+    rid = r.headers["x-request-id"]  # not a safe key: its safe characters (at most 40) and a random suffix
+    assert r.status_code == 200 and rid == r.json()["id"] and rid.startswith("nospacesor" + "x" * 30 + "-")
     assert httpx.get(server.url + "/nope", timeout=10).json()["error"]["code"] == "not_found"
 
 
@@ -368,6 +367,7 @@ def test_full_queue_answers_429_with_retry_after(small):
     running, queued, refused, sdk_err = asyncio.run(main())
     assert running.status_code == queued.status_code == 200
     assert refused.status_code == 429 and int(refused.headers["retry-after"]) >= 1
+    assert "x-should-retry" not in refused.headers  # a later retry can succeed
     assert refused.json()["error"]["type"] == "rate_limit_error" and refused.json()["error"]["code"] == "queue_full"
     assert sdk_err.status_code == 429
     assert small.health()["rejected"] == 2

@@ -51,13 +51,20 @@ def test_completion_limits_and_neutral_values_of_unsupported_fields():
 
 
 def test_request_ids_and_tenants():
+    import hashlib
+    import re
+
     assert ids.request_id("abc-1.2:3") == "abc-1.2:3"
-    for bad in (None, "", " x", "x y", "é", "x" * 65, "-lead", "a\x1bb"):
+    for bad in (None, "", "é", "-._:", "\x1b"):  # nothing safe in it: a fresh id
         new = ids.request_id(bad)
         assert new != bad and len(new) == 16 and int(new, 16) >= 0
+    for bad, prefix in (("x y", "xy"), (" x", "x"), ("x" * 65, "x" * ids.PREFIX_CHARS), ("-lead", "lead"),
+                        ("a\x1bb", "ab")):
+        new = ids.request_id(bad)  # its safe characters, then 8 random hex digits: distinct each time
+        assert re.fullmatch(re.escape(prefix) + "-[0-9a-f]{8}", new) and new != ids.request_id(bad), (bad, new)
     assert ids.tenant("team-a@corp") == "team-a@corp" and ids.tenant(None) is None
-    with pytest.raises(APIError):
-        ids.tenant("x" * 65)
+    for user in ("x" * 65, "a b", "émile", "\x1b[31m"):  # any other string: a bounded hashed label, stable
+        assert ids.tenant(user) == "u-" + hashlib.sha256(user.encode()).hexdigest()[:16] == ids.tenant(user)
 
 
 @settings(max_examples=200, deadline=None)

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moescope.runtime import tokenizer
 from moescope.serve import ids, protocol, responses
 from moescope.serve.errors import APIError, http_error
 from moescope.serve.loop import EngineLoop, Job, asyncio_waker, now
@@ -36,8 +37,13 @@ class Service:
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
 
 
+NO_RETRY = {"x-should-retry": "false"}  # the openai SDKs honour it: a retry of the same request cannot succeed
+
+
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers={**(headers or {}), **exc.headers})
+    final = 400 <= exc.status < 500 and exc.status not in (408, 409, 429)  # the client's own request is at fault
+    return JSONResponse(exc.body(), status_code=exc.status,
+                        headers={**(headers or {}), **(NO_RETRY if final else {}), **exc.headers})
 
 
 def _ended_error(record) -> APIError:
@@ -83,13 +89,16 @@ class _JobResponse(StreamingResponse):
 
 
 async def _events(service: Service, job: Job, created: int):
-    kind, p, model = job.params.kind, job.params, service.limits.name
+    kind, p, model = job.params.kind, job.params, job.params.model or service.limits.name
     asm = TextAssembler(p.stop)
-    if kind == "chat":
-        yield responses.sse(responses.chunk(kind, job.request_id, created, model, first=True))
+    first = kind == "chat"  # the role chunk goes with the first token (after admission), as vLLM sends it
     while True:
         tokens, record = await job.stream.next()
         text = "".join(asm.feed(t) for t in tokens)
+        if first and (tokens or record is not None):
+            first = False
+            yield responses.sse(responses.chunk(kind, job.request_id, created, model, text, first=True))
+            text = ""
         if record is None and not job.stream.failed:
             if text:
                 yield responses.sse(responses.chunk(kind, job.request_id, created, model, text))
@@ -123,7 +132,7 @@ async def _whole(service: Service, job: Job, request: Request, created: int, hea
     if record is None or record.finish_reason not in FINISH_REASONS:
         return _error(_ended_error(record), headers)
     text = whole_text(record.output_tokens, job.params.stop, record.finish_reason)
-    return JSONResponse(responses.body(job.params.kind, job.request_id, created, service.limits.name, text,
+    return JSONResponse(responses.body(job.params.kind, job.request_id, created, job.params.model, text,
                                        FINISH_REASONS[record.finish_reason], record), headers=headers)
 
 
@@ -136,6 +145,12 @@ async def _handle(service: Service, request: Request, parse) -> Response:
         params = parse(protocol.decode_json(await _read_body(request)), service.limits)
         job = Job(rid, params, now())
         offered = service.loop.offer(job)
+        for _ in range(8):  # an id already in flight: this request gets a distinct store key (echoed)
+            if offered != "duplicate":
+                break
+            job = Job(ids.distinct(rid), params, job.arrival)
+            offered = service.loop.offer(job)
+        headers = {"x-request-id": job.request_id}
         if offered == "full":
             wait = service.loop.retry_after_s()
             raise APIError(429, f"the server's queue is full ({service.loop.admission.capacity} waiting); retry "
@@ -179,8 +194,27 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.limits.name, "object": "model", "created": service.started,
-                                            "owned_by": "moescope", "max_model_len": service.limits.max_seq_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": service.started,
+                                            "owned_by": "moescope", "root": service.limits.name,
+                                            "max_model_len": service.limits.max_seq_len}
+                                           for name in service.limits.names]}
+
+    @app.get("/version")
+    async def version():
+        import moescope
+
+        return {"version": moescope.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        tokens, strs = protocol.parse_tokenize(protocol.decode_json(await _read_body(request)), service.limits)
+        out = {"count": len(tokens), "max_model_len": service.limits.max_seq_len, "tokens": tokens}
+        return {**out, "token_strs": [tokenizer.token_text(t) for t in tokens]} if strs else out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        tokens = protocol.parse_detokenize(protocol.decode_json(await _read_body(request)), service.limits)
+        return {"prompt": tokenizer.decode(tokens)}
 
     @app.get("/health")
     async def health():

@@ -96,7 +96,7 @@ class Admission:
 
     def offer(self, job: Job) -> bool:
         with self._cond:
-            if len(self._jobs) >= self.capacity:
+            if self.capacity and len(self._jobs) >= self.capacity:  # capacity 0: unbounded
                 self.rejected += 1
                 return False
             self._jobs[job.request_id] = job
@@ -217,7 +217,8 @@ class EngineLoop:
         try:
             self.engine.submit(p.prompt, max_new_tokens=p.max_tokens, temperature=p.temperature,
                                request_id=job.request_id, tenant=p.tenant, arrival=job.arrival, seed=p.seed,
-                               stop=p.stop, timeout_s=self.request_timeout_s, sink=partial(self._sink, job))
+                               stop=p.stop, timeout_s=self.request_timeout_s, sink=partial(self._sink, job),
+                               prompt_ids=p.prompt_ids, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos)
         except Exception:  # validated before it was queued: a bug if it happens, but never a hung client
             log.exception("engine refused request %s", job.request_id)
             self._fail(job)
