@@ -192,3 +192,14 @@ def test_readme_tour_runs_as_written(tmp_path):
     run = _run(report, tmp_path, env)
     out = tmp_path / report[report.index("--out") + 1]
     assert run.returncode == 0 and (out / "summary.md").is_file() and (out / "overview.png").is_file(), run.stderr
+
+
+def test_serve_benchmark_tables_are_generated_from_the_results_file():
+    """docs/serve.md's load-benchmark tables are `benchmarks/serve.py --markdown` of the committed results."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--markdown",
+                          str(ROOT / "benchmarks" / "results" / "serve.json")], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert run.returncode == 0 and "| clients | capture |" in run.stdout and "Open loop" in run.stdout, run.stderr
+    assert run.stdout in (DOCS / "serve.md").read_text(), \
+        "docs/serve.md's benchmark tables are stale: paste `python benchmarks/serve.py --markdown " \
+        "benchmarks/results/serve.json`"

@@ -476,12 +476,20 @@ def test_load_benchmark_quick_runs(tmp_path):
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "serve.py"), "--quick", "--out", str(out)],
                    check=True, timeout=600, capture_output=True)
     report = json.loads(out.read_text())
-    assert [r["concurrency"] for r in report["rows"]] == [1, 8]
-    for row in report["rows"]:
+    (bench,) = report["models"].values()
+    assert bench["model"] == MODEL and [r["concurrency"] for r in bench["rows"]] == [1, 8]
+    for row in bench["rows"]:
         for v in ("capture_on", "capture_off"):
             s = row[v]
-            assert s["errors"] == 0 and s["requests"] == report["requests_per_load"][str(row["concurrency"])]
+            assert s["errors"] == 0 and s["requests"] == bench["requests_per_load"][str(row["concurrency"])]
             assert s["tokens_per_s"] > 0 and 0 < s["ttft_p50_s"] <= s["ttft_p99_s"]
             assert s["server_cpu_ms_per_token"] > 0  # the server process's own CPU (Linux /proc)
         assert row["throughput_off_over_on"] == pytest.approx(
             row["capture_off"]["tokens_per_s"] / row["capture_on"]["tokens_per_s"])  # one round: its own ratio
+    (open_row,) = bench["open"]["rows"]  # Poisson arrivals at 2x saturation
+    for v in ("capture_on", "capture_off"):
+        s, (run,) = open_row[v], bench["open"]["runs"][f"{v}/2"]
+        assert s["sent"] == s["answered"] + s["rejected_429"] + s["errors"] and s["errors"] == 0
+        assert s["rate"] == pytest.approx(2 * bench["open"]["saturation_rps"])
+        assert s["goodput_tokens_per_s"] == pytest.approx(run["tokens"] / run["wall_s"])
+        assert run["tokens"] == s["answered"] * bench["max_tokens"]  # greedy, no EOS: every answer is full length
