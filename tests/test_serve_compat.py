@@ -180,7 +180,7 @@ def test_role_chunk_comes_with_the_first_token_not_before_admission(server, mode
     async def run():
         client = server.async_client()
         blocker = asyncio.ensure_future(client.completions.create(
-            model=ALIASES[0], prompt="hold the slot", max_tokens=160, temperature=0, extra_body={"ignore_eos": True}))
+            model=ALIASES[0], prompt="hold the slot", max_tokens=400, temperature=0, extra_body={"ignore_eos": True}))
         await asyncio.to_thread(server.wait_health, lambda h: h["running"] == 1)
         t0 = time.perf_counter()
         stream = await client.chat.completions.create(
