@@ -50,6 +50,21 @@ def test_completion_limits_and_neutral_values_of_unsupported_fields():
         assert e.value.status == 400 and e.value.param == field, (field, e.value.body())
 
 
+def test_token_id_prompts_min_tokens_and_served_names():
+    limits = ModelLimits("m", 64, ("a", "b"), 260)
+    ids_ = tokenizer.encode("hello")
+    for prompt in (ids_, [ids_]):
+        p = parse_completion({"model": "b", "prompt": prompt, "min_tokens": 3, "ignore_eos": True}, limits)
+        assert (p.prompt_ids, p.prompt, p.prompt_tokens, p.model) == (tuple(ids_), "hello", len(ids_), "b")
+        assert (p.min_tokens, p.ignore_eos, p.max_tokens) == (3, True, 16)
+    for body, param in (({"model": "m", "prompt": "x"}, "model"), ({"model": "a", "prompt": [0, 260]}, "prompt"),
+                        ({"model": "a", "prompt": [[1], [2]]}, "prompt"), ({"model": "a", "prompt": [True]}, "prompt"),
+                        ({"model": "a", "prompt": "x", "min_tokens": 17}, "min_tokens")):
+        with pytest.raises(APIError) as e:
+            parse_completion(body, limits)
+        assert e.value.param == param and e.value.status in (400, 404), body
+
+
 def test_request_ids_and_tenants():
     import hashlib
     import re
