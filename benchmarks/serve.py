@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="[1 8 32; --quick: 1 8]")
     ap.add_argument("--max-tokens", type=int, default=None, help="per request [tiny-demo 32, else 8; --quick: 4]")
     ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--max-queue", type=int, default=16, help="the servers' admission bound (429 beyond it)")
+    ap.add_argument("--max-queue", type=int, default=64,
+                    help="the servers' admission bound (429 beyond it; >= the most clients: no closed-loop 429s)")
     ap.add_argument("--open-load", type=float, nargs="+", default=None,
                     help="open-loop rates as multiples of saturation [0.5 1 2; --quick: 2]")
     ap.add_argument("--open-s", type=float, default=None, help="open-loop seconds [tiny-demo 15, else 20; --quick 3]")
