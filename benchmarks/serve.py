@@ -1,5 +1,6 @@
 """``moescope serve`` under load: 1, 8 and 32 concurrent async OpenAI clients (the official SDK, streaming), with
-capture on (the default: metrics exporter + trace store) and off (``--metrics-port -1 --traces none``).
+capture on (the default: metrics exporter + trace store) and off (``--metrics-port -1 --traces none``), closed-loop
+and open-loop, at tiny-demo and deepseek-v3-shape.
 
 Both servers run side by side; each round runs every (concurrency, capture) load once, the capture order
 alternating between rounds, and the report takes medians over rounds. A load is closed-loop: ``c`` clients
@@ -10,6 +11,15 @@ capture overhead is given two ways, per round then median over rounds: the throu
 server CPU per token ratio on / off. The second is the robust one on a shared machine: the clients run on the
 same CPUs (the SDK's per-chunk parsing takes more CPU than the server), so throughput mostly measures them and
 whatever else runs, while CPU per token counts only the server's own work.
+
+Open loop: requests arrive as a Poisson process at fixed multiples of the saturation rate (the best closed-loop
+requests/s with capture off), whether or not earlier ones have finished, for ``--open-s`` seconds; past
+saturation the admission queue (``--max-queue``) fills, so queueing shows in TTFT and the overflow as 429s.
+Per rate and capture: requests answered, 429s, other errors, goodput (output tokens/s from the first arrival to
+the last answer), TTFT p50/p99 of the answered ones and server CPU per token; medians over ``--open-rounds``.
+
+    python benchmarks/serve.py [--quick] [--models tiny-demo deepseek-v3-shape] [--rounds 5]
+    python benchmarks/serve.py --markdown benchmarks/results/serve.json   # the docs' tables, from the file
 
     python benchmarks/serve.py [--quick] [--rounds 7] [--concurrency 1 8 32] [--model tiny-demo]
 
@@ -23,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
+import random
 import signal
 import statistics
 import subprocess
@@ -47,10 +59,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(model: str, extra: list[str], tmp: Path, name: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+def start(model: str, extra: list[str], tmp: Path, name: str, max_batch: int,
+          max_queue: int | None = None) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     args = [sys.executable, "-m", "moescope", "serve", "--model", model, "--port", str(port), "--max-batch",
             str(max_batch), "--log-level", "warning", *extra]
+    if max_queue is not None:
+        args += ["--max-queue", str(max_queue)]
     if "--traces" not in extra:
         args += ["--traces", str(tmp / f"{name}.sqlite"), "--metrics-port", "0"]
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{name}.log", "wb"))
@@ -130,16 +145,19 @@ async def load(url: str, model: str, concurrency: int, n_requests: int, max_toke
             "itl_p50_s": _pct(gaps, 50), "itl_p99_s": _pct(gaps, 99)}
 
 
+def _medians(rs: list[dict], keys: tuple[str, ...]) -> dict:
+    """Per key, the median over runs (keys some run lacks a figure for are left out)."""
+    return {k: statistics.median(r[k] for r in rs) for k in keys if all(r[k] is not None for r in rs)}
+
+
 def summarise(runs: dict, concurrency: list[int]) -> list[dict]:
     rows = []
     for c in concurrency:
         row = {"concurrency": c}
         for v in VARIANTS:
             rs = runs[(v, c)]
-            row[v] = {k: statistics.median(r[k] for r in rs) for k in
-                      ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
-                       "server_cpu_ms_per_token") if
-                      all(r[k] is not None for r in rs)}
+            row[v] = _medians(rs, ("tokens_per_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s",
+                                   "server_cpu_ms_per_token"))
             row[v]["errors"] = sum(r["errors"] for r in rs)
             row[v]["requests"] = sum(r["requests"] for r in rs)
         ratios = [off["tokens_per_s"] / on["tokens_per_s"]
@@ -255,74 +273,210 @@ def soak(args) -> int:
     return 0
 
 
+async def open_load(url: str, model: str, rate: float, duration_s: float, max_tokens: int, seed: int,
+                    pid: int | None = None) -> dict:
+    """One open-loop load: Poisson arrivals at ``rate`` requests/s for ``duration_s``, each a streamed
+    completion sent at its arrival time whatever is still running; then waits for every answer."""
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
+    rng = random.Random(seed)
+    ttft, tokens, answered, rejected, errors = [], 0, 0, 0, 0
+
+    async def one(i: int) -> None:
+        nonlocal tokens, answered, rejected, errors
+        t0 = time.perf_counter()
+        first = True
+        try:
+            stream = await client.completions.create(
+                model=model, prompt=f"open {seed}-{i}: the quick brown fox", max_tokens=max_tokens, temperature=0,
+                stream=True, stream_options={"include_usage": True})
+            async for chunk in stream:
+                if chunk.choices and first:
+                    ttft.append(time.perf_counter() - t0)
+                    first = False
+                if chunk.usage:
+                    tokens += chunk.usage.completion_tokens
+            answered += 1
+        except openai.RateLimitError:
+            rejected += 1
+        except openai.OpenAIError:
+            errors += 1
+
+    cpu0 = cpu_s(pid) if pid else None
+    start_t = time.perf_counter()
+    tasks, at, i = [], 0.0, 0
+    while True:
+        at += rng.expovariate(rate)
+        if at > duration_s:
+            break
+        await asyncio.sleep(max(0.0, start_t + at - time.perf_counter()))
+        tasks.append(asyncio.ensure_future(one(i)))
+        i += 1
+    await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start_t
+    cpu1 = cpu_s(pid) if pid else None
+    await client.close()
+    return {"rate": rate, "sent": len(tasks), "answered": answered, "rejected_429": rejected, "errors": errors,
+            "wall_s": wall, "tokens": tokens, "goodput_tokens_per_s": tokens / wall,
+            "server_cpu_ms_per_token": (cpu1 - cpu0) / tokens * 1e3 if cpu0 is not None and cpu1 is not None
+            and tokens else None, "ttft_p50_s": _pct(ttft, 50), "ttft_p99_s": _pct(ttft, 99)}
+
+
+def summarise_open(runs: dict, multiples: list[float]) -> list[dict]:
+    rows = []
+    for m in multiples:
+        row = {"multiple": m}
+        for v in VARIANTS:
+            rs = runs[(v, m)]
+            row[v] = _medians(rs, ("rate", "goodput_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                                   "server_cpu_ms_per_token"))
+            for k in ("sent", "answered", "rejected_429", "errors"):
+                row[v][k] = sum(r[k] for r in rs)
+        rows.append(row)
+    return rows
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
+
+
+def markdown(report: dict) -> str:
+    """The docs' tables, every figure from the results file."""
+    lines = []
+    for r in report["models"].values():
+        lines += [f"**{r['model']}**, max batch {r['max_batch']}, {r['max_tokens']} tokens per request, streamed, "
+                  f"greedy; {report['cpus']} CPUs shared by clients and servers; torch {report['torch']}.", "",
+                  f"Closed loop (medians of {r['rounds']} interleaved rounds; requests per load "
+                  f"{', '.join(f'{c}: {n}' for c, n in r['requests_per_load'].items())}):", "",
+                  "| clients | capture | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | server CPU ms/token "
+                  "| errors | off/on throughput | on/off CPU per token |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            cpu = row["server_cpu_per_token_on_over_off"]
+            for i, v in enumerate(VARIANTS):
+                s = row[v]
+                ratios = (f"{row['throughput_off_over_on']:.2f} | {'-' if cpu is None else f'{cpu:.2f}'}" if i == 0
+                          else " | ")
+                lines.append(f"| {row['concurrency'] if i == 0 else ''} | {v.split('_')[1]} | "
+                             f"{s['tokens_per_s']:.1f} | {_ms(s.get('ttft_p50_s'))} / {_ms(s.get('ttft_p99_s'))} | "
+                             f"{_ms(s.get('itl_p50_s'))} / {_ms(s.get('itl_p99_s'))} | "
+                             f"{s.get('server_cpu_ms_per_token', float('nan')):.2f} | {s['errors']} | {ratios} |")
+        o = r.get("open")
+        if o:
+            lines += ["", f"Open loop (Poisson arrivals for {o['duration_s']:g} s at multiples of the saturation rate "
+                      f"{o['saturation_rps']:.2f} requests/s; --max-queue {o['max_queue']}; sums over "
+                      f"{o['rounds']} round(s), medians of the rest):", "",
+                      "| load | capture | offered req/s | sent | answered | 429 | other errors | goodput tokens/s "
+                      "| TTFT p50 / p99 ms | server CPU ms/token |", "|---|---|---|---|---|---|---|---|---|---|"]
+            for row in o["rows"]:
+                for i, v in enumerate(VARIANTS):
+                    s = row[v]
+                    cpu, load_cell = s.get("server_cpu_ms_per_token"), f"{row['multiple']:g}x" if i == 0 else ""
+                    lines.append(f"| {load_cell} | {v.split('_')[1]} | "
+                                 f"{s['rate']:.2f} | {s['sent']} | {s['answered']} | {s['rejected_429']} | "
+                                 f"{s['errors']} | {s['goodput_tokens_per_s']:.1f} | {_ms(s.get('ttft_p50_s'))} / "
+                                 f"{_ms(s.get('ttft_p99_s'))} | {'-' if cpu is None else f'{cpu:.2f}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def bench_model(model: str, args, tmp: Path) -> dict:
+    """Closed loop at each concurrency, then open loop at multiples of the saturation rate, on one pair of servers
+    (capture on, off) of ``model``."""
+    quick = args.quick
+    rounds = args.rounds or (1 if quick else 5 if model == "tiny-demo" else 3)
+    concurrency = args.concurrency or ([1, 8] if quick else [1, 8, 32])
+    max_tokens = args.max_tokens or (4 if quick else 32 if model == "tiny-demo" else 8)
+    per_load = {c: (max(4, c) if quick else max(8, 2 * c) if model == "tiny-demo" else max(4, c)) for c in concurrency}
+    servers = {v: start(model, extra, tmp, f"{model}-{v}", args.max_batch, args.max_queue)
+               for v, extra in VARIANTS.items()}
+    try:
+        for proc, url in servers.values():
+            wait_ready(proc, url)
+        for _, (_, url) in servers.items():  # warm-up: first forwards, connection pools
+            asyncio.run(load(url, model, 2, 4, max_tokens, seed=-1))
+        runs: dict = {(v, c): [] for v in VARIANTS for c in concurrency}
+        for r in range(rounds):
+            order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+            for c in concurrency:
+                for v in order:
+                    proc, url = servers[v]
+                    res = asyncio.run(load(url, model, c, per_load[c], max_tokens, seed=r, pid=proc.pid))
+                    runs[(v, c)].append(res)
+                    print(f"{model} round {r} c={c:<3} {v:<11} {res['tokens_per_s']:8.1f} tok/s  ttft p50 "
+                          f"{(res['ttft_p50_s'] or 0) * 1e3:7.1f} ms  server cpu "
+                          f"{res['server_cpu_ms_per_token'] or 0:.2f} ms/token  errors {res['errors']}", flush=True)
+        rows = summarise(runs, concurrency)
+        saturation = max(row["capture_off"]["tokens_per_s"] for row in rows) / max_tokens  # requests/s
+        multiples = args.open_load or ([2.0] if quick else [0.5, 1.0, 2.0])
+        open_rounds = args.open_rounds or (1 if quick else 2)
+        open_s = args.open_s or (3.0 if quick else 15.0 if model == "tiny-demo" else 20.0)
+        oruns: dict = {(v, m): [] for v in VARIANTS for m in multiples}
+        for r in range(open_rounds):
+            order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+            for m in multiples:
+                for v in order:
+                    proc, url = servers[v]
+                    res = asyncio.run(open_load(url, model, m * saturation, open_s, max_tokens, seed=r, pid=proc.pid))
+                    oruns[(v, m)].append(res)
+                    print(f"{model} open round {r} {m:g}x ({res['rate']:.2f} req/s) {v:<11} sent {res['sent']} "
+                          f"answered {res['answered']} 429 {res['rejected_429']} errors {res['errors']} goodput "
+                          f"{res['goodput_tokens_per_s']:.1f} tok/s", flush=True)
+    finally:
+        for proc, _ in servers.values():
+            proc.send_signal(signal.SIGTERM)
+        for proc, _ in servers.values():
+            proc.wait(120)
+    return {"model": model, "max_batch": args.max_batch, "max_tokens": max_tokens, "rounds": rounds,
+            "requests_per_load": per_load, "rows": rows, "runs": {f"{v}/{c}": rs for (v, c), rs in runs.items()},
+            "open": {"saturation_rps": saturation, "duration_s": open_s, "rounds": open_rounds,
+                     "max_queue": args.max_queue, "rows": summarise_open(oruns, multiples),
+                     "runs": {f"{v}/{m:g}": rs for (v, m), rs in oruns.items()}}}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one small round at 1 and 8 clients (CI: the script runs)")
-    ap.add_argument("--rounds", type=int, default=None, help="[7; --quick: 1]")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny-demo, one small round at 1 and 8 clients and 3 s open loop at 2x (CI: the script runs)")
+    ap.add_argument("--models", nargs="+", default=None, help="[tiny-demo deepseek-v3-shape; --quick: tiny-demo]")
+    ap.add_argument("--rounds", type=int, default=None, help="closed-loop rounds [tiny-demo 5, else 3; --quick: 1]")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="[1 8 32; --quick: 1 8]")
-    ap.add_argument("--max-tokens", type=int, default=None, help="per request [32; --quick: 4]")
-    ap.add_argument("--model", default="tiny-demo")
+    ap.add_argument("--max-tokens", type=int, default=None, help="per request [tiny-demo 32, else 8; --quick: 4]")
     ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--max-queue", type=int, default=64,
+                    help="the servers' admission bound (429 beyond it; >= the most clients: no closed-loop 429s)")
+    ap.add_argument("--open-load", type=float, nargs="+", default=None,
+                    help="open-loop rates as multiples of saturation [0.5 1 2; --quick: 2]")
+    ap.add_argument("--open-s", type=float, default=None, help="open-loop seconds [tiny-demo 15, else 20; --quick 3]")
+    ap.add_argument("--open-rounds", type=int, default=None, help="[2; --quick: 1]")
     ap.add_argument("--out", type=Path, default=None,
                     help="[benchmarks/results/serve.json; --quick: serve-quick.json]")
+    ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
+                    help="print the docs' tables from a results file and exit")
     ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
                     help="soak mode: RSS slope per 1,000 requests under --soak-clients streaming clients "
                          "[results/serve-soak.json]")
     ap.add_argument("--soak-clients", type=int, default=8, help="[8]")
     ap.add_argument("--soak-warmup", type=float, default=60.0, help="seconds before the slope is fitted [60]")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())), end="")
+        return 0
     if args.soak:
+        args.model = (args.models or ["tiny-demo"])[0]
         return soak(args)
-    rounds = args.rounds or (1 if args.quick else 7)
-    concurrency = args.concurrency or ([1, 8] if args.quick else [1, 8, 32])
-    max_tokens = args.max_tokens or (4 if args.quick else 32)
+    models = args.models or (["tiny-demo"] if args.quick else ["tiny-demo", "deepseek-v3-shape"])
     out = args.out or HERE / "results" / ("serve-quick.json" if args.quick else "serve.json")
-    per_load = {c: (max(4, c) if args.quick else max(8, 2 * c)) for c in concurrency}
-
-    with tempfile.TemporaryDirectory(prefix="moescope-bench-serve-") as tmp:
-        servers = {v: start(args.model, extra, Path(tmp), v, args.max_batch) for v, extra in VARIANTS.items()}
-        try:
-            for proc, url in servers.values():
-                wait_ready(proc, url)
-            for _, (_, url) in servers.items():  # warm-up: first forwards, connection pools
-                asyncio.run(load(url, args.model, 2, 4, max_tokens, seed=-1))
-            runs: dict = {(v, c): [] for v in VARIANTS for c in concurrency}
-            for r in range(rounds):
-                order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
-                for c in concurrency:
-                    for v in order:
-                        proc, url = servers[v]
-                        res = asyncio.run(load(url, args.model, c, per_load[c], max_tokens, seed=r, pid=proc.pid))
-                        runs[(v, c)].append(res)
-                        print(f"round {r} c={c:<3} {v:<11} {res['tokens_per_s']:8.1f} tok/s  ttft p50 "
-                              f"{(res['ttft_p50_s'] or 0) * 1e3:7.1f} ms  server cpu "
-                              f"{res['server_cpu_ms_per_token'] or 0:.2f} ms/token  errors {res['errors']}", flush=True)
-        finally:
-            for proc, _ in servers.values():
-                proc.send_signal(signal.SIGTERM)
-            for proc, _ in servers.values():
-                proc.wait(60)
-    rows = summarise(runs, concurrency)
-    print(f"\nmoescope serve, {args.model}, max batch {args.max_batch}, {max_tokens} tokens per request, streamed; "
-          f"medians of {rounds} interleaved round(s); {os.cpu_count()} CPUs (shared machine)")
-    print(f"{'clients':>7} {'capture':>8} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} {'p99':>8} "
-          f"{'cpu ms/tok':>10} {'errors':>6}")
-    for row in rows:
-        for v in VARIANTS:
-            s = row[v]
-            print(f"{row['concurrency']:>7} {v.split('_')[1]:>8} {s['tokens_per_s']:>8.1f} "
-                  f"{s['ttft_p50_s'] * 1e3:>7.1f}ms {s['ttft_p99_s'] * 1e3:>6.1f}ms "
-                  f"{s.get('itl_p50_s', 0) * 1e3:>6.1f}ms {s.get('itl_p99_s', 0) * 1e3:>6.1f}ms "
-                  f"{s.get('server_cpu_ms_per_token', 0):>10.3f} {s['errors']:>6}")
-        cpu = row["server_cpu_per_token_on_over_off"]
-        print(f"{'':>7} throughput off/on: {row['throughput_off_over_on']:.3f}; server CPU per token on/off: "
-              + (f"{cpu:.3f}" if cpu else "n/a"))
     import torch
 
-    save({"model": args.model, "max_batch": args.max_batch, "max_tokens": max_tokens, "rounds": rounds,
-          "requests_per_load": per_load, "cpus": os.cpu_count(), "torch": torch.__version__,
-          "note": "shared 2-core machine: clients and server share the CPUs; ratios matter more than absolutes",
-          "rows": rows, "runs": {f"{v}/{c}": rs for (v, c), rs in runs.items()}}, out)
+    report = {"cpus": os.cpu_count(), "torch": torch.__version__, "models": {},
+              "note": "shared 2-core machine: clients and servers share the CPUs; ratios matter more than absolutes"}
+    with tempfile.TemporaryDirectory(prefix="moescope-bench-serve-") as tmp:
+        for model in models:
+            report["models"][model] = bench_model(model, args, Path(tmp))
+    print()
+    print(markdown(report), end="")
+    save(report, out)
     return 0
 
 

@@ -50,14 +50,36 @@ def test_completion_limits_and_neutral_values_of_unsupported_fields():
         assert e.value.status == 400 and e.value.param == field, (field, e.value.body())
 
 
+def test_token_id_prompts_min_tokens_and_served_names():
+    limits = ModelLimits("m", 64, ("a", "b"), 260)
+    ids_ = tokenizer.encode("hello")
+    for prompt in (ids_, [ids_]):
+        p = parse_completion({"model": "b", "prompt": prompt, "min_tokens": 3, "ignore_eos": True}, limits)
+        assert (p.prompt_ids, p.prompt, p.prompt_tokens, p.model) == (tuple(ids_), "hello", len(ids_), "b")
+        assert (p.min_tokens, p.ignore_eos, p.max_tokens) == (3, True, 16)
+    for body, param in (({"model": "m", "prompt": "x"}, "model"), ({"model": "a", "prompt": [0, 260]}, "prompt"),
+                        ({"model": "a", "prompt": [[1], [2]]}, "prompt"), ({"model": "a", "prompt": [True]}, "prompt"),
+                        ({"model": "a", "prompt": "x", "min_tokens": 17}, "min_tokens")):
+        with pytest.raises(APIError) as e:
+            parse_completion(body, limits)
+        assert e.value.param == param and e.value.status in (400, 404), body
+
+
 def test_request_ids_and_tenants():
+    import hashlib
+    import re
+
     assert ids.request_id("abc-1.2:3") == "abc-1.2:3"
-    for bad in (None, "", " x", "x y", "é", "x" * 65, "-lead", "a\x1bb"):
+    for bad in (None, "", "é", "-._:", "\x1b"):  # nothing safe in it: a fresh id
         new = ids.request_id(bad)
         assert new != bad and len(new) == 16 and int(new, 16) >= 0
+    for bad, prefix in (("x y", "xy"), (" x", "x"), ("x" * 65, "x" * ids.PREFIX_CHARS), ("-lead", "lead"),
+                        ("a\x1bb", "ab")):
+        new = ids.request_id(bad)  # its safe characters, then 8 random hex digits: distinct each time
+        assert re.fullmatch(re.escape(prefix) + "-[0-9a-f]{8}", new) and new != ids.request_id(bad), (bad, new)
     assert ids.tenant("team-a@corp") == "team-a@corp" and ids.tenant(None) is None
-    with pytest.raises(APIError):
-        ids.tenant("x" * 65)
+    for user in ("x" * 65, "a b", "émile", "\x1b[31m"):  # any other string: a bounded hashed label, stable
+        assert ids.tenant(user) == "u-" + hashlib.sha256(user.encode()).hexdigest()[:16] == ids.tenant(user)
 
 
 @settings(max_examples=200, deadline=None)
@@ -115,13 +137,14 @@ def test_engine_loop_serves_like_a_plain_engine_and_bounds_its_queue(tiny_cfg):
     async def main():
         loop = EngineLoop(Engine(model, max_batch=2), max_queue=3)
         jobs = _jobs(PROMPTS)
-        # before the thread runs, the queue bound is exact: 3 accepted, then full; a repeated id is refused
+        # before the thread runs, the bound is exact: 3 waiting + the 2 free batch slots' worth, then full; a
+        # repeated id is refused
         offers = [loop.offer(j) for j in jobs]
-        assert offers == ["ok"] * 3 + ["full"] * 3 and loop.admission.rejected == 3
+        assert offers == ["ok"] * 5 + ["full"] and loop.admission.rejected == 1
         assert loop.offer(_jobs(["again"])[0]) == "duplicate"
         loop.start(asyncio_waker(asyncio.get_running_loop()))
         streamed = {}
-        for j in jobs[:3]:
+        for j in jobs[:5]:
             toks = []
             while True:
                 got, rec = await j.stream.next()
@@ -129,9 +152,9 @@ def test_engine_loop_serves_like_a_plain_engine_and_bounds_its_queue(tiny_cfg):
                 if rec is not None:
                     break
             streamed[j.request_id] = (tuple(toks), rec)
-        for j in jobs[3:]:
+        for j in jobs[5:]:
             assert loop.offer(j) == "ok"
-        records = [await j.stream.done() for j in jobs[3:]]
+        records = [await j.stream.done() for j in jobs[5:]]
         loop.close()
         return streamed, records
 

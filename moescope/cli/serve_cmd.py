@@ -40,8 +40,11 @@ def assemble(stack: ExitStack, o: dict):
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless you say so).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=128, show_default=True,
-              help="Requests waiting for a batch slot; beyond it a request gets 429 with Retry-After.")
+@click.option("--max-queue", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Requests waiting for a batch slot; beyond it a request gets 429 with Retry-After. 0: unbounded.")
+@click.option("--served-model-name", "served_names", multiple=True, metavar="NAME",
+              help="The model name clients send and /v1/models lists (repeat for aliases) [the model's own name]; "
+                   "the trace store keeps the model's own name.")
 @click.option("--request-timeout", type=click.FloatRange(min=0), default=600.0, show_default=True,
               help="Seconds from arrival before a request ends as 'timeout' (408; stored); 0: none.")
 @click.option("--shutdown-timeout", type=click.FloatRange(min=0), default=30.0, show_default=True,
@@ -54,8 +57,8 @@ def assemble(stack: ExitStack, o: dict):
                    "production.")
 @model_options
 @instrument_options
-def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, access_log, debug_endpoints,
-          **o) -> int:
+def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout, log_level, access_log,
+          debug_endpoints, **o) -> int:
     """Serve the OpenAI completions and chat completions API on the reference MoE runtime.
 
     Each response's id (and x-request-id header) opens in `moescope trace ID`.
@@ -66,6 +69,9 @@ def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, a
     except ImportError as exc:
         raise BadInput(f"moescope serve needs FastAPI and uvicorn ({exc.name} is missing): "
                        "pip install 'moescope[serve]'") from None
+    served = tuple(dict.fromkeys(n.strip() for n in served_names))
+    if any(not n for n in served):
+        raise BadInput("--served-model-name must not be empty")
     from moescope.serve import server
 
     sock = server.bind(host, port)  # before torch and the model load: a taken port is a one-line error at once
@@ -78,13 +84,16 @@ def serve(host, port, max_queue, request_timeout, shutdown_timeout, log_level, a
         engine, inst, recorder = assemble(stack, o)
         loop = EngineLoop(engine, max_queue=max_queue, request_timeout_s=request_timeout or None)
         stack.callback(loop.close)  # first out: cancels what is left, before the recorder flushes
-        service = app_mod.Service(loop, ModelLimits(engine.model.cfg.name, engine.model.cfg.max_seq_len),
+        cfg = engine.model.cfg
+        service = app_mod.Service(loop, ModelLimits(cfg.name, cfg.max_seq_len, served, cfg.vocab_size),
                                   debug=debug_endpoints)
         bound = sock.getsockname()
         where = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
-        click.echo(f"moescope serve: {where} (model {service.limits.name}, max batch {engine.max_batch}, queue "
-                   f"{max_queue}); metrics {inst.exporter.url if inst.exporter else 'off'}; traces "
-                   f"{recorder.path if recorder else 'off'}", err=True)
+        click.echo(f"moescope serve: {where} (model {service.limits.name}"
+                   + (f" served as {', '.join(served)}" if served else "")
+                   + f", max batch {engine.max_batch}, queue {max_queue or 'unbounded'}); metrics "
+                   f"{inst.exporter.url if inst.exporter else 'off'}; traces {recorder.path if recorder else 'off'}",
+                   err=True)
         server.run(app_mod.create_app(service), service, sock, shutdown_timeout_s=shutdown_timeout,
                    log_level=log_level, access_log=access_log)
     click.echo(f"moescope serve: stopped after {loop.served} requests"

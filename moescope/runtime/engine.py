@@ -93,6 +93,11 @@ class _Live:
     sink: Callable[[int | None, RequestRecord | None], None] | None = None
     deadline: float | None = None  # engine clock; past it the request finishes as "timeout"
     stop: tuple[tuple[int, ...], ...] = ()  # stop strings as byte-token sequences
+    min_tokens: int = 0  # no EOS and no stop string before this many output tokens
+    ignore_eos: bool = False  # never sample EOS (the request runs to max_new_tokens or a stop string)
+
+    def eos_banned(self) -> bool:
+        return self.ignore_eos or len(self.output_ids) < self.min_tokens
 
 
 DECODE_MODES = ("eager", "static", "graph")
@@ -179,7 +184,8 @@ class Engine:
                request_id: str | None = None, domain: str | None = None, tenant: str | None = None,
                arrival: float | None = None, seed: int | None = None, stop: Iterable[str] = (),
                timeout_s: float | None = None,
-               sink: Callable[[int | None, RequestRecord | None], None] | None = None) -> str:
+               sink: Callable[[int | None, RequestRecord | None], None] | None = None,
+               prompt_ids: list[int] | None = None, min_tokens: int = 0, ignore_eos: bool = False) -> str:
         """Queue a request; returns its id (``request_id`` or a new random one).
 
         Args:
@@ -192,6 +198,11 @@ class Engine:
                 made and, on the request's last call, its ``RequestRecord`` (token ``None`` when it ended without
                 one: cancelled or timed out). It must return at once (hand the token to another thread, never
                 wait on a client); an exception in it is counted in ``sink_errors`` and never stops the engine.
+            prompt_ids: the prompt as token ids, used as given (no BOS added; ``prompt`` is then only its label
+                in the record); each must be in ``[0, vocab_size)``.
+            min_tokens: EOS is never sampled and stop strings never end the request before this many output
+                tokens (vLLM's ``min_tokens``).
+            ignore_eos: EOS is never sampled (vLLM's ``ignore_eos``: fixed-length runs).
         """
         if max_new_tokens <= 0:
             raise BadInput(f"max_new_tokens must be positive, got {max_new_tokens}")
@@ -201,7 +212,11 @@ class Engine:
         if limit < 2:
             raise BadInput(f"max_new_tokens {max_new_tokens} leaves no room for a prompt "
                            f"(max_seq_len {self.model.cfg.max_seq_len})")
-        ids = tokenizer.encode(prompt)
+        if prompt_ids is not None:
+            vocab = self.model.cfg.vocab_size
+            if not prompt_ids or any(not 0 <= t < vocab for t in prompt_ids):
+                raise BadInput(f"prompt_ids must be a non-empty list of token ids in [0, {vocab})")
+        ids = tokenizer.encode(prompt) if prompt_ids is None else list(prompt_ids)
         truncated = len(ids) > limit
         if truncated:  # keep BOS and the most recent part of the prompt
             ids = [ids[0], *ids[len(ids) - limit + 1:]]
@@ -213,7 +228,8 @@ class Engine:
         arrival = self.clock() if arrival is None else arrival
         self._waiting.append(_Live(rid, prompt, ids, max_new_tokens, temperature, arrival, gen, domain, tenant,
                                    truncated, sink=sink, deadline=None if timeout_s is None else arrival + timeout_s,
-                                   stop=tuple(tuple(s.encode("utf-8")) for s in stop if s)))
+                                   stop=tuple(tuple(s.encode("utf-8")) for s in stop if s),
+                                   min_tokens=min_tokens, ignore_eos=ignore_eos))
         self._submitted += 1
         return rid
 
@@ -367,8 +383,9 @@ class Engine:
                 continue
             live.output_ids.append(tok)
             live.token_times.append(done_at)
+            early = len(live.output_ids) < live.min_tokens  # min_tokens: no stop string yet either
             reason = ("eos" if tok == tokenizer.EOS else
-                      "stop" if live.stop and _ends_with_stop(live.output_ids, live.stop) else
+                      "stop" if live.stop and not early and _ends_with_stop(live.output_ids, live.stop) else
                       "length" if len(live.output_ids) >= live.max_new_tokens else
                       "max_seq_len" if live.cache.length >= live.cache.capacity else "")
             if reason:
@@ -420,6 +437,9 @@ class Engine:
         bad = logits.isnan().any(-1)
         logits[:, tokenizer.PAD] = float("-inf")  # never sample padding or a second BOS
         logits[:, tokenizer.BOS] = float("-inf")
+        banned = [i for i, live in enumerate(batch) if live.eos_banned()]
+        if banned:  # ignore_eos / min_tokens: EOS cannot be sampled (greedy or not)
+            logits[banned, tokenizer.EOS] = float("-inf")
         out = logits.argmax(-1)
         for i, live in enumerate(batch):
             if live.temperature > 0:

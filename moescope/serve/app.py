@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from moescope.runtime import tokenizer
 from moescope.serve import ids, protocol, responses, routing
 from moescope.serve.errors import APIError, http_error
 from moescope.serve.loop import EngineLoop, Job, now
@@ -41,8 +42,13 @@ class Service:
     distribution: routing.DistributionRecorder | None = None  # the expert-distribution endpoints
 
 
+NO_RETRY = {"x-should-retry": "false"}  # the openai SDKs honour it: a retry of the same request cannot succeed
+
+
 def _error(exc: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status, headers={**(headers or {}), **exc.headers})
+    final = 400 <= exc.status < 500 and exc.status not in (408, 409, 429)  # the client's own request is at fault
+    return JSONResponse(exc.body(), status_code=exc.status,
+                        headers={**(headers or {}), **(NO_RETRY if final else {}), **exc.headers})
 
 
 def _ended_error(record) -> APIError:
@@ -94,13 +100,16 @@ class _JobResponse(StreamingResponse):
 
 
 async def _events(service: Service, job: Job, created: int, routed_from: int | None = None):
-    kind, p, model = job.params.kind, job.params, service.limits.name
+    kind, p, model = job.params.kind, job.params, job.params.model or service.limits.name
     asm = TextAssembler(p.stop)
-    if kind == "chat":
-        yield responses.sse(responses.chunk(kind, job.request_id, created, model, first=True))
+    first = kind == "chat"  # the role chunk goes with the first token (after admission), as vLLM sends it
     while True:
         tokens, record = await job.stream.next()
         text = "".join(asm.feed(t) for t in tokens)
+        if first and (tokens or record is not None):
+            first = False
+            yield responses.sse(responses.chunk(kind, job.request_id, created, model, text, first=True))
+            text = ""
         if record is None and not job.stream.failed:
             if text:
                 yield responses.sse(responses.chunk(kind, job.request_id, created, model, text))
@@ -144,7 +153,7 @@ async def _whole(service: Service, job: Job, request: Request, created: int, hea
     if record is None or record.finish_reason not in FINISH_REASONS:
         return _error(_ended_error(record), headers)
     text = whole_text(record.output_tokens, job.params.stop, record.finish_reason)
-    doc = responses.body(job.params.kind, job.request_id, created, service.limits.name, text,
+    doc = responses.body(job.params.kind, job.request_id, created, job.params.model or service.limits.name, text,
                          FINISH_REASONS[record.finish_reason], record)
     _add_routed(service, job, doc, routed_from)
     return JSONResponse(doc, headers=headers)
@@ -159,6 +168,13 @@ async def _handle(service: Service, request: Request, parse) -> Response:
         body = protocol.decode_json(await _read_body(request))
         params = parse(body, service.limits)
         routed_from = routing.wanted(body)
+        # An id already in flight: this request gets a distinct store key (echoed in the header and the body).
+        # No await between this check and the offer: no other handler can take the key meanwhile.
+        for _ in range(8):
+            if not service.loop.holds(rid):
+                break
+            rid = ids.distinct(rid)
+        headers = {"x-request-id": rid}
         job = Job(rid, params, now())
         if routed_from is not None:  # before the engine can see the job: its prefill is recorded too
             service.routed.watch(job.request_id)
@@ -227,8 +243,27 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": service.limits.name, "object": "model", "created": service.started,
-                                            "owned_by": "moescope", "max_model_len": service.limits.max_seq_len}]}
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": service.started,
+                                            "owned_by": "moescope", "root": service.limits.name,
+                                            "max_model_len": service.limits.max_seq_len}
+                                           for name in service.limits.names]}
+
+    @app.get("/version")
+    async def version():
+        import moescope
+
+        return {"version": moescope.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        tokens, strs = protocol.parse_tokenize(protocol.decode_json(await _read_body(request)), service.limits)
+        out = {"count": len(tokens), "max_model_len": service.limits.max_seq_len, "tokens": tokens}
+        return {**out, "token_strs": [tokenizer.token_text(t) for t in tokens]} if strs else out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        tokens = protocol.parse_detokenize(protocol.decode_json(await _read_body(request)), service.limits)
+        return {"prompt": tokenizer.decode(tokens)}
 
     def _state() -> tuple[dict, str | None]:
         loop = service.loop

@@ -111,9 +111,11 @@ class Admission:
         self._cond = threading.Condition()
         self.rejected = 0  # offers refused because it was full
 
-    def offer(self, job: Job) -> bool:
+    def offer(self, job: Job, free_slots: int = 0) -> bool:
+        """Queue ``job`` unless full. ``free_slots``: batch slots the loop will fill at its next turn; jobs that
+        will take them are not waiting, so they do not count against the bound."""
         with self._cond:
-            if len(self._jobs) >= self.capacity:
+            if self.capacity and len(self._jobs) >= self.capacity + max(0, free_slots):  # capacity 0: unbounded
                 self.rejected += 1
                 return False
             self._jobs[job.request_id] = job
@@ -195,6 +197,11 @@ class EngineLoop:
         self._thread.start()
         return self
 
+    def holds(self, request_id: str) -> bool:
+        """Any thread: whether a request with this id is queued or running."""
+        with self._ids_lock:
+            return request_id in self._ids
+
     def offer(self, job: Job) -> str:
         """Any thread: queue a job. Returns "ok", "full" (the admission queue is), "duplicate" (a request with
         this id is queued or running) or "unhealthy" (the engine cannot serve: ``unhealthy`` says why)."""
@@ -203,7 +210,7 @@ class EngineLoop:
                 return "unhealthy"
             if job.request_id in self._ids:
                 return "duplicate"
-            if not self.admission.offer(job):
+            if not self.admission.offer(job, self.engine.max_batch - len(self._live)):
                 return "full"
             self._ids.add(job.request_id)
         return "ok"
@@ -250,7 +257,8 @@ class EngineLoop:
         try:
             self.engine.submit(p.prompt, max_new_tokens=p.max_tokens, temperature=p.temperature,
                                request_id=job.request_id, tenant=p.tenant, arrival=job.arrival, seed=p.seed,
-                               stop=p.stop, timeout_s=self.request_timeout_s, sink=partial(self._sink, job))
+                               stop=p.stop, timeout_s=self.request_timeout_s, sink=partial(self._sink, job),
+                               prompt_ids=p.prompt_ids, min_tokens=p.min_tokens, ignore_eos=p.ignore_eos)
         except Exception:  # validated before it was queued: a bug if it happens, but never a hung client
             log.exception("engine refused request %s", job.request_id)
             self._fail(job)

@@ -51,10 +51,12 @@ class _Sampling(_Strict):
     n: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
+    min_tokens: int | None = None  # vLLM's extra sampling parameters
+    ignore_eos: bool | None = None
 
 
 class CompletionBody(_Sampling):
-    prompt: str | list[str]
+    prompt: str | list[str] | list[int] | list[list[int]]
 
 
 class ContentPart(_Strict):
@@ -86,12 +88,22 @@ class Params:
     tenant: str | None
     stream: bool
     include_usage: bool
+    model: str = ""  # the name the client asked for (one of the served names): echoed in the answer
+    prompt_ids: tuple[int, ...] | None = None  # a token-id prompt, used as given (``prompt`` is its decoded text)
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
 
 @dataclass(frozen=True)
 class ModelLimits:
-    name: str
+    name: str  # the model's own name (the trace store's)
     max_seq_len: int
+    served: tuple[str, ...] = ()  # --served-model-name: the names clients use (default: ``name``)
+    vocab_size: int = tokenizer.PAD + 1
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.served or (self.name,)
 
 
 def _loc(loc: tuple) -> str:
@@ -119,10 +131,24 @@ def decode_json(body: bytes) -> dict:
     return obj
 
 
+def check_model(model: str | None, limits: ModelLimits) -> None:
+    if model is not None and model not in limits.names:
+        raise APIError(404, f"model {model!r} does not exist; this server serves "
+                       f"{', '.join(repr(n) for n in limits.names)} (GET /v1/models)", type="not_found_error",
+                       param="model", code="model_not_found")
+
+
+def check_token_ids(ids: list[int], limits: ModelLimits, param: str) -> list[int]:
+    """Token ids in the vocabulary, else a 400 naming the first one outside it."""
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise APIError(400, f"{param}[{i}]: token id {t} is outside the vocabulary (0-{limits.vocab_size - 1})",
+                           param=param, code="invalid_value")
+    return ids
+
+
 def _check_common(req: _Sampling, limits: ModelLimits) -> None:
-    if req.model != limits.name:
-        raise APIError(404, f"model {req.model!r} does not exist; this server serves {limits.name!r} "
-                       "(GET /v1/models)", type="not_found_error", param="model", code="model_not_found")
+    check_model(req.model, limits)
     if req.n not in (None, 1):
         raise APIError(400, "n: only n=1 is supported", param="n", code="unsupported_value")
     for name, neutral in UNSUPPORTED.items():
@@ -168,15 +194,33 @@ def _max_tokens(value: int | None, default: int, n_prompt: int, limits: ModelLim
     return value
 
 
-def _params(kind, req: _Sampling, prompt: str, max_tokens: int | None, default: int | None, limits: ModelLimits,
-            prompt_param: str) -> Params:
-    n_prompt = len(tokenizer.encode(prompt))
+def _min_tokens(value: int | None, max_tokens: int) -> int:
+    if value is None:
+        return 0
+    if not 0 <= value <= max_tokens:
+        raise APIError(400, f"min_tokens must be between 0 and max_tokens ({max_tokens}), got {value}",
+                       param="min_tokens", code="invalid_value")
+    return value
+
+
+def _params(kind, req: _Sampling, prompt: str | list[int], max_tokens: int | None, default: int | None,
+            limits: ModelLimits, prompt_param: str) -> Params:
+    ids = None
+    if isinstance(prompt, list):  # token ids, used as given
+        if not prompt:
+            raise APIError(400, "prompt: a token-id prompt needs at least one id", param=prompt_param,
+                           code="invalid_value")
+        ids = tuple(check_token_ids(prompt, limits, prompt_param))
+        prompt = tokenizer.decode(prompt)
+    n_prompt = len(tokenizer.encode(prompt)) if ids is None else len(ids)
     default = limits.max_seq_len if default is None else default
-    return Params(kind=kind, prompt=prompt, prompt_tokens=n_prompt,
-                  max_tokens=_max_tokens(max_tokens, default, n_prompt, limits, prompt_param),
+    max_tokens = _max_tokens(max_tokens, default, n_prompt, limits, prompt_param)
+    return Params(kind=kind, prompt=prompt, prompt_tokens=n_prompt, max_tokens=max_tokens,
                   temperature=_temperature(req.temperature), seed=req.seed,
                   stop=_stops(req.stop), tenant=tenant_label(req.user), stream=bool(req.stream),
-                  include_usage=bool(req.stream_options and req.stream_options.include_usage))
+                  include_usage=bool(req.stream_options and req.stream_options.include_usage), model=req.model,
+                  prompt_ids=ids, min_tokens=_min_tokens(req.min_tokens, max_tokens),
+                  ignore_eos=bool(req.ignore_eos))
 
 
 def _validated(cls: type[_Sampling], obj: Any, limits: ModelLimits):
@@ -192,10 +236,10 @@ def parse_completion(obj: Any, limits: ModelLimits) -> Params:
     """A ``/v1/completions`` body. Raises APIError."""
     req = _validated(CompletionBody, obj, limits)
     prompt = req.prompt
-    if isinstance(prompt, list):
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):  # a batch: strings or id lists
         if len(prompt) != 1:
-            raise APIError(400, "prompt: one prompt per request (a list must hold exactly one string)",
-                           param="prompt", code="unsupported_value")
+            raise APIError(400, "prompt: one prompt per request (a list must hold exactly one string or one list "
+                           "of token ids)", param="prompt", code="unsupported_value")
         prompt = prompt[0]
     return _params("completion", req, prompt, req.max_tokens, DEFAULT_COMPLETION_TOKENS, limits, "prompt")
 
@@ -203,10 +247,20 @@ def parse_completion(obj: Any, limits: ModelLimits) -> Params:
 def parse_chat(obj: Any, limits: ModelLimits) -> Params:
     """A ``/v1/chat/completions`` body (rendered with ``chat.render``). Raises APIError."""
     req = _validated(ChatBody, obj, limits)
-    if not req.messages:
+    rendered = _rendered(req.messages)
+    if req.max_tokens is not None and req.max_completion_tokens is not None:
+        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens",
+                       code="invalid_value")
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    return _params("chat", req, chat.render(rendered), max_tokens, None, limits, "messages")
+
+
+def _rendered(messages: list[Message]) -> list[tuple[str, str]]:
+    """Chat messages -> (role, text) for ``chat.render``. Raises APIError."""
+    if not messages:
         raise APIError(400, "messages must hold at least one message", param="messages", code="invalid_value")
     rendered = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(messages):
         if m.role not in chat.ROLE_NAMES:
             raise APIError(400, f"messages[{i}].role {m.role!r} is not supported (system, developer, user, "
                            "assistant)", param=f"messages[{i}].role", code="unsupported_value")
@@ -219,8 +273,42 @@ def parse_chat(obj: Any, limits: ModelLimits) -> Params:
         else:
             text = m.content or ""
         rendered.append((m.role, text))
-    if req.max_tokens is not None and req.max_completion_tokens is not None:
-        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_completion_tokens",
-                       code="invalid_value")
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    return _params("chat", req, chat.render(rendered), max_tokens, None, limits, "messages")
+    return rendered
+
+
+class TokenizeBody(_Strict):
+    """``POST /tokenize`` (vLLM's shape): ``prompt`` or ``messages``."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+def parse_tokenize(obj: Any, limits: ModelLimits) -> tuple[list[int], bool]:
+    """A ``/tokenize`` body -> (token ids, whether to return their labels). Raises APIError."""
+    try:
+        req = TokenizeBody.model_validate(obj)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    check_model(req.model, limits)
+    if (req.prompt is None) == (req.messages is None):
+        raise APIError(400, "give prompt or messages (one of them)", param="prompt", code="invalid_value")
+    text = req.prompt if req.prompt is not None else chat.render(_rendered(req.messages))
+    return tokenizer.encode(text, bos=req.add_special_tokens), req.return_token_strs
+
+
+def parse_detokenize(obj: Any, limits: ModelLimits) -> list[int]:
+    """A ``/detokenize`` body -> token ids in the vocabulary. Raises APIError."""
+    try:
+        req = DetokenizeBody.model_validate(obj)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    check_model(req.model, limits)
+    return check_token_ids(req.tokens, limits, "tokens")

@@ -23,7 +23,7 @@ def _choice(kind: str, text: str | None, finish: str | None, *, delta: bool, fir
     if kind == "completion":
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
     if delta:
-        content = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+        content = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
         return {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish}
     return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
 
