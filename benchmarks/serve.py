@@ -37,6 +37,7 @@ import json
 import os
 import random
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -201,6 +202,8 @@ async def soak_load(servers: dict, model: str, clients: int, seconds: float, war
     stop = time.monotonic() + seconds
     done = {v: 0 for v in servers}
     errors = {v: 0 for v in servers}
+    rejected = {v: 0 for v in servers}  # 429 queue_full: documented back-pressure, not an error
+    answered: dict[str, list[str]] = {v: [] for v in servers}  # ids, to look up in the trace store after
     samples: dict[str, list[tuple[float, int, float]]] = {v: [] for v in servers}
 
     async def client(v: str, url: str, k: int) -> None:
@@ -211,9 +214,14 @@ async def soak_load(servers: dict, model: str, clients: int, seconds: float, war
             try:
                 stream = await sdk.completions.create(model=model, prompt=f"soak {k}-{i}: the quick brown fox",
                                                       max_tokens=max_tokens, temperature=0, stream=True)
-                async for _ in stream:
-                    pass
+                rid = None
+                async for chunk in stream:
+                    rid = chunk.id
                 done[v] += 1
+                answered[v].append(rid)
+            except openai.RateLimitError:
+                rejected[v] += 1
+                await asyncio.sleep(0.05)
             except openai.OpenAIError:
                 errors[v] += 1
         await sdk.close()
@@ -232,7 +240,8 @@ async def soak_load(servers: dict, model: str, clients: int, seconds: float, war
     for v, rows in samples.items():
         after = [r for r in rows if r[0] >= warmup_s]
         slope = _slope([r[1] for r in after], [r[2] for r in after])
-        out[v] = {"requests": done[v], "errors": errors[v], "requests_after_warmup": after[-1][1] - after[0][1]
+        out[v] = {"requests": done[v], "errors": errors[v], "rejected_429": rejected[v], "answered_ids": answered[v],
+                  "requests_after_warmup": after[-1][1] - after[0][1]
                   if after else 0, "rss_mb_start": rows[0][2] if rows else None,
                   "rss_mb_after_warmup": after[0][2] if after else None, "rss_mb_end": rows[-1][2] if rows else None,
                   "growth_after_warmup_pct": (after[-1][2] / after[0][2] - 1) * 100 if after else None,
@@ -247,7 +256,8 @@ def soak(args) -> int:
     out = args.out or HERE / "results" / "serve-soak.json"
     max_tokens = args.max_tokens or 32
     with tempfile.TemporaryDirectory(prefix="moescope-bench-soak-") as tmp:
-        servers = {v: start(args.model, extra, Path(tmp), v, args.max_batch) for v, extra in VARIANTS.items()}
+        servers = {v: start(args.model, extra, Path(tmp), v, args.max_batch) for v, extra in VARIANTS.items()
+                   if v in args.soak_variants}
         try:
             for proc, url in servers.values():
                 wait_ready(proc, url)
@@ -258,11 +268,23 @@ def soak(args) -> int:
                 proc.send_signal(signal.SIGTERM)
             for proc, _ in servers.values():
                 proc.wait(60)
+        # every answered request is in its server's trace store (read after the graceful shutdown's flush)
+        for v, r in res.items():
+            ids = r.pop("answered_ids")
+            path = Path(tmp) / f"{v}.sqlite"
+            if "--traces" in VARIANTS[v] or not path.exists():
+                r["stored_of_answered"] = None
+                continue
+            con = sqlite3.connect(path)
+            stored = {row[0] for row in con.execute("select request_id from requests")}
+            con.close()
+            r["stored_of_answered"] = sum(i in stored for i in ids)
     print(f"\nsoak: moescope serve, {args.model}, {args.soak_clients} streaming clients per server, {args.soak:.0f} s "
           f"(warm-up {args.soak_warmup:.0f} s), {max_tokens} tokens per request")
     for v, r in res.items():
         slope, growth = r["rss_kb_per_1000_requests"], r["growth_after_warmup_pct"]
-        print(f"{v:<11} {r['requests']:>7} requests, {r['errors']} errors; RSS {r['rss_mb_start']:.1f} -> "
+        print(f"{v:<11} {r['requests']:>7} requests ({r['stored_of_answered']} of them in the store), {r['errors']} "
+              f"errors, {r['rejected_429']} 429s; RSS {r['rss_mb_start']:.1f} -> "
               f"{r['rss_mb_after_warmup']:.1f} (warm) -> {r['rss_mb_end']:.1f} MB: "
               + (f"{slope:+.1f} KB per 1,000 requests, {growth:+.2f}% after warm-up" if slope is not None else "n/a"))
     import torch
@@ -457,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="soak mode: RSS slope per 1,000 requests under --soak-clients streaming clients "
                          "[results/serve-soak.json]")
     ap.add_argument("--soak-clients", type=int, default=8, help="[8]")
+    ap.add_argument("--soak-variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                    help="which servers the soak runs [both]")
     ap.add_argument("--soak-warmup", type=float, default=60.0, help="seconds before the slope is fitted [60]")
     args = ap.parse_args(argv)
     if args.markdown:
