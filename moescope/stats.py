@@ -43,12 +43,6 @@ def shares(load: Sequence[float]) -> list[float]:
     return [x / total if total else 0.0 for x in load]
 
 
-def imbalance(load: Sequence[float]) -> float:
-    """(max - mean) / mean, TensorRT-LLM's imbalance; 0 for no load."""
-    m = max_over_mean(load)
-    return m - 1.0 if m else 0.0
-
-
 def top_share(load: Sequence[float], tokens: float) -> float:
     """Share of the routed tokens that the busiest expert took: k/E when balanced, 1.0 when every token
     chose it (a collapse). Per token, not per slot: with top-k one expert can hold at most 1/k of the slots,
@@ -59,20 +53,6 @@ def top_share(load: Sequence[float], tokens: float) -> float:
 def dead_experts(load: Sequence[float]) -> int:
     """Experts with no slot at all."""
     return sum(1 for x in load if x == 0)
-
-
-def activation_ratio(dense_params: int, expert_params: int, total_params: int, k_eff_sum: float) -> float:
-    """Parameters touched per token / total parameters.
-
-    ``k_eff_sum`` is the sum over MoE layers of the slots actually computed per routed token (k without
-    drops; lower with drops).
-    """
-    return (dense_params + k_eff_sum * expert_params) / total_params
-
-
-def hit_rate(hits: float, lookups: float) -> float:
-    """Cache hits / lookups; 1.0 with no lookups (nothing was missed)."""
-    return hits / lookups if lookups else 1.0
 
 
 def jensen_shannon(p: Sequence[float], q: Sequence[float]) -> float:

@@ -435,7 +435,7 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
     assert not by_label(no_placement, "moescope_rank_load_max_over_mean_ratio", "layer")
     per_rank = [0.0, 0.0]
     for layer, w in window.items():
-        loads = [sum(int(w["slots"][e]) for e in placement.local_experts(layer, r)) for r in range(2)]
+        loads = [sum(int(w["slots"][e]) for e in placement.layers[layer][r]) for r in range(2)]
         per_rank = [a + b for a, b in zip(per_rank, loads)]
         assert by_label(parsed, "moescope_rank_load_max_over_mean_ratio", "layer")[str(layer)] == \
             pytest.approx(max(loads) / (sum(loads) / 2))

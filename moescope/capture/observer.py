@@ -5,7 +5,8 @@ must not block and must not raise (``FanOut`` enforces the second for everyone i
 imports this module and nothing else from moescope's sinks; sinks never call back into the runtime.
 
 Hooks on the hot path (``on_routing``) receive device tensors and must not copy them to the host: they
-accumulate on the device, and copy once per step in ``on_step``.
+keep references (or accumulate on the device) and copy later, never per layer: the routing probe once per
+flush interval, the trace capture off the engine thread (its queue's worker), ``RoutingLog`` once per step.
 """
 
 from __future__ import annotations

@@ -35,8 +35,3 @@ def requests_cmd(traces_path, flags, since, slowest, limit, as_json) -> None:
         started = dt.datetime.fromtimestamp(r.started).strftime("%Y-%m-%d %H:%M:%S")
         echo(f"{r.request_id[:22]:<22} {started:<19} {r.n_prompt:>6} {r.n_output:>6} "
              f"{r.ttft_s * 1e3:>8.1f} {r.total_s * 1e3:>9.1f}  {','.join(r.flags)}")
-
-
-# Old names other commands imported from here, until every command takes them from cli/options.py.
-TRACES_OPTION = traces_option()
-from moescope.cli.options import parse_since  # noqa: E402,F401

@@ -21,6 +21,7 @@ import numpy as np
 
 from moescope import stats
 from moescope.thresholds import DEFAULT
+from moescope.tui.routing import NAMED, named
 
 
 def layer_summary(counts: list[int], n: int | None = None, dead: int | None = None,
@@ -28,8 +29,6 @@ def layer_summary(counts: list[int], n: int | None = None, dead: int | None = No
     """One layer's load: CV, experts with no slot, the ``n`` hottest and coldest as (expert, share of slots)
     (``n``: as many as `moescope top` names, by the same ranking); ``dead`` (the experts judged dead; None: not
     judged) and ``hot`` ([{expert, factor, reference}] over the hot bar) from ``judge``."""
-    from moescope.tui.routing import NAMED, named  # imported here: every CLI start imports this module
-
     n = NAMED if n is None else n
     c = np.asarray(counts, dtype=np.float64)
     total = c.sum()

@@ -1,6 +1,7 @@
 """Host-side metric state: cumulative counters, classic histograms with exemplars (prometheus_client's
-``Histogram``), and the routing window behind the ratio gauges. Fed by ``MetricsObserver`` once per step; read
-by the exporter at scrape time.
+``Histogram``), and the routing window behind the ratio gauges. Fed by ``MetricsObserver``'s hooks: step and
+request hooks as they come, routing through the probe's ``StepStats`` once per ``flush_interval_s`` (and at
+every read, which flushes the probe first); read by the exporter at scrape time.
 
 Sampling noise takes the request as the independent draw (``moescope.sampling``): the routing probe counts
 each request's slots per (layer, expert); the state sums them per in-flight request (at most

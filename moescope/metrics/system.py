@@ -1,4 +1,6 @@
-"""Process and GPU memory, read at scrape time. No GPU or no NVML means no GPU series, never an error."""
+"""Process and GPU memory: ``rss_bytes`` for the trace writer's steps (the exporter's process series come
+from prometheus_client's ``ProcessCollector``), ``gpu_memory`` read by the exporter at scrape time. No GPU or
+no NVML means no GPU series, never an error."""
 
 from __future__ import annotations
 

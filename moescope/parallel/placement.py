@@ -41,9 +41,6 @@ class Placement:
             table.append(sender if sender in ranks else ranks[0])
         return table + [-1]
 
-    def local_experts(self, layer: int, rank: int) -> tuple[int, ...]:
-        return self.layers[layer][rank]
-
 
 def _layout(kind: str, n_experts: int, world_size: int) -> tuple[tuple[int, ...], ...]:
     if kind == "round-robin":

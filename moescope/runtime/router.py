@@ -3,7 +3,7 @@
 Shape legend: T = tokens in the forward, H = hidden size, E = experts, k = experts per token.
 
 Everything here stays on the device: counts such as non-finite logits and dropped slots are 0-dim tensors,
-so routing never forces a host sync; the capture layer copies them once per step.
+so routing never forces a host sync; the capture layer copies them later, never per layer (capture/observer.py).
 """
 
 from __future__ import annotations

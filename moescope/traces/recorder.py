@@ -18,7 +18,7 @@ from pathlib import Path
 from moescope.capture.observer import Observer
 from moescope.capture.queued import QueuedObserver
 from moescope.capture.token_trace import TokenTraceCapture
-from moescope.traces.writer import ALWAYS_KEEP, TraceWriter  # noqa: F401  (ALWAYS_KEEP: documented policy)
+from moescope.traces.writer import TraceWriter
 
 
 class TraceRecorder(Observer):
