@@ -279,11 +279,19 @@ def soak(args) -> int:
             stored = {row[0] for row in con.execute("select request_id from requests")}
             con.close()
             r["stored_of_answered"] = sum(i in stored for i in ids)
+            # The store's retention (256 MB by default) trims the oldest requests: those answered before the first
+            # one still stored are that; any missing after it would be a loss (up to the clients' concurrency
+            # may differ by arrival vs answer order).
+            first = next((k for k, i in enumerate(ids) if i in stored), len(ids))
+            r["answered_before_oldest_stored"] = first
+            r["missing_after_oldest_stored"] = sum(i not in stored for i in ids[first:])
     print(f"\nsoak: moescope serve, {args.model}, {args.soak_clients} streaming clients per server, {args.soak:.0f} s "
           f"(warm-up {args.soak_warmup:.0f} s), {max_tokens} tokens per request")
     for v, r in res.items():
         slope, growth = r["rss_kb_per_1000_requests"], r["growth_after_warmup_pct"]
-        print(f"{v:<11} {r['requests']:>7} requests ({r['stored_of_answered']} of them in the store), {r['errors']} "
+        print(f"{v:<11} {r['requests']:>7} requests ({r['stored_of_answered']} of them in the store; "
+              f"{r.get('answered_before_oldest_stored')} older ones trimmed by retention, "
+              f"{r.get('missing_after_oldest_stored')} missing after), {r['errors']} "
               f"errors, {r['rejected_429']} 429s; RSS {r['rss_mb_start']:.1f} -> "
               f"{r['rss_mb_after_warmup']:.1f} (warm) -> {r['rss_mb_end']:.1f} MB: "
               + (f"{slope:+.1f} KB per 1,000 requests, {growth:+.2f}% after warm-up" if slope is not None else "n/a"))
