@@ -197,10 +197,10 @@ def test_readme_tour_runs_as_written(tmp_path):
 def test_docs_tables_are_printed_from_their_results_files():
     """Every `<!-- table: benchmarks/X.py --markdown RESULTS -->` block holds exactly what that command prints."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    import doc_tables
+    import _doc_tables as doc_tables
 
     found = [m for p in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"] for m in doc_tables.blocks(p.read_text())]
     assert found, "no generated tables in the docs"
-    run = subprocess.run([sys.executable, "benchmarks/doc_tables.py", "--check"], cwd=ROOT, capture_output=True,
+    run = subprocess.run([sys.executable, "benchmarks/_doc_tables.py", "--check"], cwd=ROOT, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr

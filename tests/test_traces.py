@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import moescope
@@ -344,3 +345,28 @@ def test_requests_whose_forwards_were_not_all_seen_are_stored_without_routing(ti
     assert main(["trace", rid, "--traces", str(path), "--json"]) == 2  # a row no writer of ours makes
     err = capsys.readouterr().err
     assert "corrupt row" in err and err.count("\n") == 1
+
+
+def test_a_request_that_ended_on_nan_keeps_its_routing(tmp_path):
+    """The `nan` scenario ends requests whose logits go non-finite ("error") after the forward that routed their
+    last token: the store keeps that routing (prompt + every output token), and `diagnose` reads the NaN from it."""
+    path = tmp_path / "nan.sqlite"
+    # deepseek-v3-shape: its NaN reaches the logits after a few decode steps (tiny-demo's at the prefill, where
+    # no output token is routed either way)
+    run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--json", "--model",
+                          "deepseek-v3-shape", "--requests", "6", "--rate", "0", "--scenario", "nan",
+                          "--metrics-port", "-1", "--traces", str(path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    conn = store.open_store(path)
+    rows = conn.execute("SELECT request_id, n_prompt, n_output, finish_reason, ids IS NOT NULL FROM requests")\
+        .fetchall()
+    errored = [r for r in rows if r[3] == "error"]
+    assert any(r[2] > 0 for r in errored) and all(r[4] for r in errored), rows
+    routed = {r.request_id: r for r in store.iter_routed(conn, limit=1000)}
+    for rid, n_prompt, n_output, _, _ in errored:
+        assert routed[rid].ids.shape[0] == n_prompt + n_output
+        assert not np.isfinite(routed[rid].entropy[-1]).all()  # the forward that gave the NaN is the last row
+    doc = json.loads(subprocess.run([sys.executable, "-m", "moescope", "diagnose", "--json", "--traces", str(path)],
+                                    capture_output=True, text=True, timeout=300).stdout)
+    assert any(f["cause"] == "nonfinite" for f in doc["findings"])

@@ -20,7 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 from moescope.capture.observer import FanOut, Observer
-from moescope.errors import BadInput
+from moescope.errors import BadInput, MoescopeError
 from moescope.runtime import tokenizer
 from moescope.runtime.model import KVCache, MoETransformer, Segment
 from moescope.runtime.router import extend_prefix_key
@@ -329,6 +329,8 @@ class Engine:
                 if live in self._running:
                     self._running.remove(live)
                 self._waiting.appendleft(live)
+            if isinstance(exc, MoescopeError):  # moescope's own (a peer rank gone, bad input): not a request's
+                raise                           # fault, and its one-line report must reach the CLI as it is
             raise StepFailed(tuple(r.request_id for r in batch), exc) from exc
         return self._advance(batch, phase, new, next_ids, started, n_tokens, seg_info)
 

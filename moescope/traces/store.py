@@ -268,7 +268,14 @@ def _ints(blob, n: int) -> np.ndarray:
 
 
 _ROUTED_COLUMNS = ("request_id, started, model, domain, tenant, n_prompt, n_output, layers, top_k, n_experts, "
-                   "ids, tokens, entropy, miss, step, steps")
+                   "ids, tokens, entropy, miss, step, steps, finish_reason")
+
+
+def routed_rows(n_prompt: int, n_output: int, finish_reason: str | None) -> int:
+    """How many of a request's tokens a forward routed: the prompt and every output token but the last (no
+    forward routed it), and for a request that ended on non-finite numbers ("error") that last one too (its
+    forward gave them; no next token was made). The writer stores exactly these rows."""
+    return n_prompt + (n_output if finish_reason == "error" else max(0, n_output - 1))
 
 
 @dataclass
@@ -292,10 +299,11 @@ class Routed:
     miss_blob: bytes | None
     step_blob: bytes | None
     steps_json: str | None
+    finish_reason: str | None = None
 
     @property
     def n_routed(self) -> int:
-        return self.n_prompt + max(0, self.n_output - 1)
+        return routed_rows(self.n_prompt, self.n_output, self.finish_reason)
 
     @cached_property
     def layers(self) -> list[int]:
@@ -467,7 +475,7 @@ def _check_document(r: dict) -> Routed | None:
     (as ``Routed.check``), and the per-token arrays only the document reads. Returns the checked routing (its
     decoded steps serve the document), None for a request without routing."""
     _row(tuple(r[c.strip()] for c in LIST_COLUMNS.split(",")))
-    n_routed = r["n_prompt"] + max(0, r["n_output"] - 1)
+    n_routed = routed_rows(r["n_prompt"], r["n_output"], r["finish_reason"])
     _check(_is_blob(r["latencies"], (4 * r["n_output"],), nullable=False), "latencies do not match the token "
            "counts")
     if r["ids"] is None:
@@ -501,7 +509,7 @@ def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None
     sel = select_layers(stored, wanted)
     layers = [stored[j] for j in sel]
     n_l, k = len(stored), r["top_k"] or 0
-    n_routed = n_prompt + max(0, n_output - 1)
+    n_routed = routed_rows(n_prompt, n_output, r["finish_reason"])
     ids = _arr(r["ids"], np.int16, (n_routed, n_l, k))
     ent = _arr(r["entropy"], np.float16, (n_routed, n_l)).astype(np.float64)
     miss = _arr(r["miss"], np.uint8, (n_routed, n_l))

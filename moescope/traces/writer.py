@@ -151,7 +151,8 @@ class TraceWriter(Observer):
         slices = [(self._steps[s], o, n) for s, o, n in parts if s in self._steps]
         for s, _, _ in parts:
             self._release(s)
-        if slices and sum(n for _, _, n in slices) != len(rec.prompt_tokens) + max(0, rec.n_output - 1):
+        if slices and sum(n for _, _, n in slices) != store_mod.routed_rows(len(rec.prompt_tokens), rec.n_output,
+                                                                            rec.finish_reason):
             # Some of its forwards reached no hook (a step event dropped by the full queue, or a static/CUDA-graph
             # decode step): store the request whole, without a routing that would not line up with its tokens.
             slices = []

@@ -7,7 +7,7 @@ A docs page holds a block
     <!-- /table -->
 
 whose body is exactly what that command prints (run from the repository root with this Python).
-``python benchmarks/doc_tables.py`` rewrites every block; ``--check`` exits 1 naming the blocks that differ
+``python benchmarks/_doc_tables.py`` rewrites every block; ``--check`` exits 1 naming the blocks that differ
 (tests/test_docs.py runs it).
 """
 
@@ -46,7 +46,7 @@ def main() -> int:
                 page.write_text(new)
     if check and stale:
         print(f"tables out of date with their results files in: {', '.join(stale)} "
-              "(python benchmarks/doc_tables.py rewrites them)", file=sys.stderr)
+              "(python benchmarks/_doc_tables.py rewrites them)", file=sys.stderr)
         return 1
     if not check:
         print(f"rewrote {len(stale)} page(s)" + (f": {', '.join(stale)}" if stale else ""))
