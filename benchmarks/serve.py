@@ -410,6 +410,18 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _interleaved(servers: dict, rounds: int, points: list, run_one) -> dict:
+    """``run_one(round, point, variant, proc, url)`` for every round, point and server, the servers' order
+    alternating between rounds; {(variant, point): [results per round]}."""
+    runs: dict = {(v, p): [] for v in VARIANTS for p in points}
+    for r in range(rounds):
+        order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
+        for p in points:
+            for v in order:
+                runs[(v, p)].append(run_one(r, p, v, *servers[v]))
+    return runs
+
+
 def bench_model(model: str, args, tmp: Path) -> dict:
     """Closed loop at each concurrency, then open loop at multiples of the saturation rate, on one pair of servers
     (capture on, off) of ``model``."""
@@ -425,33 +437,27 @@ def bench_model(model: str, args, tmp: Path) -> dict:
             wait_ready(proc, url)
         for _, (_, url) in servers.items():  # warm-up: first forwards, connection pools
             asyncio.run(load(url, model, 2, 4, max_tokens, seed=-1))
-        runs: dict = {(v, c): [] for v in VARIANTS for c in concurrency}
-        for r in range(rounds):
-            order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
-            for c in concurrency:
-                for v in order:
-                    proc, url = servers[v]
-                    res = asyncio.run(load(url, model, c, per_load[c], max_tokens, seed=r, pid=proc.pid))
-                    runs[(v, c)].append(res)
-                    print(f"{model} round {r} c={c:<3} {v:<11} {res['tokens_per_s']:8.1f} tok/s  ttft p50 "
+        def closed(r, c, v, proc, url):
+            res = asyncio.run(load(url, model, c, per_load[c], max_tokens, seed=r, pid=proc.pid))
+            print(f"{model} round {r} c={c:<3} {v:<11} {res['tokens_per_s']:8.1f} tok/s  ttft p50 "
                           f"{(res['ttft_p50_s'] or 0) * 1e3:7.1f} ms  server cpu "
-                          f"{res['server_cpu_ms_per_token'] or 0:.2f} ms/token  errors {res['errors']}", flush=True)
+                  f"{res['server_cpu_ms_per_token'] or 0:.2f} ms/token  errors {res['errors']}", flush=True)
+            return res
+
+        runs = _interleaved(servers, rounds, concurrency, closed)
         rows = summarise(runs, concurrency)
         saturation = max(row["capture_off"]["tokens_per_s"] for row in rows) / max_tokens  # requests/s
         multiples = args.open_load or ([2.0] if quick else [0.5, 1.0, 2.0])
         open_rounds = args.open_rounds or (1 if quick else 2)
         open_s = args.open_s or (3.0 if quick else 15.0 if model == "tiny-demo" else 20.0)
-        oruns: dict = {(v, m): [] for v in VARIANTS for m in multiples}
-        for r in range(open_rounds):
-            order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
-            for m in multiples:
-                for v in order:
-                    proc, url = servers[v]
-                    res = asyncio.run(open_load(url, model, m * saturation, open_s, max_tokens, seed=r, pid=proc.pid))
-                    oruns[(v, m)].append(res)
-                    print(f"{model} open round {r} {m:g}x ({res['rate']:.2f} req/s) {v:<11} sent {res['sent']} "
-                          f"answered {res['answered']} 429 {res['rejected_429']} errors {res['errors']} goodput "
-                          f"{res['goodput_tokens_per_s']:.1f} tok/s", flush=True)
+        def opened(r, m, v, proc, url):
+            res = asyncio.run(open_load(url, model, m * saturation, open_s, max_tokens, seed=r, pid=proc.pid))
+            print(f"{model} open round {r} {m:g}x ({res['rate']:.2f} req/s) {v:<11} sent {res['sent']} "
+                  f"answered {res['answered']} 429 {res['rejected_429']} errors {res['errors']} goodput "
+                  f"{res['goodput_tokens_per_s']:.1f} tok/s", flush=True)
+            return res
+
+        oruns = _interleaved(servers, open_rounds, multiples, opened)
     finally:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
