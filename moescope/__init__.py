@@ -12,7 +12,7 @@ Public API (imports are lazy so ``import moescope`` stays light)::
         ...
 """
 
-__version__ = "0.1.0"
+from moescope.version import __version__
 
 
 def instrument(model, config=None, **metrics):

@@ -114,7 +114,9 @@ class Instrumentation:
             hf.attach(self.observer)
             self._stack.callback(hf.detach)
         if m.baseline is not None:
-            self.metrics.baseline = m.baseline  # a file, a Profile or {layer: load} (analysis.baseline.coerce)
+            from moescope.analysis import baseline as bl  # numpy-heavy: only when a baseline is configured
+
+            self.metrics.baseline = bl.coerce(m.baseline)  # a file, a Profile or {layer: load}
         if runtime:  # read at scrape time: a placement or cache set up after instrument() counts too
             self.metrics.placement_source = lambda: _placement(model)
             self.metrics.cache_capacity_source = lambda: _cache_capacity(model)

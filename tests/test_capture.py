@@ -10,6 +10,7 @@ import moescope
 from conftest import in_ci
 from metrics_util import by_label, parse
 from moescope import stats
+from moescope.analysis import baseline as bl
 from moescope.capture.observer import Observer
 from moescope.capture.queued import QueuedObserver
 from moescope.errors import BadInput
@@ -220,11 +221,11 @@ def test_canary_flips_only_under_router_noise_and_drift_against_a_baseline(tiny_
                                                                            inst.metrics.flips.items()}
         # Drift: against the window's own load it is 0; against a one-hot baseline it is large.
         win = inst.metrics.window()
-        inst.metrics.baseline = {layer: list(w["slots"]) for layer, w in win.items()}
+        inst.metrics.baseline = bl.coerce({layer: list(w["slots"]) for layer, w in win.items()})
         g = inst.metrics.window_gauges()["layers"]
         assert all(v["moescope_routing_drift_jsd_bits"] == pytest.approx(0.0, abs=1e-12) for v in g.values())
         one_hot = {layer: [1.0] + [0.0] * (tiny_cfg.n_experts - 1) for layer in win}
-        inst.metrics.baseline = one_hot
+        inst.metrics.baseline = bl.coerce(one_hot)
         g = inst.metrics.window_gauges()["layers"]
         want = {layer: stats.jensen_shannon(list(w["slots"]), one_hot[layer]) for layer, w in win.items()}
         assert {k: v["moescope_routing_drift_jsd_bits"] for k, v in g.items()} == pytest.approx(want)
@@ -458,14 +459,12 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
 
 
 def test_baseline_series_and_the_hot_reference_come_from_the_loaded_profile(tiny_cfg):
-    from moescope.analysis import baseline as bl
-
     model = MoETransformer(tiny_cfg).eval()
     with moescope.instrument(model, port=0, model_name="t") as inst:
         Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=13), 6), realtime=False)
         win = inst.metrics.window()
         load = {layer: [float(x) for x in w["slots"]] for layer, w in win.items()}
-        inst.metrics.baseline = load
+        inst.metrics.baseline = bl.coerce(load)
         parsed = parse(inst.exporter.exposition().decode())
     profile = bl.coerce(load)
     for layer, lp in profile.layers.items():

@@ -6,6 +6,7 @@ import pytest
 
 from metrics_util import by_label, parse
 from moescope import sampling, stats, thresholds
+from moescope.analysis import baseline as bl
 from moescope.capture.routing_probe import LayerStats, StepStats
 from moescope.metrics import catalogue
 from moescope.metrics.exporter import Exporter
@@ -41,7 +42,7 @@ def _state(seed=0, budget=10**6, export_routing=True,
         st._on_stats(StepStats(1, layers, E, 2, DrawCounts(tuple(rids), counts, finished)))
     st.flips = {1: 0.25, 2: 0.0}
     if baseline:
-        st.baseline = {1: [1.0] * E}
+        st.baseline = bl.coerce({1: [1.0] * E})
     st.recorded = np.stack(recorded)  # [R, L, E] finished requests, layers in LAYERS order
     return st
 

@@ -21,7 +21,7 @@ import logging
 import threading
 from typing import Iterable
 
-from moescope import __version__
+from moescope.version import __version__
 from moescope.errors import BadInput
 from moescope.metrics import catalogue, system
 from moescope.metrics.exposition import FamilyWriter

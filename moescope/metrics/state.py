@@ -143,10 +143,9 @@ class MetricsObserver(Observer):
         return self._baseline
 
     @baseline.setter
-    def baseline(self, value) -> None:
-        from moescope.analysis import baseline as bl
-
-        profile = bl.coerce(value)
+    def baseline(self, profile) -> None:
+        """A ``Profile`` (built or loaded by ``analysis.baseline``: ``coerce`` takes a file or {layer: load}), or
+        None."""
         if profile is not None and profile.n_experts != self.info.n_experts:
             raise BadInput(f"the baseline has {profile.n_experts} experts per layer; {self.info.name} has "
                            f"{self.info.n_experts}")
