@@ -68,6 +68,7 @@ class StepRecord:
     seconds: float
     n_tokens: int
     segments: tuple[tuple[str, int, int], ...]
+    kv_tokens: int = 0  # positions held in the running requests' KV caches after the step (the working set)
 
 
 @dataclass
@@ -393,7 +394,8 @@ class Engine:
             if reason:
                 live.finish_reason = reason
                 finished.append(live)
-        self.observer.on_step(StepRecord(self._steps, phase, started, done_at - started, n_tokens, seg_info))
+        kv = sum(live.cache.length for live in self._running if live.cache is not None)
+        self.observer.on_step(StepRecord(self._steps, phase, started, done_at - started, n_tokens, seg_info, kv))
         self._steps += 1
         made = list(zip(batch, next_ids))  # (a decode batch is self._running itself: copy before removing)
         records = []

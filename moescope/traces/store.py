@@ -52,7 +52,8 @@ CREATE TABLE IF NOT EXISTS requests (
     latencies BLOB,                 -- float32 [n_output] per output token (first = ttft)
     ids BLOB, weights BLOB, entropy BLOB, margin BLOB, miss BLOB, step BLOB,
     steps TEXT                      -- JSON: [{phase, seconds, layer_s: {layer: [router, experts, a2a]}, run, index,
-                                    --        t (unix s), rss (bytes), peer_wait: {layer: [s per peer]}}]
+                                    --        t (unix s), rss (bytes), kv (KV-cache tokens held after the step),
+                                    --        peer_wait: {layer: [s per peer]}}]
 );
 CREATE INDEX IF NOT EXISTS requests_started ON requests(started);
 CREATE INDEX IF NOT EXISTS requests_total ON requests(total_s);

@@ -140,7 +140,7 @@ class TraceWriter(Observer):
             times, a2a = trace.layer_seconds, trace.a2a_seconds
             entry = {"phase": step.phase, "seconds": step.seconds, "index": step.index, "run": self.run_id,
                      "layer_s": {str(layer): [*times.get(layer, (None, None)), a2a.get(layer)] for layer in a.layers},
-                     "t": round(trace.t, 4), "rss": rss}
+                     "t": round(trace.t, 4), "rss": rss, "kv": getattr(step, "kv_tokens", None)}
             if trace.peer_wait:
                 entry["peer_wait"] = {str(k): [round(w, 6) for w in v] for k, v in trace.peer_wait.items()}
             self._steps[step.index] = _Step(a, json.dumps(entry), len(step.segments))
