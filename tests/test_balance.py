@@ -58,7 +58,7 @@ def test_balanced_init_is_far_more_balanced_than_random_on_other_traffic(balance
 
 def test_balanced_init_is_cached_and_deterministic(cache_dir, balanced):
     a = balanced
-    files = list(cache_dir.glob("ds-test-*.safetensors"))
+    files = list(cache_dir.glob("routers-*.safetensors"))
     assert len(files) == 1 and files[0].stat().st_size < 2_000_000  # routers only
     b = MoETransformer(SHAPE).eval()
     b.blocks[1].ffn.router.weight.data.zero_()  # proof that the cached values, not leftovers, are used
@@ -72,11 +72,11 @@ def test_balanced_init_is_cached_and_deterministic(cache_dir, balanced):
 
 def test_a_capacity_limit_serves_the_same_balanced_routers_from_the_same_cache(cache_dir, balanced):
     """Capacity is a serving setting (the drop fault sets it): same weights as the healthy model, no rebuild."""
-    before = sorted(cache_dir.glob("ds-test-*.safetensors"))
+    before = sorted(cache_dir.glob("routers-*.safetensors"))
     limited = MoETransformer(SHAPE.replace(capacity_factor=0.5)).eval()
     limited.blocks[1].ffn.router.weight.data.zero_()  # only the cache can restore it without a rebuild
     balance.balanced_init(limited, seed=SHAPE.seed)
-    assert sorted(cache_dir.glob("ds-test-*.safetensors")) == before
+    assert sorted(cache_dir.glob("routers-*.safetensors")) == before
     assert all(torch.equal(x, y) for x, y in zip(balanced.state_dict().values(), limited.state_dict().values()))
     assert all(m.router.capacity_factor == 0.5 for m in limited.moe_layers())  # the limit itself is kept
 
@@ -89,6 +89,24 @@ def test_loader_auto_balances_and_random_does_not(balanced, tmp_path):
     assert torch.equal(auto.blocks[1].ffn.router.weight, balanced.blocks[1].ffn.router.weight)
     assert not torch.equal(auto.blocks[1].ffn.router.weight, raw.blocks[1].ffn.router.weight)
     assert torch.equal(auto.blocks[1].ffn.experts.gate_up_proj, raw.blocks[1].ffn.experts.gate_up_proj)
+
+
+def test_a_renamed_config_of_the_same_shape_reuses_the_cached_routers(cache_dir, balanced, capfd):
+    """The name is a label: a user's own name for the same shape and seed loads the routers cached for it (no
+    second calibration, no second file); a new shape calibrates once, saying so on stderr."""
+    before = sorted(cache_dir.glob("routers-*.safetensors"))
+    renamed = MoETransformer(SHAPE.replace(name="acme-prod")).eval()
+    renamed.blocks[1].ffn.router.weight.data.zero_()  # only the cache can restore it without a calibration
+    capfd.readouterr()
+    balance.balanced_init(renamed, seed=SHAPE.seed)
+    assert "balancing" not in capfd.readouterr().err
+    assert sorted(cache_dir.glob("routers-*.safetensors")) == before
+    assert all(torch.equal(x, y) for x, y in zip(balanced.state_dict().values(), renamed.state_dict().values()))
+    other = MoETransformer(SHAPE.replace(name="acme-small", n_layers=2)).eval()
+    balance.balanced_init(other, seed=SHAPE.seed)
+    err = capfd.readouterr().err  # not a terminal: a line at the start and one at the end
+    assert "balancing acme-small's routers" in err and "done in" in err
+    assert len(list(cache_dir.glob("routers-*.safetensors"))) == len(before) + 1
 
 
 @pytest.mark.parametrize("scenario", ["collapse", "imbalance"])

@@ -282,10 +282,11 @@ def test_at_deepseek_v3_shape_scenario_delivers_its_alert_and_no_other(matrix_at
         row["paged"] = False
     else:
         assert got == want or (got and got <= want | ALSO.get(scenario, set())), row
+    said = {k: row.get(k) for k in ("diagnose_exit", "diagnose_named", "diagnose_stderr", "alerts")}  # first
     if scenario in CAUSE:  # diagnose names the cause from the trace store
-        assert row["diagnose_exit"] == 1 and CAUSE[scenario] in row["diagnose_named"], row
+        assert row["diagnose_exit"] == 1 and CAUSE[scenario] in row["diagnose_named"], (said, row)
     if scenario == "healthy":  # nothing but the Watchdog, and diagnose names nothing
-        assert row["diagnose_exit"] == 0 and row["diagnose_named"] == [], row
+        assert row["diagnose_exit"] == 0 and row["diagnose_named"] == [], (said, row)
     if scenario == "hot":
         hot_for = next(a.for_ for a in rules.specs(SHAPE_THRESHOLDS) if a.name == "MoEExpertHot")
         assert row["hot_alerts"] == [[str(HOT_LAYER), str(HOT_EXPERT)]], row

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from moescope.capture.observer import NOOP
+from moescope.progress import progress
 from moescope.runtime import tokenizer, traffic
 from moescope.runtime.model import MoETransformer, Segment
 from moescope.runtime.router import Router
@@ -46,12 +47,15 @@ def calibration_batch(seed: int, n_prompts: int) -> tuple[torch.Tensor, list[Seg
     return torch.tensor([t for seq in ids for t in seq], dtype=torch.long), [Segment(len(s)) for s in ids]
 
 
-def router_inputs(model: MoETransformer, tokens: torch.Tensor, segments: list[Segment]) -> dict[int, torch.Tensor]:
-    """Each MoE layer's router input [T, H] for the batch."""
+def router_inputs(model: MoETransformer, tokens: torch.Tensor, segments: list[Segment],
+                  advance=None) -> dict[int, torch.Tensor]:
+    """Each MoE layer's router input [T, H] for the batch (``advance()`` after each block, for a progress bar)."""
     seen: dict[int, torch.Tensor] = {}
     handles = [m.router.register_forward_pre_hook(
         lambda mod, args, layer=m.layer_index: seen.__setitem__(layer, args[0].float()))
         for m in model.moe_layers()]
+    if advance is not None:
+        handles += [b.register_forward_hook(lambda *_: advance()) for b in model.blocks]
     observer, model.observer = model.observer, NOOP  # calibration is not served traffic
     try:
         model(tokens.to(model.device), segments, last_only=True)
@@ -100,13 +104,17 @@ def balance_routing(model: MoETransformer, *, seed: int = 0, n_prompts: int = 96
     tokens, segments = calibration_batch(seed, n_prompts)
     routers = [m for m in model.modules() if isinstance(m, Router)]
     limits = [r.capacity_factor for r in routers]
+    # a forward over the calibration batch, then each MoE layer's router, per pass
+    total = passes * (len(model.blocks) + len(model.moe_layers()))
     try:
-        for r in routers:
-            r.capacity_factor = None
-        for p in range(passes):
-            for layer, x in router_inputs(model, tokens, segments).items():
-                _balance_router(model.blocks[layer].ffn.router, x, model.cfg.top_k, logit_std,
-                                rounds if p == passes - 1 else 0, rate)
+        with progress(f"balancing {model.cfg.name}'s routers (once per shape)", total) as advance:
+            for r in routers:
+                r.capacity_factor = None
+            for p in range(passes):
+                for layer, x in router_inputs(model, tokens, segments, advance).items():
+                    _balance_router(model.blocks[layer].ffn.router, x, model.cfg.top_k, logit_std,
+                                    rounds if p == passes - 1 else 0, rate)
+                    advance()
     finally:
         for r, limit in zip(routers, limits):
             r.capacity_factor = limit
@@ -127,7 +135,8 @@ def _cache_key(model: MoETransformer, seed: int) -> str:
     # The routers are balanced for this exact init: the key holds the config and a fingerprint of the
     # parameters the seed produced (a different torch RNG would give other hidden states).
     fingerprint = [float(p.detach().double().sum()) for name, p in model.named_parameters() if "router" not in name][:8]
-    cfg = {k: v for k, v in model.cfg.to_dict().items() if k != "capacity_factor"}  # serving, not the model
+    # the capacity factor is serving, not the model; the name is a label (a renamed preset has the same weights)
+    cfg = {k: v for k, v in model.cfg.to_dict().items() if k not in ("capacity_factor", "name")}
     text = json.dumps([BALANCE_VERSION, cfg, seed, fingerprint], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -142,7 +151,7 @@ def balanced_init(model: MoETransformer, *, seed: int = 0) -> None:
     read or written is only a slower start."""
     from safetensors.torch import load_file, save_file
 
-    path = cache_dir() / f"{model.cfg.name}-{_cache_key(model, seed)}.safetensors"
+    path = cache_dir() / f"routers-{_cache_key(model, seed)}.safetensors"
     try:
         cached = load_file(str(path))
     except Exception:  # absent or unreadable: compute it
