@@ -94,6 +94,7 @@ class Instrumentation:
         extra = {} if m.expert_series_budget is None else {"expert_series_budget": m.expert_series_budget}
         self.metrics = MetricsObserver(info, rank=m.rank, window_s=m.window_s, export_routing=m.export_routing,
                                        **extra)
+        self.metrics.reads_flush = not runtime  # the engine flushes when idle; a HF model has no engine
         self.observer = FanOut([self.metrics, *observers])
         self._stack.callback(self.observer.shutdown)  # flushes the recorder: before OTLP stops (pushed earlier)
         # Observers with their own queue (QueuedObserver, TraceRecorder) report drops and errors.

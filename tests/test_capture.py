@@ -474,3 +474,51 @@ def test_baseline_series_and_the_hot_reference_come_from_the_loaded_profile(tiny
         assert shares == pytest.approx({str(e): v for e, v in enumerate(lp.share.tolist())})
         assert by_label(parsed, "moescope_routing_drift_jsd_bits", "layer")[str(layer)] == pytest.approx(0.0, abs=1e-12)
     assert not by_label(parsed, "moescope_expert_hot_factor_ratio", "layer", "expert")  # the window is the baseline
+
+
+def test_a_scrape_reads_the_engines_last_flush_and_never_summarises_routing_itself(tiny_cfg):
+    """Scrapes read, never write: the routing summary (device work on CUDA) runs on the engine's thread, every
+    flush interval while it steps and once when it goes idle; an HTTP scrape serves that. Reference: the
+    exported counters against the slots the engine's steps routed, counted from the decisions themselves."""
+    import threading
+    import urllib.request
+
+    from moescope.capture.routing_probe import RoutingProbe
+
+    model = MoETransformer(tiny_cfg).eval()
+    threads, summarise = set(), RoutingProbe.summarise
+
+    def spy(self, *a, **k):
+        threads.add(threading.get_ident())
+        return summarise(self, *a, **k)
+
+    routed = {}
+
+    class Count(Observer):
+        def on_routing(self, layer, decision):
+            ids = decision.ids[decision.ids >= 0]
+            routed[layer] = routed.get(layer, 0) + int(ids.numel())
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(RoutingProbe, "summarise", spy)
+        with moescope.instrument(model, moescope.Config(metrics=moescope.config.Metrics(port=0),
+                                                        observers=(Count(),))) as inst:
+            inst.metrics.probe.interval_s = 3600  # no interval flush within the test: only the idle one
+            engine = Engine(model, max_batch=4)
+            for r in traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=4), 3):
+                engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
+            while engine.has_work:
+                engine.step()
+
+            def scraped():
+                with urllib.request.urlopen(inst.exporter.url, timeout=30) as resp:
+                    parsed = parse(resp.read().decode())
+                got = by_label(parsed, "moescope_expert_tokens_total", "layer", "expert")
+                return {int(layer): sum(v for (la, _), v in got.items() if la == layer) for layer, _ in got}
+
+            before = scraped()
+            assert sum(before.values()) < sum(routed.values())  # the steps since the last flush wait
+            engine.idle()  # the engine goes idle: it summarises on its own thread
+            after = scraped()
+    assert after == routed
+    assert threads == {threading.get_ident()}  # the engine's (this) thread only, never the HTTP thread

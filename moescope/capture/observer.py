@@ -51,6 +51,10 @@ class Observer:
     def on_request(self, request: Any) -> None:
         """A request finished; ``request`` is a ``RequestRecord`` with its timings and output."""
 
+    def on_idle(self) -> None:
+        """The engine has no work now (waiting for requests, or its run ended), on its own thread: summarise
+        what would otherwise wait for the next step. Once per idle period."""
+
     def shutdown(self) -> None:
         """Flush and release resources; called once when the engine is closed."""
 
@@ -59,7 +63,7 @@ NOOP = Observer()
 
 
 _HOOKS = ("on_routing", "on_layer_time", "on_stats", "on_cache", "on_all_to_all", "on_canary", "on_step", "on_request",
-          "shutdown")
+          "on_idle", "shutdown")
 
 
 class FanOut(Observer):
@@ -128,6 +132,9 @@ class FanOut(Observer):
 
     def on_request(self, request: Any) -> None:
         self._each("on_request", request)
+
+    def on_idle(self) -> None:
+        self._each("on_idle")
 
     def shutdown(self) -> None:
         self._each("shutdown")

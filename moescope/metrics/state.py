@@ -109,6 +109,9 @@ class MetricsObserver(Observer):
         self.info, self.rank, self.window_s, self.clock = info, rank, window_s, clock
         self.per_expert = len(info.moe_layers) * info.n_experts <= expert_series_budget
         self.export_routing = export_routing
+        # Reads serve the engine side's last flush; without an engine (a HF model: nothing says when the
+        # forwards stop) a read flushes first, on the reader's thread (moescope.instrument sets it).
+        self.reads_flush = False
         self.lock = threading.Lock()
         self.probe = RoutingProbe(self._on_stats, interval_s=flush_interval_s)
         # The per-layer hot-path hooks go straight to the probe (one Python call less per layer).
@@ -169,7 +172,13 @@ class MetricsObserver(Observer):
         self.probe.on_layer_time(layer, router_s, experts_s)
 
     def flush(self) -> None:
-        """Summarise routing still pending in the probe (called before reads, and at shutdown)."""
+        """Summarise routing still pending in the probe, on the caller's thread. The engine's own thread does
+        it: every ``flush_interval_s`` while it steps and once when it goes idle (``on_idle``), so reads (a
+        scrape) serve the last flush, at most one interval old, and never do device work themselves. A HF
+        model has no engine to say when it is idle: there (``reads_flush``) a read flushes first."""
+        self.probe.flush()
+
+    def on_idle(self) -> None:
         self.probe.flush()
 
     def on_stats(self, st: StepStats) -> None:
@@ -314,8 +323,9 @@ class MetricsObserver(Observer):
 
     # -- reads (scrape thread) -------------------------------------------------------------------------
     def layer_gauges(self) -> LayerGauges:
-        """The window gauges of every routed layer (flushes pending routing first)."""
-        self.flush()
+        """The window gauges of every routed layer, as of the engine side's last flush."""
+        if self.reads_flush:
+            self.flush()
         with self.lock:
             self.routing_window.prune(int(self.clock()))
             return self.routing_window.gauges(self._baseline)
@@ -381,8 +391,10 @@ class MetricsObserver(Observer):
         return (info.dense_params + k_eff_sum * info.expert_params) / info.total_params
 
     def window(self) -> dict[int, dict[str, Any]]:
-        """Per layer over the window: summed slots per expert, tokens, entropy and margin sums."""
-        self.flush()
+        """Per layer over the window: summed slots per expert, tokens, entropy and margin sums (as of the
+        last flush)."""
+        if self.reads_flush:
+            self.flush()
         with self.lock:
             w = self.routing_window
             w.prune(int(self.clock()))

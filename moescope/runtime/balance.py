@@ -104,6 +104,11 @@ def balance_routing(model: MoETransformer, *, seed: int = 0, n_prompts: int = 96
     tokens, segments = calibration_batch(seed, n_prompts)
     routers = [m for m in model.modules() if isinstance(m, Router)]
     limits = [r.capacity_factor for r in routers]
+    # One intra-op thread: the same routers on every machine whatever its cores, and fast where cores are
+    # shared (deepseek-v3-shape, 8 layers, on 2 cores at load ~7: 65 s with one thread, 165 s with two spinning
+    # OpenMP threads; many small kernels gain nothing from a second thread)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     # a forward over the calibration batch, then each MoE layer's router, per pass
     total = passes * (len(model.blocks) + len(model.moe_layers()))
     try:
@@ -116,11 +121,12 @@ def balance_routing(model: MoETransformer, *, seed: int = 0, n_prompts: int = 96
                                     rounds if p == passes - 1 else 0, rate)
                     advance()
     finally:
+        torch.set_num_threads(threads)
         for r, limit in zip(routers, limits):
             r.capacity_factor = limit
 
 
-BALANCE_VERSION = 1  # bump when the procedure changes: cached results of an older one are not reused
+BALANCE_VERSION = 2  # bump when the procedure changes: cached results of an older one are not reused
 
 
 def cache_dir() -> Path:

@@ -167,6 +167,7 @@ class Engine:
         self._running: list[_Live] = []
         self._submitted = 0
         self._steps = 0
+        self._told_idle = False  # on_idle sent since the last step
         self.finished: list[RequestRecord] = []
         self.canary = canary
         self.lockstep = lockstep
@@ -290,6 +291,7 @@ class Engine:
 
         ``only``: run only these requests this step (the others wait): how a server retries a failed step
         request by request. Raises ``StepFailed`` (state restored) when the forward or sampling raises."""
+        self._told_idle = False
         if self.canary is not None and self.canary.due():
             self.observer.on_canary(self.canary.run())
         now = self.clock()
@@ -499,9 +501,18 @@ class Engine:
             if self.has_work:
                 self.step()
             elif pending:
+                self.idle()
                 time.sleep(max(0.0, min(0.05, start + pending[0].arrival_s - self.clock())))
+        self.idle()
         self._stop_requested = False  # asked of this run, not of the next
         return self.finished[n_before:]
+
+    def idle(self) -> None:
+        """No work now: the observers summarise what waits for the next step (the metrics' last routing), on
+        this, the engine's, thread. Once per idle period: call it whenever the engine waits for work."""
+        if not self._told_idle:
+            self._told_idle = True
+            self.observer.on_idle()
 
     def request_stop(self) -> None:
         """Ask ``run`` to return after the current step (thread-safe: a flag read between steps)."""

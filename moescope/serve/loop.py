@@ -325,6 +325,7 @@ class EngineLoop:
                     except StepFailed as exc:
                         self._isolate(exc)
                 else:
+                    engine.idle()  # the metrics' last routing summarised here, not on a scrape
                     self.admission.wait(0.05)
             engine.finished.clear()  # the records went to the sinks: never keep every request served
             self._flush()
