@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import duckdb
+import httpx
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -191,6 +192,26 @@ def test_demo_into_a_lake_directory(tmp_path):
     doc = json.loads(subprocess.run([sys.executable, "-m", "moescope", "trace", rid, "--traces", str(dl), "--json"],
                                     capture_output=True, text=True, env=env).stdout)
     assert doc["request_id"] == rid and len(doc["tokens"]) == rows[0]["prompt_tokens"] + rows[0]["output_tokens"]
+
+
+@pytest.mark.integration
+def test_serve_then_trace_reads_a_request_from_the_lake_while_serving(tmp_path):
+    from test_serve import Serve
+
+    (tmp_path / "lake").mkdir()
+    s = Serve(tmp_path, traces=tmp_path / "lake")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny-demo", "prompt": "route me", "max_tokens": 4},
+                       timeout=60)
+        rid = r.headers["x-request-id"]
+        doc = s.stored(rid)  # polled while the server runs: a tick file, not the shutdown, made it readable
+        assert s.proc.poll() is None and doc["request_id"] == rid
+        run = subprocess.run([sys.executable, "-m", "moescope", "trace", rid, "--traces", str(tmp_path / "lake"),
+                              "--plain"], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0 and rid in run.stdout
+        assert sum(t["phase"] == "decode" for t in doc["tokens"]) == r.json()["usage"]["completion_tokens"]
+    finally:
+        s.stop()
 
 
 def test_a_path_that_is_not_a_lake_is_one_clear_error(tmp_path):
