@@ -217,6 +217,8 @@ def test_serve_then_trace_reads_a_request_from_the_lake_while_serving(tmp_path):
 def test_a_path_that_is_not_a_lake_is_one_clear_error(tmp_path):
     with pytest.raises(BadInput, match="does not exist"):
         store.open_store(f"{tmp_path}/missing/")
+    with pytest.raises(BadInput, match="matches nothing"):
+        store.open_store(f"{tmp_path}/replica-*")
     empty = tmp_path / "empty"
     empty.mkdir()
     assert store.list_requests(store.open_store(empty)) == []

@@ -294,6 +294,8 @@ def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
     else:
         if not any(c in s for c in "*?[") and not os.path.isdir(s):
             raise BadInput(f"trace lake {s} does not exist (run `moescope demo --traces {s.rstrip('/')}/` first)")
+        if any(c in s for c in "*?[") and not glob.glob(s):
+            raise BadInput(f"trace lake {s}: the pattern matches nothing")
         files = []
         for f in data_files(s):
             why = _check_file(f)
