@@ -13,10 +13,11 @@ skipped and counted like a corrupt one.
 
 Writing (``LakeWriter``, on the trace writer's thread; nothing on the engine thread): every flush interval that
 finished requests writes one small *tick* file ``t-<run>-<seq>.parquet`` (written under a hidden name, then
-renamed: a reader never sees half a file), so a request is readable within one interval (0.5 s). Ticks are
-*rolled* into one ``p-<run>-<first>-<last>.parquet`` when the open segment is ``roll_s`` old or ``roll_bytes``
-big: the rolled file is renamed into place first, the ticks deleted after, and a reader listing both drops the
-ticks a rolled file covers. A SIGKILL loses at most the interval being written; every renamed file is whole.
+renamed: a reader never sees half a file; zstd level 3), so a request is readable within one interval
+(0.5 s). Ticks are *rolled* (rewritten at zstd level 9) into one ``p-<run>-<first>-<last>.parquet`` when the
+open segment is ``roll_s`` old or ``roll_bytes`` big: the rolled file is renamed into place first, the ticks
+deleted after, and a reader listing both drops the ticks a rolled file covers. A SIGKILL loses at most the
+interval being written; every renamed file is whole.
 
 Reading (``open_lake``): a directory, a glob of directories (many replicas' lakes read as one), or an object
 store URL DuckDB reaches (``s3://bucket/traces/``; read with ``**/*.parquet``, no file check). Local files are
@@ -40,7 +41,8 @@ from moescope.errors import BadInput
 
 LAKE_SCHEMA = "1"
 SCHEMA_KEY = b"moescope.schema"
-ZSTD_LEVEL = 9  # 15.6 bytes per token-layer at deepseek-v3-shape; level 3: 16.5 (docs/traces.md#trace-lake)
+ZSTD_LEVEL = 9  # rolled files: 15.6 bytes per token-layer at deepseek-v3-shape; 3: 16.5 (docs/traces.md#trace-lake)
+TICK_ZSTD_LEVEL = 3  # tick files (rewritten at the roll): cheaper for the writer thread that shares the engine's cores
 ROW_GROUP = 1024
 
 # The SQLite store's ``requests`` columns, as Parquet types (store._SCHEMA).
@@ -79,12 +81,12 @@ def to_table(rows: list[dict[str, Any]]):
                     schema=sch)
 
 
-def _write_atomic(table, path: Path) -> int:
+def _write_atomic(table, path: Path, level: int = ZSTD_LEVEL) -> int:
     """Write ``table`` to ``path`` under a hidden name, then rename it into place; returns its size."""
     import pyarrow.parquet as pq
 
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd", compression_level=ZSTD_LEVEL, row_group_size=ROW_GROUP)
+    pq.write_table(table, tmp, compression="zstd", compression_level=level, row_group_size=ROW_GROUP)
     os.replace(tmp, path)
     return path.stat().st_size
 
@@ -136,7 +138,7 @@ class LakeWriter:
                 self._opened = time.monotonic()
             self.seq += 1
             path = self._dir(rows[0]["started"]) / f"t-{self.run_id}-{self.seq:06d}.parquet"
-            self._open_bytes += _write_atomic(to_table(rows), path)
+            self._open_bytes += _write_atomic(to_table(rows), path, TICK_ZSTD_LEVEL)
             self._open.append((self.seq, path))
             self.files += 1
         if self._open and (self._open_bytes >= self.roll_bytes or time.monotonic() - self._opened >= self.roll_s):
@@ -150,13 +152,12 @@ class LakeWriter:
         by_dir: dict[Path, list[tuple[int, Path]]] = {}
         for seq, path in self._open:
             by_dir.setdefault(path.parent, []).append((seq, path))
-        for d, ticks in by_dir.items():
-            if len(ticks) > 1:
-                table = pa.concat_tables([pq.read_table(p, schema=schema()) for _, p in ticks])
-                _write_atomic(table, d / f"p-{self.run_id}-{ticks[0][0]:06d}-{ticks[-1][0]:06d}.parquet")
-                self.files += 1
-                for _, p in ticks:
-                    p.unlink()
+        for d, ticks in by_dir.items():  # a single tick too: ticks are zstd 3, rolled files zstd 9
+            table = pa.concat_tables([pq.read_table(p, schema=schema()) for _, p in ticks])
+            _write_atomic(table, d / f"p-{self.run_id}-{ticks[0][0]:06d}-{ticks[-1][0]:06d}.parquet")
+            self.files += 1
+            for _, p in ticks:
+                p.unlink()
         self._open, self._open_bytes = [], 0
         if self.max_bytes is not None or self.max_age_s is not None:
             enforce_retention(self.root / f"model={self.model}", self.replica, max_bytes=self.max_bytes,
