@@ -12,7 +12,7 @@ from moescope.errors import BadInput
 
 @click.group("traces")
 def traces() -> None:
-    """The Parquet trace lake: convert SQLite stores into one, trim one by age and size."""
+    """The Parquet trace lake: convert SQLite stores into one, compact small files, trim by age and size."""
 
 
 @traces.command("convert")
@@ -66,3 +66,21 @@ def retain(lake_dir: str, max_age: str | None, max_size: str | None, replica: st
         emit_json({"deleted": [str(p) for p in deleted]})
     else:
         echo(f"deleted {len(deleted)} file{'s' * (len(deleted) != 1)} from {lake_dir}")
+
+
+@traces.command("compact")
+@click.argument("lake_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--min-age", default="10m", show_default=True, metavar="AGE",
+              help="Only files closed at least this long ago (a live writer's open ticks are younger).")
+@click.option("--target-size", default="256M", show_default=True, metavar="SIZE",
+              help="Only files smaller than this are merged.")
+@json_option
+def compact(lake_dir: str, min_age: str, target_size: str, as_json: bool) -> None:
+    """Merge each partition's small files in LAKE_DIR into one (readers never see a request twice)."""
+    from moescope.traces import lake
+
+    done = lake.compact(lake_dir, min_age_s=_age(min_age), target_bytes=_size(target_size))
+    if as_json:
+        emit_json({"compacted": [{"file": str(p), "merged": n} for p, n in done]})
+    else:
+        echo(f"merged {sum(n for _, n in done)} files into {len(done)} in {lake_dir}")

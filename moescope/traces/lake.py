@@ -16,8 +16,9 @@ finished requests writes one small *tick* file ``t-<run>-<seq>.parquet`` (writte
 renamed: a reader never sees half a file; zstd level 3), so a request is readable within one interval
 (0.5 s). Ticks are *rolled* (rewritten at zstd level 9) into one ``p-<run>-<first>-<last>.parquet`` when the
 open segment is ``roll_s`` old or ``roll_bytes`` big: the rolled file is renamed into place first, the ticks
-deleted after, and a reader listing both drops the ticks a rolled file covers. A SIGKILL loses at most the
-interval being written; every renamed file is whole.
+deleted after; its footer names the ticks it holds (``moescope.replaces``), and a reader that finds both
+leaves the ticks out. A SIGKILL loses at most the interval being written; every renamed file is whole.
+``compact`` merges a partition's small closed files (many short runs') the same way.
 
 Reading (``open_lake``): a directory, a glob of directories (many replicas' lakes read as one), or an object
 store URL DuckDB reaches (``s3://bucket/traces/``; read with ``**/*.parquet``, no file check). Local files are
@@ -41,6 +42,7 @@ from moescope.errors import BadInput
 
 LAKE_SCHEMA = "1"
 SCHEMA_KEY = b"moescope.schema"
+REPLACES_KEY = b"moescope.replaces"  # a rolled or compacted file: the names (same directory) of the files it holds
 ZSTD_LEVEL = 9  # rolled files: 15.6 bytes per token-layer at deepseek-v3-shape; 3: 16.5 (docs/traces.md#trace-lake)
 TICK_ZSTD_LEVEL = 3  # tick files (rewritten at the roll): cheaper for the writer thread that shares the engine's cores
 ROW_GROUP = 1024
@@ -55,8 +57,6 @@ _COLUMNS = (
     ("ids", "binary"), ("weights", "binary"), ("entropy", "binary"), ("margin", "binary"), ("miss", "binary"),
     ("step", "binary"), ("steps", "string"),
 )
-_TICK = re.compile(r"t-([0-9a-z]+)-(\d+)\.parquet$")
-_PART = re.compile(r"p-([0-9a-z]+)-(\d+)-(\d+)\.parquet$")
 
 
 def is_lake(path: str | os.PathLike) -> bool:
@@ -81,10 +81,15 @@ def to_table(rows: list[dict[str, Any]]):
                     schema=sch)
 
 
-def _write_atomic(table, path: Path, level: int = ZSTD_LEVEL) -> int:
-    """Write ``table`` to ``path`` under a hidden name, then rename it into place; returns its size."""
+def _write_atomic(table, path: Path, level: int = ZSTD_LEVEL, replaces: list[str] | None = None) -> int:
+    """Write ``table`` to ``path`` under a hidden name, then rename it into place; returns its size.
+    ``replaces``: the files (names in the same directory) it holds, which readers then leave out."""
+    import json
+
     import pyarrow.parquet as pq
 
+    if replaces:
+        table = table.replace_schema_metadata({**table.schema.metadata, REPLACES_KEY: json.dumps(replaces).encode()})
     tmp = path.with_name(f".{path.name}.tmp")
     pq.write_table(table, tmp, compression="zstd", compression_level=level, row_group_size=ROW_GROUP)
     os.replace(tmp, path)
@@ -154,7 +159,8 @@ class LakeWriter:
             by_dir.setdefault(path.parent, []).append((seq, path))
         for d, ticks in by_dir.items():  # a single tick too: ticks are zstd 3, rolled files zstd 9
             table = pa.concat_tables([pq.read_table(p, schema=schema()) for _, p in ticks])
-            _write_atomic(table, d / f"p-{self.run_id}-{ticks[0][0]:06d}-{ticks[-1][0]:06d}.parquet")
+            _write_atomic(table, d / f"p-{self.run_id}-{ticks[0][0]:06d}-{ticks[-1][0]:06d}.parquet",
+                          replaces=[p.name for _, p in ticks])
             self.files += 1
             for _, p in ticks:
                 p.unlink()
@@ -196,12 +202,40 @@ def enforce_retention(root: str | Path, replica: str | None = None, *, max_bytes
     return deleted
 
 
+def compact(root: str | Path, *, min_age_s: float = 600.0, target_bytes: int = 256 * 2**20,
+            now: float | None = None) -> list[tuple[Path, int]]:
+    """Merge each partition directory's small files (under ``target_bytes``, closed ``min_age_s`` ago or more:
+    never a live writer's open ticks) into one ``c-<id>.parquet`` that names them in its footer, then delete
+    them (and any file an earlier roll or compaction replaced but did not delete). Returns (new file, files
+    merged) per directory merged."""
+    import uuid
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    now = time.time() if now is None else now
+    done = []
+    for d in sorted({os.path.dirname(f) for f in data_files(str(root))}):
+        skipped: dict[str, str] = {}
+        files = readable_files(d, skipped)
+        leftover = [f for f in data_files(d) if f not in files and f not in skipped]
+        merge = [f for f in files if now - os.path.getmtime(f) >= min_age_s and os.path.getsize(f) < target_bytes]
+        if len(merge) >= 2:
+            table = pa.concat_tables([pq.read_table(f, schema=schema()) for f in merge])
+            dst = Path(d) / f"c-{uuid.uuid4().hex[:12]}.parquet"
+            _write_atomic(table, dst, replaces=[os.path.basename(f) for f in merge + leftover])
+            done.append((dst, len(merge)))
+            leftover += merge
+        for f in leftover:
+            Path(f).unlink(missing_ok=True)
+    return done
+
+
 # -- reading ------------------------------------------------------------------------------------------------
 
 
 def data_files(path: str) -> list[str]:
-    """The lake's readable-looking files under ``path`` (a directory or a glob of directories / files), with
-    the tick files a rolled file covers left out."""
+    """The Parquet files under ``path`` (a directory, or a glob of directories and files)."""
     roots = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
     files: set[str] = set()
     for root in roots:
@@ -209,33 +243,66 @@ def data_files(path: str) -> list[str]:
             files.update(glob.glob(os.path.join(glob.escape(root), "**", "*.parquet"), recursive=True))
         elif root.endswith(".parquet") and os.path.isfile(root):
             files.add(root)
-    covered: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    return sorted(files)
+
+
+def _footers(files: list[str]) -> dict[str, tuple[str | None, list[str]]]:
+    """Per file: (why it is not a readable lake file or None, the paths it replaces). Footers are read with
+    DuckDB (``parquet_kv_metadata``; importing pyarrow would cost a command 0.6 s): all files in one call, and
+    file by file only when that call fails (a damaged file among them)."""
+    import json
+
+    import duckdb
+
+    duck = duckdb.connect()
+    kv: dict[str, dict[bytes, bytes]] = {f: {} for f in files}
+    out: dict[str, tuple[str | None, list[str]]] = {}
+
+    def read(batch: list[str]) -> None:
+        for name, key, value in duck.execute("SELECT file_name, key, value FROM parquet_kv_metadata(?)",
+                                             [batch]).fetchall():
+            kv[name][bytes(key)] = bytes(value)
+
+    try:
+        if files:
+            read(files)
+    except duckdb.Error:
+        for f in files:
+            try:
+                read([f])
+            except duckdb.Error as exc:
+                out[f] = (f"not a readable Parquet file ({str(exc).splitlines()[0][:120]})", [])
+    duck.close()
     for f in files:
-        m = _PART.search(os.path.basename(f))
-        if m:
-            covered.setdefault((os.path.dirname(f), m[1]), []).append((int(m[2]), int(m[3])))
-    out = []
-    for f in sorted(files):
-        m = _TICK.search(os.path.basename(f))
-        if m and any(a <= int(m[2]) <= b for a, b in covered.get((os.path.dirname(f), m[1]), ())):
+        if f in out:
             continue
-        out.append(f)
+        version = kv[f].get(SCHEMA_KEY)
+        if version != LAKE_SCHEMA.encode():
+            out[f] = (f"lake schema {version.decode(errors='replace') if version else 'missing'} (this moescope "
+                      f"reads {LAKE_SCHEMA})", [])
+            continue
+        try:
+            replaces = json.loads(kv[f].get(REPLACES_KEY, b"[]"))
+        except ValueError:
+            out[f] = ("its list of replaced files is not JSON", [])
+            continue
+        out[f] = (None, [os.path.join(os.path.dirname(f), str(name)) for name in replaces])
     return out
 
 
-def _check_file(path: str) -> str | None:
-    """Why ``path`` is not a readable lake file (None when it is): its footer is read and its schema tag checked."""
-    import pyarrow.parquet as pq
-
-    try:
-        meta = pq.read_metadata(path)
-    except Exception as exc:  # noqa: BLE001 (pyarrow raises several kinds for a damaged file)
-        return f"not a readable Parquet file ({str(exc).splitlines()[0][:120]})"
-    version = (meta.metadata or {}).get(SCHEMA_KEY)
-    if version != LAKE_SCHEMA.encode():
-        return f"lake schema {version.decode(errors='replace') if version else 'missing'} (this moescope reads " \
-               f"{LAKE_SCHEMA})"
-    return None
+def readable_files(path: str, skipped: dict[str, str] | None = None) -> list[str]:
+    """The files a read of ``path`` uses: whole lake files, less those another one replaces (a roll or a
+    compaction killed between its rename and its deletes leaves both); the rest go into ``skipped`` (path ->
+    why)."""
+    skipped = {} if skipped is None else skipped
+    ok, replaced = [], set()
+    for f, (why, replaces) in _footers(data_files(path)).items():
+        if why is None:
+            ok.append(f)
+            replaced.update(replaces)
+        else:
+            skipped[f] = why
+    return [f for f in ok if f not in replaced]
 
 
 class _Cursor:
@@ -297,13 +364,7 @@ def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
             raise BadInput(f"trace lake {s} does not exist (run `moescope demo --traces {s.rstrip('/')}/` first)")
         if any(c in s for c in "*?[") and not glob.glob(s):
             raise BadInput(f"trace lake {s}: the pattern matches nothing")
-        files = []
-        for f in data_files(s):
-            why = _check_file(f)
-            if why is None:
-                files.append(f)
-            else:
-                skipped[f] = why
+        files = readable_files(s, skipped)
         if skipped:
             first, why = next(iter(skipped.items()))
             line = (f"moescope: warning: skipped {len(skipped)} unreadable trace file{'s' * (len(skipped) > 1)} "
@@ -311,8 +372,9 @@ def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
             (warn or (lambda t: print(t, file=sys.stderr, flush=True)))(line)
         files_sql, n = _sql_list(files), len(files)
     if n == 0:
-        duck.register("_empty", to_table([]))
-        duck.execute("CREATE VIEW requests AS SELECT *, 0::BIGINT AS rowid FROM _empty")
+        types = {"string": "VARCHAR", "float64": "DOUBLE", "int64": "BIGINT", "binary": "BLOB"}
+        duck.execute("CREATE VIEW requests AS SELECT " + ", ".join(f"NULL::{types[kind]} AS {name}" for name, kind
+                                                                   in _COLUMNS) + ", 0::BIGINT AS rowid WHERE false")
     else:
         duck.execute("CREATE VIEW requests AS SELECT * EXCLUDE (file_row_number), file_row_number AS rowid FROM "
                      f"read_parquet({files_sql}, hive_partitioning=true, union_by_name=true, file_row_number=true)")
