@@ -14,6 +14,7 @@
 
     python benchmarks/lake.py            # -> benchmarks/results/lake.json (docs/traces.md quotes it)
     python benchmarks/lake.py --quick    # 2 replicas, few requests, one round (CI) -> lake-quick.json
+    python benchmarks/lake.py --markdown benchmarks/results/lake.json   # the docs' table, from the file
 
 Figures from a shared 2-core machine are noisy: compare medians and ratios.
 """
@@ -21,6 +22,7 @@ Figures from a shared 2-core machine are noisy: compare medians and ratios.
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import subprocess
@@ -151,13 +153,41 @@ def cli_trace(glob: str, rid: str, n: int) -> dict:
     return {"median_s": round(statistics.median(times), 3), "best_s": round(min(times), 3), "runs": n}
 
 
+def markdown(report: dict) -> str:
+    """The docs' table (docs/traces.md#fleet-figures) from a results file."""
+    q, fleet, b = report["queries"], report["fleet"], report["bytes_per_token_layer"]
+    reqs = ", ".join(f"{n:,} {m}" for m, n in fleet["requests"].items())
+    lines = [f"{report['replicas']} replicas' lakes ({reqs} requests; {fleet['files']} files) read as one "
+             f"glob, against the same rows in one SQLite file; medians of {q['requests_since_1h']['rounds']} "
+             "rounds, store opened each time:", "",
+             "| query | SQLite | lake | lake / SQLite |", "|---|---|---|---|"]
+    names = {"trace_tiny-demo": "`trace ID` document, tiny-demo request",
+             "trace_deepseek-v3-shape": "`trace ID` document, deepseek-v3-shape request",
+             "requests_since_1h": "`requests --since 1h`",
+             "per_layer_expert_count": "fleet-wide per-(layer, expert) count (tiny-demo)"}
+    for key, name in names.items():
+        lines.append(f"| {name} | {q[key]['sqlite_s']:.3f} s | {q[key]['lake_s']:.3f} s | "
+                     f"{q[key]['lake_over_sqlite']:.2f} |")
+    cli = report["cli_trace_json_fleet"]
+    lines += ["", f"`moescope trace ID --json --traces 'fleet/replica-*'` (deepseek-v3-shape request, a subprocess: "
+              f"interpreter start included): {cli['median_s']:.2f} s median of {cli['runs']}. Bytes per "
+              f"token-layer at {b['model']} ({b['requests']} served requests, {b['tokens']:,} tokens x "
+              f"{b['moe_layers']} layers, top-{b['top_k']}): SQLite {b['sqlite']}, lake {b['lake']}."]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 replicas, few requests, one round (CI)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--replicas", type=int, default=10)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
+                    help="print the docs' table from a results file and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(args.markdown.read_text())), end="")
+        return 0
     rounds, replicas = (1, 2) if args.quick else (args.rounds, args.replicas)
     tiny_n, ds_n, ds_tokens = (50, 2, 24) if args.quick else (2000, 20, 240)
     out = args.out or HERE / "results" / ("lake-quick.json" if args.quick else "lake.json")

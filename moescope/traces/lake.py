@@ -246,15 +246,17 @@ def data_files(path: str) -> list[str]:
     return sorted(files)
 
 
-def _footers(files: list[str]) -> dict[str, tuple[str | None, list[str]]]:
+def _footers(files: list[str], duck=None) -> dict[str, tuple[str | None, list[str]]]:
     """Per file: (why it is not a readable lake file or None, the paths it replaces). Footers are read with
     DuckDB (``parquet_kv_metadata``; importing pyarrow would cost a command 0.6 s): all files in one call, and
-    file by file only when that call fails (a damaged file among them)."""
+    file by file only when that call fails (a damaged file among them). ``duck``: a connection to use (a new
+    one costs about 0.1 s), else one of its own."""
     import json
 
     import duckdb
 
-    duck = duckdb.connect()
+    own = duck is None
+    duck = duckdb.connect() if own else duck
     kv: dict[str, dict[bytes, bytes]] = {f: {} for f in files}
     out: dict[str, tuple[str | None, list[str]]] = {}
 
@@ -272,7 +274,8 @@ def _footers(files: list[str]) -> dict[str, tuple[str | None, list[str]]]:
                 read([f])
             except duckdb.Error as exc:
                 out[f] = (f"not a readable Parquet file ({str(exc).splitlines()[0][:120]})", [])
-    duck.close()
+    if own:
+        duck.close()
     for f in files:
         if f in out:
             continue
@@ -290,13 +293,13 @@ def _footers(files: list[str]) -> dict[str, tuple[str | None, list[str]]]:
     return out
 
 
-def readable_files(path: str, skipped: dict[str, str] | None = None) -> list[str]:
+def readable_files(path: str, skipped: dict[str, str] | None = None, duck=None) -> list[str]:
     """The files a read of ``path`` uses: whole lake files, less those another one replaces (a roll or a
     compaction killed between its rename and its deletes leaves both); the rest go into ``skipped`` (path ->
     why)."""
     skipped = {} if skipped is None else skipped
     ok, replaced = [], set()
-    for f, (why, replaces) in _footers(data_files(path)).items():
+    for f, (why, replaces) in _footers(data_files(path), duck).items():
         if why is None:
             ok.append(f)
             replaced.update(replaces)
@@ -364,7 +367,7 @@ def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
             raise BadInput(f"trace lake {s} does not exist (run `moescope demo --traces {s.rstrip('/')}/` first)")
         if any(c in s for c in "*?[") and not glob.glob(s):
             raise BadInput(f"trace lake {s}: the pattern matches nothing")
-        files = readable_files(s, skipped)
+        files = readable_files(s, skipped, duck)
         if skipped:
             first, why = next(iter(skipped.items()))
             line = (f"moescope: warning: skipped {len(skipped)} unreadable trace file{'s' * (len(skipped) > 1)} "
