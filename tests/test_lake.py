@@ -168,6 +168,23 @@ def test_compaction_merges_small_files_and_a_crash_mid_way_reads_nothing_twice(t
     assert len(list(tmp_path.rglob("*.parquet"))) == 1
 
 
+def test_the_writer_keeps_its_own_files_within_max_bytes(tmp_path):
+    rows = [{"request_id": f"r{i}", "started": 1.7e9 + i, "prompt": "x" * 3000, "output": "", "n_prompt": 1,
+             "n_output": 1, "total_s": 0.1, "ttft_s": 0.1, "flags": "", "latencies": np.random.default_rng(i)
+             .bytes(4000)} for i in range(20)]
+    other = tmp_path / "model=m" / "date=2023-11-14" / "replica=other" / "t-x-000001.parquet"
+    other.parent.mkdir(parents=True)
+    other.write_bytes(b"another replica's file: never this writer's to delete")
+    w = lake.LakeWriter(tmp_path, model="m", rank=0, run_id="run", roll_s=0, max_bytes=30_000, replica="me")
+    for i in range(20):
+        w.write(rows[i: i + 1])  # a rolled file per request, then retention
+    mine = sorted((tmp_path / "model=m").rglob("replica=me/*.parquet"))
+    assert 0 < len(mine) < 20 and sum(f.stat().st_size for f in mine) <= 30_000 and other.exists()
+    kept = {r.request_id for r in store.list_requests(store.open_store(tmp_path / "model=m/date=2023-11-14/"
+                                                                      "replica=me"), limit=100)}
+    assert kept == {f"r{i}" for i in range(20 - len(kept), 20)}  # the newest
+
+
 def test_retention_deletes_the_oldest_files_by_age_then_size(tmp_path, capsys):
     now = time.time()
     sizes = {}

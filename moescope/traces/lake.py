@@ -59,6 +59,11 @@ _COLUMNS = (
 )
 
 
+# Min/max statistics (what an engine prunes row groups by) only for the scalar columns: a binary or text
+# column's would copy whole values (a request's routing: hundreds of kB) into every footer.
+_STATS = [name for name, kind in _COLUMNS if kind != "binary" and name not in ("prompt", "output", "steps", "layers")]
+
+
 def is_lake(path: str | os.PathLike) -> bool:
     """A lake path: ends with a slash, is an existing directory, holds a glob character, or is a URL."""
     s = str(path)
@@ -91,7 +96,8 @@ def _write_atomic(table, path: Path, level: int = ZSTD_LEVEL, replaces: list[str
     if replaces:
         table = table.replace_schema_metadata({**table.schema.metadata, REPLACES_KEY: json.dumps(replaces).encode()})
     tmp = path.with_name(f".{path.name}.tmp")
-    pq.write_table(table, tmp, compression="zstd", compression_level=level, row_group_size=ROW_GROUP)
+    pq.write_table(table, tmp, compression="zstd", compression_level=level, row_group_size=ROW_GROUP,
+                   write_statistics=_STATS)
     os.replace(tmp, path)
     return path.stat().st_size
 
