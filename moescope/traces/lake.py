@@ -43,7 +43,7 @@ from moescope.errors import BadInput
 LAKE_SCHEMA = "1"
 SCHEMA_KEY = b"moescope.schema"
 REPLACES_KEY = b"moescope.replaces"  # a rolled or compacted file: the names (same directory) of the files it holds
-ZSTD_LEVEL = 9  # rolled files: 15.6 bytes per token-layer at deepseek-v3-shape; 3: 16.5 (docs/traces.md#trace-lake)
+ZSTD_LEVEL = 9  # rolled files: 15.5 bytes per token-layer at deepseek-v3-shape; 3: 16.5 (docs/traces.md#trace-lake)
 TICK_ZSTD_LEVEL = 3  # tick files (rewritten at the roll): cheaper for the writer thread that shares the engine's cores
 ROW_GROUP = 1024
 
