@@ -31,11 +31,12 @@ MODEL = "tiny-demo"
 class Serve:
     """A ``moescope serve`` subprocess; its log and trace store in ``tmp``."""
 
-    def __init__(self, tmp: Path, *args: str, name: str = "serve", metrics: bool = False) -> None:
+    def __init__(self, tmp: Path, *args: str, name: str = "serve", metrics: bool = False,
+                 traces: Path | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port() if metrics else -1
         self.url = f"http://127.0.0.1:{self.port}"
-        self.traces = tmp / f"{name}.sqlite"
+        self.traces = traces or tmp / f"{name}.sqlite"  # (an existing directory: a trace lake)
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(

@@ -268,6 +268,8 @@ from moescope.runtime.engine import Engine
 from moescope.traces.recorder import TraceRecorder
 model = loader.build_model("tiny-demo")
 rec = TraceRecorder(sys.argv[1], flush_interval_s=0.5)
+if rec.writer.lake is not None:
+    rec.writer.lake.roll_s = 1.0  # a trace lake (tests/test_lake.py): roll often, so the kill may land mid-roll
 inst = moescope.instrument(model, observers=[rec])
 engine = Engine(model, max_batch=4)
 for r in traffic.generate(traffic.TrafficConfig(seed=9), 100000):
@@ -278,12 +280,13 @@ while True:
 """
 
 
-def test_killing_the_process_loses_at_most_the_last_flush_interval(tmp_path):
-    path = tmp_path / "t.sqlite"
-    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, str(path)], stdout=subprocess.PIPE, text=True)
+def serve_then_kill(traces: str, n: int = 40) -> set[str]:
+    """Run KILL_SCRIPT into ``traces`` until ``n`` requests finished, SIGKILL it; the ids of the requests that
+    finished more than two flush intervals (1 s) before the kill."""
+    proc = subprocess.Popen([sys.executable, "-c", KILL_SCRIPT, traces], stdout=subprocess.PIPE, text=True)
     finished = []
     deadline = time.monotonic() + 120
-    while len(finished) < 40 and time.monotonic() < deadline:
+    while len(finished) < n and time.monotonic() < deadline:
         line = proc.stdout.readline()
         if line:
             ts, rid = line.split()
@@ -291,10 +294,15 @@ def test_killing_the_process_loses_at_most_the_last_flush_interval(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     killed_at = time.time()
     proc.wait()
+    return {rid for ts, rid in finished if ts < killed_at - 1.0}
+
+
+def test_killing_the_process_loses_at_most_the_last_flush_interval(tmp_path):
+    path = tmp_path / "t.sqlite"
+    old = serve_then_kill(str(path))
     conn = store.open_store(path)  # opens after the crash
     stored = {r[0] for r in conn.execute("SELECT request_id FROM requests")}
     # Everything finished more than two flush intervals (1 s) before the kill is there.
-    old = {rid for ts, rid in finished if ts < killed_at - 1.0}
     assert old and old <= stored, (len(old), len(old - stored))
 
 

@@ -18,7 +18,7 @@ COMMANDS = {
     "check": "check_cmd:check", "dashboards": "dashboards_cmd:dashboards", "demo": "demo:demo",
     "diagnose": "diagnose_cmd:diagnose_cmd", "plan-placement": "plan_cmd:plan_cmd", "report": "report_cmd:report_cmd",
     "requests": "requests_cmd:requests_cmd", "serve": "serve_cmd:serve", "top": "top_cmd:top_cmd",
-    "trace": "trace_cmd:trace_cmd", "train-demo": "train_demo:train_demo",
+    "trace": "trace_cmd:trace_cmd", "traces": "traces_cmd:traces", "train-demo": "train_demo:train_demo",
 }
 
 

@@ -36,7 +36,7 @@ instrument_options = _stack(
     click.option("--metrics-port", type=click.IntRange(min=-1, max=65535), default=9400, show_default=True,
                  help="Serve Prometheus metrics on this port (0: any free port; -1: no exporter)."),
     click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Exporter bind address."),
-    traces_option(allow_none=True, help="Trace store (SQLite) for per-token traces."),
+    traces_option(allow_none=True, help="Trace store (SQLite) for per-token traces.", writes=True),
     click.option("--otlp-endpoint", default=None, metavar="URL",
                  help="Also export each kept request's spans over OTLP/HTTP (e.g. http://127.0.0.1:4318, an "
                       "OpenTelemetry Collector). Needs --traces (the trace recorder makes the spans)."),

@@ -33,11 +33,14 @@ def default_traces() -> str:
     return str(DEFAULT_PATH)
 
 
-def traces_option(*, allow_none: bool = False, help: str = "Trace store (SQLite)."):
+def traces_option(*, allow_none: bool = False, help: str = "Trace store (SQLite).", writes: bool = False):
     """``--traces PATH`` into ``traces_path``: the flag, else ``$MOESCOPE_TRACES``, else the default store.
-    With ``allow_none``, ``none`` turns tracing off (for commands that write traces)."""
+    With ``allow_none``, ``none`` turns tracing off (for commands that write traces). A directory (``DIR/``),
+    a glob of directories or a URL is a Parquet trace lake (``traces.lake``)."""
     suffix = " 'none' to disable." if allow_none else ""
-    return click.option("--traces", "traces_path", type=click.Path(dir_okay=False), default=default_traces,
+    help += (" DIR/ (trailing slash or an existing directory): a Parquet trace lake." if writes else
+             " A directory, a glob of directories or an s3:// URL: a Parquet trace lake (read with DuckDB).")
+    return click.option("--traces", "traces_path", type=click.Path(), default=default_traces,
                         show_default="~/.local/share/moescope/traces.sqlite", envvar=TRACES_ENV,
                         show_envvar=True, help=help + suffix)
 

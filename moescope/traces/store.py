@@ -72,8 +72,14 @@ def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
         raise BadInput(f"trace store {path} is not readable: {exc}") from None
 
 
-def open_store(path: str | Path, *, create: bool = False) -> sqlite3.Connection:
-    """Open (or create) a store and check its schema version."""
+def open_store(path: str | Path, *, create: bool = False):
+    """Open (or create) a store and check its schema version: the one place readers open a store. A lake path
+    (a directory, a glob of them, a URL: ``lake.is_lake``) opens the Parquet trace lake read-only through
+    DuckDB (``lake.LakeConn``: the same ``execute`` the readers below use); anything else the SQLite file."""
+    from moescope.traces import lake
+
+    if not create and lake.is_lake(path):
+        return lake.open_lake(path)
     path = Path(path)
     if create:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -403,6 +409,10 @@ def _valid_step(st) -> bool:
     return all(isinstance(v, list) and all(_is_num(x) for x in v) for v in peer_wait.values())
 
 
+# one model shape (``IS NOT DISTINCT FROM``: SQLite's ``IS``, which DuckDB also reads, the lake's engine)
+_SHAPE = "layers IS NOT DISTINCT FROM ? AND top_k IS NOT DISTINCT FROM ? AND n_experts IS NOT DISTINCT FROM ?"
+
+
 def iter_routed(conn, *, since: float | None = None, limit: int | None = None, newest: bool = False,
                 corrupt: CorruptRows | None = None) -> Iterator[Routed]:
     """The stored requests that carry routing, oldest first; ``since``: started at or after; ``limit``: at most
@@ -420,15 +430,15 @@ def iter_routed(conn, *, since: float | None = None, limit: int | None = None, n
     shapes = list(_rows(conn, f"SELECT layers, top_k, n_experts, COUNT(*) FROM requests WHERE {where} "
                               "GROUP BY layers, top_k, n_experts ORDER BY COUNT(*) DESC, MAX(started) DESC", args))
     for shape in [sh for sh in shapes if not _valid_shape(*sh[:3])]:  # corrupt, not another model
-        for rowid, rid in _rows(conn, f"SELECT rowid, request_id FROM requests WHERE {where} AND layers IS ? AND "
-                                      "top_k IS ? AND n_experts IS ? ORDER BY started, rowid", [*args, *shape[:3]]):
+        for rowid, rid in _rows(conn, f"SELECT rowid, request_id FROM requests WHERE {where} AND {_SHAPE} "
+                                      "ORDER BY started, rowid", [*args, *shape[:3]]):
             corrupt.add(_row_key(rowid, rid), "layers, top_k or n_experts are not sizes")
     shapes = [sh for sh in shapes if _valid_shape(*sh[:3])]
     total = sum(shape[3] for shape in shapes)
     order = " ORDER BY started DESC, rowid DESC" if newest else " ORDER BY started, rowid"
     for shape in shapes:  # the next shape only when every row of this one was corrupt
-        sql = f"SELECT rowid, {_ROUTED_COLUMNS} FROM requests WHERE {where} AND layers IS ? AND top_k IS ? " \
-              f"AND n_experts IS ?{order}" + (" LIMIT ?" if limit is not None else "")
+        sql = f"SELECT rowid, {_ROUTED_COLUMNS} FROM requests WHERE {where} AND {_SHAPE}{order}" + \
+            (" LIMIT ?" if limit is not None else "")
         rows = _rows(conn, sql, [*args, *shape[:3], *([limit] if limit is not None else [])])
         found = False
         for row in (list(rows)[::-1] if newest else rows):

@@ -57,7 +57,14 @@ class TraceWriter(Observer):
                  model: str | None = None, rank: int = 0, seed: int = 0, clock_offset: float | None = None) -> None:
         self.path = Path(path)
         self.run_id = uuid.uuid4().hex[:12]  # step numbers restart per process: (run, index) is unique
-        self.conn = store_mod.open_store(self.path, create=True)
+        from moescope.traces import lake
+
+        self.lake = None  # a Parquet trace lake (a directory path) instead of the SQLite file
+        if lake.is_lake(path):
+            self.conn = None
+            self.lake = lake.LakeWriter(path, model=model, rank=rank, run_id=self.run_id, max_bytes=max_bytes)
+        else:
+            self.conn = store_mod.open_store(self.path, create=True)
         self.sample, self.max_bytes = sample, max_bytes
         self.tracer, self.model, self.rank = tracer, model, rank
         self.clock_offset = clock_offset if clock_offset is not None else time.time() - time.perf_counter()
@@ -102,6 +109,13 @@ class TraceWriter(Observer):
             except Exception:
                 self._failed("the row of request %r", getattr(rec, "request_id", rec))
         rows, self._rows = self._rows, []
+        if self.lake is not None:
+            try:
+                self.lake.write(rows)
+                self.written += len(rows)
+            except Exception:
+                self._failed("writing %d rows to the trace lake (lost)", len(rows))
+            return
         try:
             by_cols: dict[tuple[str, ...], list] = {}
             for row in rows:
@@ -199,7 +213,10 @@ class TraceWriter(Observer):
 
     def shutdown(self) -> None:
         self.tick()
-        self.conn.close()
+        if self.lake is not None:
+            self.lake.close()
+        else:
+            self.conn.close()
 
     # -- helpers ---------------------------------------------------------------------------------------
     def _rss(self, now: float) -> int | None:
