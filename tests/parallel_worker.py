@@ -8,11 +8,25 @@ import os
 import torch
 import torch.distributed as dist
 
+# Per rank: the tokens of one direct forward (rank 2 has none: it runs an idle forward), and the requests it
+# serves: request i on rank i mod W, 7 requests, so ranks hold different counts and finish at different steps.
+FORWARD_TOKENS = (37, 5, 0, 12)
+N_REQUESTS = 7
+
+
+def forward_tokens(rank: int) -> torch.Tensor:
+    return torch.randint(0, 256, (FORWARD_TOKENS[rank],), generator=torch.Generator().manual_seed(11 + rank))
+
+
+def requests(rank: int, world: int):
+    from moescope.runtime import traffic
+
+    return traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=6), N_REQUESTS)[rank::world]
+
 
 def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: str) -> None:
     from moescope.parallel import placement
     from moescope.parallel.expert_parallel import ExpertParallel
-    from moescope.runtime import traffic
     from moescope.runtime.config import from_dict
     from moescope.runtime.engine import Engine
     from moescope.runtime.model import MoETransformer, Segment
@@ -26,13 +40,16 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
     ep = ExpertParallel(pl, rank, world)
     for layer in model.moe_layers():
         layer.parallel = ep
-    gen = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, 256, (37,), generator=gen)  # 37: chunks of unequal size on every world size
+    tokens = forward_tokens(rank)
+    logits = None
     with torch.no_grad():
-        logits = model(tokens, [Segment(20), Segment(17)]).logits
-    records = Engine(model, max_batch=3).run(traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=6),
-                                                              5), realtime=False, id_prefix="t-")
-    torch.save({"logits": logits, "outputs": [r.output_tokens for r in records]},
+        if len(tokens):
+            logits = model(tokens, [Segment(len(tokens))]).logits
+        else:
+            ep.idle_forward(model.moe_layers())
+    records = Engine(model, max_batch=3, lockstep=ep).run(requests(rank, world), realtime=False, id_prefix="t-")
+    torch.save({"logits": logits, "outputs": [r.output_tokens for r in records],
+                "ids": [r.request_id for r in records], "dispatches": ep.dispatches},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -244,8 +244,8 @@ def markdown_table(t: Thresholds = DEFAULT) -> str:
     return "\n".join(rows)
 
 
-# Recording rules: rates summed over ranks (ranks serving different tokens add up; lock-step ranks export routing
-# once, so the sum counts every token once either way), and the per-expert share the heatmaps and `top` read.
+# Recording rules: rates summed over ranks (each rank routes and exports its own tokens, so the sum counts every
+# token once), and the per-expert share the heatmaps and `top` read.
 RECORDING = (
     ("model_layer_expert:moescope_expert_tokens:rate1m",
      "sum without (instance, rank) (rate(moescope_expert_tokens_total[1m]))"),

@@ -2,7 +2,8 @@
 
 The command maps flags: the model and its instrumentation come from ``cli/config_options.py`` (one
 ``moescope.Config``, shared with ``serve``), the workload from the flags here; with ``--world-size W`` the
-launcher in ``demo_parallel`` runs W lock-step ranks of this same command.
+launcher in ``demo_parallel`` runs W ranks of this same command (data-parallel attention: each rank serves
+its share of the requests, the experts sharded over the ranks).
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ from moescope.errors import BadInput
                    "(static); or that step captured as a CUDA graph (graph, CUDA only). Needs every expert "
                    "resident: no --cache-size, --world-size, mitigations.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
+              help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
+                   "(data-parallel attention), the experts sharded over them.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
               help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts).")
 @click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation.")
@@ -77,6 +79,7 @@ def demo(**o) -> int | None:
     rank, world = rank_env or (0, 1)
     model = build_model(o, config_from_options(o))
     reqs, n_requests, rate = _workload(o, settings, world)
+    reqs = reqs[rank::world]  # data-parallel attention: request i is served by rank i mod W
     baseline = None
     if settings.get("traffic_shift") and not o["baseline_path"]:  # drift needs a known-good reference
         from moescope.analysis.baseline import calibration_profile
@@ -112,7 +115,7 @@ def demo(**o) -> int | None:
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"])
         if o["linger"]:
             time.sleep(o["linger"])
-    if o["save_baseline"] and rank == 0:  # (lock-step ranks route alike; rank 0 holds the traces)
+    if o["save_baseline"] and rank == 0:  # (rank 0's share of the requests: it holds the traces)
         _save_baseline(o["save_baseline"], summary, model.cfg.name, run_started)
     if world > 1 and demo_parallel.write_summary(summary):
         return None
@@ -151,7 +154,8 @@ def _save_baseline(path: str, summary: dict, model_name: str, run_started: float
 
 
 def _workload(o: dict, settings: dict, world: int):
-    """(requests, how many, arrival rate): lock-step ranks schedule by step, never by wall clock."""
+    """(requests, how many, arrival rate): expert-parallel ranks queue all their requests at once (arrivals by
+    wall clock would only add idle forwards)."""
     from moescope.runtime import traffic
 
     rate = 0.0 if world > 1 else o["rate"]

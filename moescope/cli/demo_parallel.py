@@ -71,7 +71,7 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
         raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
                           f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
                           first.code if first and first.code > 0 else 1)
-    merged = dict(summaries[0])
+    merged = merge_summaries(summaries, model.cfg.top_k, ctx.params.get("duration") is not None)
     merged["world_size"] = world_size
     merged["placement"] = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
     merged["ranks"] = [s["rank"] for s in summaries]
@@ -82,9 +82,38 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
     print_human(merged)
     click.echo(f"expert parallel over {world_size} ranks ({placement_spec}); per rank:")
     for r in merged["ranks"]:
-        click.echo(f"  rank {r['rank']}: {r['tokens_per_s']} tokens/s, all-to-all {r['all_to_all_s']:.3f}s "
+        click.echo(f"  rank {r['rank']}: {r['completed']} requests, {r['tokens_per_s']} tokens/s, "
+                   f"all-to-all {r['all_to_all_s']:.3f}s "
                    f"({r['all_to_all_share']:.1%} of the run), waited on peers "
                    + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
+
+
+def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dict:
+    """The run's summary from its ranks' (data-parallel attention: each served its own requests): requests,
+    tokens, throughput and expert load added up, the load judged again from the sums (``print_human`` judges a
+    summary without ``expert_load_summary``); latency percentiles are rank 0's (each rank's own in ``ranks``)."""
+    from moescope import stats
+
+    merged = dict(summaries[0])
+    for key in ("expert_load_summary", "judged", "canary_flip_ratio"):
+        merged.pop(key, None)
+    merged["top_k"] = top_k
+    merged["completed"] = sum(s["completed"] for s in summaries)
+    if by_duration:  # a --duration run asks for as many as it serves
+        merged["requests"] = sum(s["requests"] for s in summaries)
+    merged["tokens"] = {k: sum(s["tokens"][k] for s in summaries) for k in ("prompt", "output")}
+    merged["tokens_per_s"] = round(sum(s["tokens_per_s"] or 0 for s in summaries), 1)
+    merged["wall_s"] = max(s["wall_s"] for s in summaries)
+    merged["request_ids"] = sorted(i for s in summaries for i in s["request_ids"])
+    merged["requests_detail"] = sorted((d for s in summaries for d in s["requests_detail"]),
+                                       key=lambda d: d["request_id"])
+    load = {layer: [sum(s["expert_load"][layer][e] for s in summaries) for e in range(len(counts))]
+            for layer, counts in summaries[0]["expert_load"].items()}
+    merged["expert_load"] = load
+    merged["expert_load_cv"] = {layer: round(stats.load_cv(c), 4) for layer, c in load.items()}
+    merged["tokens_dropped"] = {layer: sum(s["tokens_dropped"].get(layer, 0) for s in summaries)
+                                for layer in summaries[0]["tokens_dropped"]}
+    return merged
 
 
 class RanksFailed(MoescopeError):
@@ -98,7 +127,7 @@ class RanksFailed(MoescopeError):
 def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, slow_rank: int | None,
                delay_ms: float, timeout: float):
     """Join the group and shard the experts; returns (AllToAllStats, RankMonitor, ExpertParallel: the
-    engine's ``lockstep``, through whose exchanges the ranks agree when to stop)."""
+    engine's ``lockstep``, through whose exchanges the ranks make the same steps and agree when to stop)."""
     import torch.distributed as dist
 
     from moescope.parallel import placement as placement_mod
@@ -120,7 +149,8 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
 
 def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) -> dict:
     a2a = stats.seconds["dispatch"] + stats.seconds["combine"]
-    return {"rank": rank, "tokens_per_s": summary["tokens_per_s"], "all_to_all_s": round(a2a, 4),
+    return {"rank": rank, "completed": summary["completed"], "tokens_per_s": summary["tokens_per_s"],
+            "latency_s": summary["latency_s"], "all_to_all_s": round(a2a, 4),
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
             "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes,

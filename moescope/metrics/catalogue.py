@@ -34,8 +34,8 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    # A function of the routed tokens: lock-step expert-parallel ranks route the same tokens, so only one of
-    # them exports these (summing over ranks then counts every token once in either deployment).
+    # A function of the routed tokens: each expert-parallel rank exports its own (data-parallel attention: each
+    # routes its own tokens), and a rank given the same tokens as another would not (``export_routing``).
     routing: bool = False
 
     @property

@@ -89,8 +89,8 @@ class MetricsObserver(Observer):
         window_s: length of the sliding window the ratio gauges use.
         expert_series_budget: export the full tier (per-(layer, expert) counters) while layers x experts <= this;
             beyond it the reduced tier only (every layer's hottest and coldest experts, its load distribution).
-        export_routing: False on a rank that routes the same tokens as another exporting rank (lock-step
-            expert parallelism): its routing series would repeat that rank's, and sums over ranks would count
+        export_routing: False on a rank that routes the same tokens as another exporting rank (ranks given
+            the same requests): its routing series would repeat that rank's, and sums over ranks would count
             every token twice. The rank still exports timings, all-to-all, cache and memory.
         flush_interval_s: how often the routing probe summarises pending decisions (reads call ``flush()``
             first, so a scrape sees every finished step).

@@ -1,23 +1,32 @@
-"""Expert parallelism: every rank runs the same requests in lock-step (data replicated), each MoE layer's
-experts are sharded over the ranks by a ``Placement``, and tokens travel to their experts and back through
-two ``torch.distributed.all_to_all_single`` exchanges per layer.
+"""Expert parallelism with data-parallel attention (DP attention), as wide-EP serving runs DeepSeek-V3-class
+models (SGLang, vLLM, TensorRT-LLM over DeepEP): each rank serves its own requests (its own attention, its
+own KV caches, its own router decisions) and each MoE layer's experts are sharded over the ranks by a
+``Placement``; per MoE layer the rank's tokens travel to their experts' owners and back through two
+``torch.distributed.all_to_all_single`` exchanges with variable splits.
 
-Per MoE layer, on every rank (the routing decision is identical everywhere: same inputs, same weights):
-1. the rank owns a contiguous chunk of the step's tokens; it sorts its slots by (destination rank, expert);
+Per MoE layer, on every rank:
+1. the rank sorts its tokens' slots by (destination rank, expert);
 2. **dispatch**: a small all-to-all of per-peer slot counts plus the rank's entry timestamp (which gives the
-   per-peer wait matrix for free) and its stop flag, then the rows and their expert ids;
-3. each rank computes its local experts on the rows it received, grouped by expert (a stable sort keeps
-   the source-rank and token order, so every expert sees exactly the rows, in exactly the order, that the
-   single-process model gives it: outputs are bit-identical);
+   per-peer wait matrix for free) and its stop and done flags, then the rows and their expert ids;
+3. each rank computes its local experts on the rows it received, one group per (source rank, expert): each
+   source's rows arrive contiguous and already sorted by expert, so every expert sees exactly the rows, in
+   exactly the order, that the single-process model running that source's requests gives it, and the
+   outputs are bit-identical to it (a production kernel batches an expert's rows over all sources instead:
+   the same numbers up to float summation order);
 4. **combine**: the results go back through the reverse all-to-all; each rank weights and sums its tokens'
-   slots in slot order, and an all-gather rebuilds the step's [T, H] output on every rank.
+   slots in slot order.
 ``world_size == 1`` never gets here: the model computes its experts locally (the identity path).
 
-Stopping: ranks serve in lock-step, so they must leave at the same step; no per-rank clock can promise
-that (one rank past its deadline leaves while another enters one more collective step). A rank that wants
-to stop (its deadline passed) says so in the stop flag of its next dispatch exchange; every rank receives
-every flag of that exchange, so after that step all agree (``stop_agreed``) and all stop before the next one.
-The flag rides on the exchange the step makes anyway: no extra collective.
+Every rank must enter the same exchanges: a rank with no work this step runs an **idle forward**
+(``idle_forward``: the exchanges of every MoE layer with zero rows of its own, as production DP attention runs
+dummy batches), so its experts still compute what its peers send. Ranks given the same requests compute the
+same tokens: that is the old lock-step mode (data replicated), which needs nothing of its own.
+
+Stopping: the ranks must leave after the same step. Each dispatch exchange carries two flags: *stop* (the
+rank's deadline passed; any rank's flag stops all) and *done* (the rank had nothing queued or running when the
+step began; all ranks' flags end the run). Every rank receives every flag of that exchange, so after that step
+all agree (``stop_agreed``, ``all_done``) and all stop before the next one; the flags ride on the exchange the
+step makes anyway: no extra collective.
 
 Per-peer wait: rank i's wait on peer p in one exchange is max(0, entry_p - entry_i), from the entry
 timestamps exchanged in step 2 (wall clock: exact on one machine, NTP-accurate across machines). A slow
@@ -73,13 +82,24 @@ class ExpertParallel:
         self.slow_delay_s = slow_delay_s
         self.monitor = monitor
         self._owner: dict[int, torch.Tensor] = {}
-        self._stop_wanted = False  # this rank's flag, sent in every dispatch exchange
-        self.stop_agreed = False  # some rank's flag came in: every rank knows it after the same step
+        self._stop_wanted = False  # this rank's flags, sent in every dispatch exchange
+        self._done = False
+        self.stop_agreed = False  # some rank's stop flag came in: every rank knows it after the same step
+        self.all_done = False  # every rank's done flag came in the same exchange
+        self.dispatches = 0  # dispatch exchanges made (an engine step that made none runs an idle forward)
+
+    def begin_run(self) -> None:
+        """Forget the last run's agreement (a new ``Engine.run`` starts)."""
+        self._stop_wanted = self._done = self.stop_agreed = self.all_done = False
 
     def request_stop(self) -> None:
         """Ask the peers to stop: sent with the next dispatch exchange (call between steps only, so every
         exchange of one step carries the same flag)."""
         self._stop_wanted = True
+
+    def set_done(self, done: bool) -> None:
+        """Whether this rank has nothing queued or running (between steps only, as ``request_stop``)."""
+        self._done = done
 
     def _owners(self, layer: int, device) -> torch.Tensor:
         t = self._owner.get(layer)
@@ -87,14 +107,19 @@ class ExpertParallel:
             t = self._owner[layer] = torch.tensor(self.placement.owner_table(layer, self.rank), device=device)
         return t
 
-    def _chunk(self, n_tokens: int) -> tuple[int, int]:
-        per, extra = divmod(n_tokens, self.world)
-        start = self.rank * per + min(self.rank, extra)
-        return start, start + per + (self.rank < extra)
-
     def __call__(self, layer: int, experts: Experts, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
         return self._forward(layer, experts, x, ids, weights)
+
+    @torch.inference_mode()
+    def idle_forward(self, moe_layers) -> None:
+        """This rank's part of a step it has no tokens for: every MoE layer's exchanges with zero rows sent,
+        its experts computing what the peers send (``moe_layers``: the model's, in forward order)."""
+        for m in moe_layers:
+            p = m.experts.gate_up_proj
+            x = torch.empty(0, p.shape[-1], dtype=p.dtype, device=p.device)
+            self._forward(m.layer_index, m.experts, x, torch.empty(0, 1, dtype=torch.long, device=p.device),
+                          torch.empty(0, 1, dtype=p.dtype, device=p.device))
 
     def _collective(self, fn, *args) -> None:
         """Run one collective; a failure (peer gone, timeout) becomes a ParallelError naming the rank."""
@@ -109,31 +134,34 @@ class ExpertParallel:
         n_tokens, k = ids.shape
         hidden = x.shape[1]
         n_exp = experts.n_experts
-        t0, t1 = self._chunk(n_tokens)
-        my_ids = ids[t0:t1].reshape(-1)  # [n_my*k] slot order
+        w = self.world
+        my_ids = ids.reshape(-1)  # [T*k] slot order
         dest = self._owners(layer, ids.device)[my_ids]  # -1 for dropped slots
-        key = torch.where(dest >= 0, dest * (n_exp + 1) + my_ids, torch.full_like(my_ids, self.world * (n_exp + 1)))
+        key = torch.where(dest >= 0, dest * (n_exp + 1) + my_ids, torch.full_like(my_ids, w * (n_exp + 1)))
         order = torch.argsort(key, stable=True)
-        send_counts = torch.bincount(dest[dest >= 0], minlength=self.world)
+        send_counts = torch.bincount(dest[dest >= 0], minlength=w)
         n_send = int(send_counts.sum())  # host values: split sizes of the exchange, once per layer
         order = order[:n_send]
-        send_rows = x[t0 + order // k]  # [n_send, H]
+        send_rows = x[order // k]  # [n_send, H]
         send_ids = my_ids[order]
 
         # -- dispatch -----------------------------------------------------------------------------------
         if self.slow_delay_s:
             time.sleep(self.slow_delay_s)  # the slow-rank fault: this rank joins the exchange late
         start = time.perf_counter()
-        meta_out = torch.cat([send_counts.double(),
-                              torch.tensor([time.time(), float(self._stop_wanted)], dtype=torch.float64)])
-        meta_out = meta_out.repeat(self.world)  # [W * (W + 2)]: counts, timestamp, stop flag to every peer
+        meta_out = torch.cat([send_counts.double(), torch.tensor(
+            [time.time(), float(self._stop_wanted), float(self._done)], dtype=torch.float64)])
+        meta_out = meta_out.repeat(w)  # [W * (W + 3)]: counts, timestamp, stop and done flags to every peer
         meta_in = torch.empty_like(meta_out)
         self._collective(dist.all_to_all_single, meta_in, meta_out)
-        meta_in = meta_in.view(self.world, self.world + 2)
+        meta_in = meta_in.view(w, w + 3)
         recv_counts = meta_in[:, self.rank].long().tolist()  # what each peer sends me
-        entry = meta_in[:, self.world].tolist()  # each peer's entry time
-        if bool(meta_in[:, self.world + 1].any()):
+        entry = meta_in[:, w].tolist()  # each peer's entry time
+        if bool(meta_in[:, w + 1].any()):
             self.stop_agreed = True
+        if bool(meta_in[:, w + 2].all()):
+            self.all_done = True
+        self.dispatches += 1
         sends = send_counts.tolist()
         recv_rows = torch.empty(sum(recv_counts), hidden, dtype=x.dtype, device=x.device)
         self._collective(dist.all_to_all_single, recv_rows, send_rows.contiguous(), recv_counts, sends)
@@ -143,25 +171,22 @@ class ExpertParallel:
         me = entry[self.rank]
         wait = tuple(max(0.0, e - me) if p != self.rank else 0.0 for p, e in enumerate(entry))
 
-        # -- local experts ------------------------------------------------------------------------------
-        by_expert = torch.argsort(recv_ids, stable=True)  # keeps source-rank, then token, order per expert
-        counts = torch.bincount(recv_ids, minlength=n_exp).tolist()
+        # -- local experts: one group per (source rank, expert); each source's rows come sorted by expert ---
         local = torch.empty_like(recv_rows)
-        local[by_expert] = experts.compute_grouped(recv_rows[by_expert], counts)
+        at = 0
+        for n in recv_counts:
+            if n:
+                counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
+                local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
+            at += n
 
         # -- combine ------------------------------------------------------------------------------------
         start = time.perf_counter()
         back = torch.empty(n_send, hidden, dtype=x.dtype, device=x.device)
         self._collective(dist.all_to_all_single, back, local, sends, recv_counts)
-        slot_out = torch.zeros((t1 - t0) * k, hidden, dtype=x.dtype, device=x.device)
+        slot_out = torch.zeros(n_tokens * k, hidden, dtype=x.dtype, device=x.device)
         slot_out[order] = back
-        mine = combine(slot_out, weights[t0:t1])  # [n_my, H]
-        per = -(-n_tokens // self.world)  # all_gather needs equal sizes: pad each chunk to the largest
-        padded = torch.zeros(per, hidden, dtype=x.dtype, device=x.device)
-        padded[: t1 - t0] = mine
-        gathered = [torch.empty_like(padded) for _ in range(self.world)]
-        self._collective(dist.all_gather, gathered, padded)
-        out = torch.cat([g[: self._chunk_of(r, n_tokens)] for r, g in enumerate(gathered)])
+        out = combine(slot_out, weights)  # [T, H]
         combine_s = time.perf_counter() - start
 
         if self.observer is not None:
@@ -172,9 +197,5 @@ class ExpertParallel:
             obs.on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
                                              tuple(n * hidden * x.element_size() for n in recv_counts),
                                              tuple(n * hidden * x.element_size() for n in sends),
-                                             (0.0,) * self.world))
+                                             (0.0,) * w))
         return out
-
-    def _chunk_of(self, rank: int, n_tokens: int) -> int:
-        per, extra = divmod(n_tokens, self.world)
-        return per + (rank < extra)
