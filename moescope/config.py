@@ -100,7 +100,7 @@ class Cache:
 @dataclass(frozen=True)
 class Canary:
     """A fixed batch routed between steps; its flip ratio per layer against the first run. Due every
-    ``interval_s`` seconds, or every ``every_steps`` engine steps (expert-parallel ranks: a step count, never a clock)."""
+    ``interval_s`` seconds, or every ``every_steps`` engine steps (expert-parallel ranks: steps, not a clock)."""
 
     interval_s: float = 5.0
     every_steps: int | None = None

@@ -37,7 +37,16 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
     cfg = from_dict(cfg_dict)
     model = MoETransformer(cfg).eval()
     pl = placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
-    ep = ExpertParallel(pl, rank, world)
+    rows: dict[int, list[int]] = {}  # physical load of the direct forward: rows this rank computed per expert
+
+    class Rows:
+        def on_all_to_all(self, record):
+            if record.op == "dispatch" and record.expert_rows:
+                rows[record.layer] = [a + b for a, b in zip(rows.get(record.layer, [0] * cfg.n_experts),
+                                                            record.expert_rows)]
+
+    observer = Rows()
+    ep = ExpertParallel(pl, rank, world, observer=lambda: observer)
     for layer in model.moe_layers():
         layer.parallel = ep
     tokens = forward_tokens(rank)
@@ -47,9 +56,10 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
             logits = model(tokens, [Segment(len(tokens))]).logits
         else:
             ep.idle_forward(model.moe_layers())
+    ep.observer = None
     records = Engine(model, max_batch=3, lockstep=ep).run(requests(rank, world), realtime=False, id_prefix="t-")
     torch.save({"logits": logits, "outputs": [r.output_tokens for r in records],
-                "ids": [r.request_id for r in records], "dispatches": ep.dispatches},
+                "ids": [r.request_id for r in records], "dispatches": ep.dispatches, "rows": rows},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -20,8 +20,12 @@ from servers import free_port
 pytestmark = pytest.mark.integration
 
 
+REPLICATED = "replicated: true\nrank_to_experts: {0: [0, 1, 2, 3, 4], 1: [0, 1, 5, 6, 7], 2: [0, 2, 4, 6]}\n"
+
+
 @pytest.mark.parametrize("world,layout,kind", [(2, "round-robin", "tiny"), (2, "contiguous", "tiny"),
-                                               (4, "round-robin", "tiny"), (2, "contiguous", "deepseek")])
+                                               (4, "round-robin", "tiny"), (2, "contiguous", "deepseek"),
+                                               (3, "replicated", "tiny")])
 def test_each_rank_equals_the_single_process_model_on_its_own_requests(tiny_cfg, deepseek_cfg, tmp_path, world,
                                                                        layout, kind):
     """Data-parallel attention: each rank forwards its own tokens (one rank none: an idle forward) and serves
@@ -32,8 +36,13 @@ def test_each_rank_equals_the_single_process_model_on_its_own_requests(tiny_cfg,
     import parallel_worker
 
     cfg = tiny_cfg.replace(n_experts=8) if kind == "tiny" else deepseek_cfg
+    exact = layout != "replicated"  # a replica computes a subset of a source's rows: float blocking differs
+    if layout == "replicated":  # expert 0 on 3 ranks, 1, 2, 4, 6 on 2: their slots dealt over the replicas
+        (tmp_path / "p.yaml").write_text(REPLICATED)
+        layout = str(tmp_path / "p.yaml")
     mp.spawn(parallel_worker.run, args=(world, free_port(), cfg.to_dict(), layout, str(tmp_path)), nprocs=world)
     model = MoETransformer(cfg).eval()
+    routed: dict[int, torch.Tensor] = {}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the ranks: BLAS results depend on the thread count
     try:
@@ -42,8 +51,15 @@ def test_each_rank_equals_the_single_process_model_on_its_own_requests(tiny_cfg,
             tokens = parallel_worker.forward_tokens(r)
             if len(tokens):
                 with torch.no_grad():
-                    want = model(tokens, [Segment(len(tokens))]).logits
-                assert torch.equal(got["logits"], want), (r, (got["logits"] - want).abs().max())
+                    out = model(tokens, [Segment(len(tokens))])
+                want = out.logits
+                if exact:
+                    assert torch.equal(got["logits"], want), (r, (got["logits"] - want).abs().max())
+                else:
+                    torch.testing.assert_close(got["logits"], want, rtol=1e-4, atol=1e-5)
+                for layer, d in out.decisions.items():  # the slots this rank routed, by logical expert
+                    routed[layer] = routed.get(layer, 0) + torch.bincount(
+                        d.active_ids.reshape(-1), minlength=cfg.n_experts + 1)[:cfg.n_experts]
             else:
                 assert got["logits"] is None
             records = Engine(model, max_batch=3).run(parallel_worker.requests(r, world), realtime=False,
@@ -52,8 +68,20 @@ def test_each_rank_equals_the_single_process_model_on_its_own_requests(tiny_cfg,
             assert [tuple(o) for o in got["outputs"]] == [x.output_tokens for x in records], r
     finally:
         torch.set_num_threads(threads)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
     # every rank made the same exchanges (the same steps, idle forwards included)
-    assert len({torch.load(tmp_path / f"rank{r}.pt", weights_only=True)["dispatches"] for r in range(world)}) == 1
+    assert len({g["dispatches"] for g in got}) == 1
+    # physical load: the fleet's rows per expert are the slots routed to it, each computed once; a replicated
+    # expert's rows are dealt over its replicas (each routing rank's slots alternately: within one per sender)
+    pl = placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
+    for layer, want in routed.items():
+        rows = torch.tensor([g["rows"][layer] for g in got])  # [rank, expert]
+        assert torch.equal(rows.sum(0), want), layer
+        for e in range(cfg.n_experts):
+            holders = pl.ranks_of(layer, e)
+            assert all(rows[r, e] == 0 for r in range(world) if r not in holders)
+            share = want[e].item() / len(holders)
+            assert all(abs(rows[r, e].item() - share) <= world for r in holders), (layer, e, rows[:, e])
 
 
 def test_placement_layouts_and_validation(tmp_path):

@@ -149,7 +149,8 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
 
 def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) -> dict:
     a2a = stats.seconds["dispatch"] + stats.seconds["combine"]
-    return {"rank": rank, "completed": summary["completed"], "tokens_per_s": summary["tokens_per_s"],
+    return {"rank": rank, "completed": summary["completed"], "tokens": summary["tokens"],
+            "tokens_per_s": summary["tokens_per_s"],
             "latency_s": summary["latency_s"], "all_to_all_s": round(a2a, 4),
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),

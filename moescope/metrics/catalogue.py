@@ -148,6 +148,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "op"),
     _c("moescope_all_to_all_bytes_total", "Bytes exchanged with each peer rank in expert-parallel all-to-alls.",
        "peer", "direction"),
+    _c("moescope_expert_physical_slots_total", "Expert parallelism: slots this rank's copy of each expert computed "
+       "(physical load: every rank's tokens routed to it, a replicated expert's share of them); the routing "
+       "counters count each token once, by the rank that routed it, under its logical expert.", "layer", "expert"),
     _c("moescope_all_to_all_peer_wait_seconds_total", "Time this rank waited for each peer to join the dispatch "
        "exchange (the N x N wait matrix is this series by rank and peer).", "peer"),
     _h("moescope_step_seconds", "Engine step (one forward) time, with a request id exemplar.", LATENCY_BUCKETS,

@@ -221,6 +221,10 @@ class MetricsObserver(Observer):
                 counters[("moescope_all_to_all_bytes_total", (str(peer), "received"))] += recv
                 if record.op == "dispatch":
                     counters[("moescope_all_to_all_peer_wait_seconds_total", (str(peer),))] += wait
+            layer = str(record.layer)
+            for e, n in enumerate(record.expert_rows):  # the experts held here (physical load)
+                if n:
+                    counters[("moescope_expert_physical_slots_total", (layer, str(e)))] += n
 
     def on_request(self, record) -> None:
         self.probe.on_request(record.request_id)  # its draw is folded once its last step is summarised
@@ -341,8 +345,8 @@ class MetricsObserver(Observer):
     def rank_loads(self, g: LayerGauges) -> tuple[dict[int, float], dict[int, float]] | None:
         """Over the window, with an expert-parallel placement over > 1 rank: ({layer: busiest rank's slots /
         the mean rank's} for the judged layers (a finite noise bound), {rank: slots summed over layers});
-        None without a placement. A replicated expert's slots are split as the lock-step dispatch sends them:
-        each rank sends its 1/W of the tokens to its own replica, else to the lowest rank holding one."""
+        None without a placement. A replicated expert's slots are split as the dispatch deals them: 1/R to each
+        of its R replicas. (This rank's routing only: each rank routes its own tokens.)"""
         p = self.placement()
         if p is None or not len(g.layers):
             return None
@@ -360,8 +364,7 @@ class MetricsObserver(Observer):
                 split = np.zeros((p.n_experts, w))
                 for x in range(p.n_experts):
                     ranks = p.ranks_of(g.layers[j], x)
-                    split[x, list(ranks)] = 1.0 / w
-                    split[x, ranks[0]] += (w - len(ranks)) / w
+                    split[x, list(ranks)] = 1.0 / len(ranks)
                 loads[i] = slots[i] @ split
         mom = thresholds.max_over_mean(loads)
         judged = {g.layers[j]: float(v) for j, v in zip(known, mom.tolist())

@@ -62,6 +62,8 @@ class AllToAllRecord:
     sent_bytes: tuple[int, ...]  # per peer
     recv_bytes: tuple[int, ...]
     peer_wait_s: tuple[float, ...]  # per peer (dispatch only; zeros for combine)
+    # dispatch only: rows this rank's experts (physical: its replicas included) computed, per expert of the layer
+    expert_rows: tuple[int, ...] = ()
 
 
 class ExpertParallel:
@@ -101,11 +103,37 @@ class ExpertParallel:
         """Whether this rank has nothing queued or running (between steps only, as ``request_stop``)."""
         self._done = done
 
-    def _owners(self, layer: int, device) -> torch.Tensor:
+    def _owners(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(owner rank of each expert, index E the dropped-slot sentinel -1; for a placement with replicas also
+        [E, R] the replica ranks of each expert (repeated to R columns) and [E] how many it has)."""
         t = self._owner.get(layer)
         if t is None:
-            t = self._owner[layer] = torch.tensor(self.placement.owner_table(layer, self.rank), device=device)
+            owner = torch.tensor(self.placement.owner_table(layer, self.rank), device=device)
+            reps = nrep = None
+            if self.placement.replicated:
+                ranks = [self.placement.ranks_of(layer, e) for e in range(self.placement.n_experts)]
+                width = max(len(r) for r in ranks)
+                reps = torch.tensor([[r[i % len(r)] for i in range(width)] for r in ranks], device=device)
+                nrep = torch.tensor([len(r) for r in ranks], device=device)
+            t = self._owner[layer] = (owner, reps, nrep)
         return t
+
+    def _destinations(self, layer: int, my_ids: torch.Tensor, n_exp: int) -> torch.Tensor:
+        """Destination rank of each slot (-1: dropped). A replicated expert's slots are dealt over its replicas
+        in turn (the j-th slot of the expert from this rank goes to replica (j + rank) mod R): split evenly,
+        whichever rank routed them."""
+        owner, reps, nrep = self._owners(layer, my_ids.device)
+        dest = owner[my_ids]
+        if reps is None or not len(my_ids):
+            return dest
+        ok = my_ids < n_exp
+        ids = torch.where(ok, my_ids, 0)
+        by_expert = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids, minlength=n_exp)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(ids)
+        pos[by_expert] = torch.arange(len(ids), device=ids.device) - starts[ids[by_expert]]
+        return torch.where(ok, reps[ids, (pos + self.rank) % nrep[ids]], dest)
 
     def __call__(self, layer: int, experts: Experts, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
@@ -136,7 +164,7 @@ class ExpertParallel:
         n_exp = experts.n_experts
         w = self.world
         my_ids = ids.reshape(-1)  # [T*k] slot order
-        dest = self._owners(layer, ids.device)[my_ids]  # -1 for dropped slots
+        dest = self._destinations(layer, my_ids, n_exp)  # -1 for dropped slots
         key = torch.where(dest >= 0, dest * (n_exp + 1) + my_ids, torch.full_like(my_ids, w * (n_exp + 1)))
         order = torch.argsort(key, stable=True)
         send_counts = torch.bincount(dest[dest >= 0], minlength=w)
@@ -174,10 +202,12 @@ class ExpertParallel:
         # -- local experts: one group per (source rank, expert); each source's rows come sorted by expert ---
         local = torch.empty_like(recv_rows)
         at = 0
+        rows = [0] * n_exp  # physical load: rows each expert here computed
         for n in recv_counts:
             if n:
                 counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
                 local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
+                rows = [a + b for a, b in zip(rows, counts)]
             at += n
 
         # -- combine ------------------------------------------------------------------------------------
@@ -193,7 +223,7 @@ class ExpertParallel:
             row_bytes = hidden * x.element_size() + 8  # a row and its expert id
             obs = self.observer()
             obs.on_all_to_all(AllToAllRecord(layer, "dispatch", dispatch_s, tuple(n * row_bytes for n in sends),
-                                             tuple(n * row_bytes for n in recv_counts), wait))
+                                             tuple(n * row_bytes for n in recv_counts), wait, tuple(rows)))
             obs.on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
                                              tuple(n * hidden * x.element_size() for n in recv_counts),
                                              tuple(n * hidden * x.element_size() for n in sends),
