@@ -61,6 +61,7 @@ def demo(**o) -> int | None:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.cli import demo_parallel
     from moescope.parallel.launch import env_rank
+    from moescope.parallel.spawn import write_summary
 
     settings = config_from_options(o).settings  # the scenarios' real settings override the flags
     world_size = max(o["world_size"], settings.get("world_size", 1))
@@ -90,8 +91,9 @@ def demo(**o) -> int | None:
     with ExitStack() as stack:
         import moescope
 
-        a2a = lockstep = None
+        a2a = lockstep = stop = None
         if world > 1:  # join the group first: the rank's observers go into the instrumentation
+            stop = demo_parallel.StopOnSignal()
             a2a, monitor, lockstep = demo_parallel.setup_rank(stack, model, rank, world, o["placement_spec"],
                                                               slow_rank, delay_ms, o["timeout"])
         config = config_from_options(o, rank=rank, world=world, baseline=baseline,
@@ -108,7 +110,11 @@ def demo(**o) -> int | None:
 
             records = serve_with_live_view(engine, reqs, run, inst.exporter.url)
         else:
+            if stop is not None:
+                stop.engine = engine
             records = _serve(engine, reqs, run)
+            if stop is not None:
+                stop.engine = None
         summary = _summarise(inst, records, time.perf_counter() - start, model,
                              n_requests if o["duration"] is None else len(records))
         if a2a is not None:
@@ -117,7 +123,7 @@ def demo(**o) -> int | None:
             time.sleep(o["linger"])
     if o["save_baseline"] and rank == 0:  # (rank 0's share of the requests: it holds the traces)
         _save_baseline(o["save_baseline"], summary, model.cfg.name, run_started)
-    if world > 1 and demo_parallel.write_summary(summary):
+    if world > 1 and write_summary(summary):
         return None
     if o["record_routing"]:
         summary["routing_log"] = str(o["record_routing"])

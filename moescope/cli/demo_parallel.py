@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 
 import click
 
@@ -48,8 +46,9 @@ def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
 
 def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: int | None, timeout: float,
            model, as_json: bool) -> None:
-    """Spawn the ranks, merge their summaries and print them. A failed run: every failed rank's own error
-    (and, when it died without one, the tail of its stderr) in the order they ended, then ``RanksFailed``."""
+    """Run the ranks under torchrun's agent, merge their summaries and print them. A failed run: every failed
+    rank's own error (and, when it died without one, the tail of its stderr), the first to fail first, then
+    ``RanksFailed``."""
     from moescope.cli.summary import print_human
     from moescope.parallel import placement as placement_mod
     from moescope.parallel.spawn import run_ranks
@@ -116,6 +115,26 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     return merged
 
 
+class StopOnSignal:
+    """A rank's SIGTERM and SIGHUP (the launcher's agent forwards the signal it got, or stops the survivors of a
+    failed rank): while ``engine`` serves, ask it to stop (the ranks agree on the step, and a rank blocked in an
+    exchange with a dead peer still names it first); otherwise end now, as the signal would."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.engine = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, self)
+
+    def __call__(self, signum, _frame) -> None:
+        if self.engine is None:
+            raise SystemExit(128 + signum)
+        self.engine.request_stop()
+
+
 class RanksFailed(MoescopeError):
     """Some rank of a ``--world-size`` run failed; the exit code is the first failed rank's."""
 
@@ -157,15 +176,3 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) ->
             "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes,
             "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
             "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio")}
-
-
-def write_summary(summary: dict) -> bool:
-    """Under the launcher, hand the summary back through a file; returns True when it did."""
-    from moescope.parallel.spawn import ENV_SUMMARY
-
-    path = os.environ.get(ENV_SUMMARY)
-    if not path:
-        return False
-    with open(path, "w") as f:
-        json.dump(summary, f)
-    return True
