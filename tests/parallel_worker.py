@@ -36,14 +36,16 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
                             timeout=datetime.timedelta(seconds=60))
     cfg = from_dict(cfg_dict)
     model = MoETransformer(cfg).eval()
-    pl = placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
+    rebalance = layout == "rebalance"  # round-robin, then EPLB in the loop every 3 steps, 5 slots per rank
+    pl = placement.build("round-robin" if rebalance else layout, n_experts=cfg.n_experts, world_size=world,
+                         moe_layers=cfg.moe_layers)
     rows: dict[int, list[int]] = {}  # physical load of the direct forward: rows this rank computed per expert
 
     class Rows:
         def on_all_to_all(self, record):
             if record.op == "dispatch" and record.expert_rows:
-                rows[record.layer] = [a + b for a, b in zip(rows.get(record.layer, [0] * cfg.n_experts),
-                                                            record.expert_rows)]
+                rows[record.layer] = [a + max(b, 0) for a, b in zip(rows.get(record.layer, [0] * cfg.n_experts),
+                                                                    record.expert_rows)]
 
     observer = Rows()
     ep = ExpertParallel(pl, rank, world, observer=lambda: observer)
@@ -57,9 +59,14 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
         else:
             ep.idle_forward(model.moe_layers())
     ep.observer = None
+    if rebalance:
+        from moescope.parallel.eplb import Rebalancer
+
+        ep.rebalancer = Rebalancer(3, slots=5)
     records = Engine(model, max_batch=3, lockstep=ep).run(requests(rank, world), realtime=False, id_prefix="t-")
     torch.save({"logits": logits, "outputs": [r.output_tokens for r in records],
-                "ids": [r.request_id for r in records], "dispatches": ep.dispatches, "rows": rows},
+                "ids": [r.request_id for r in records], "dispatches": ep.dispatches, "rows": rows,
+                "rebalances": [(e.step, e.moved, e.layers) for e in ep.events]},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -49,6 +49,15 @@ from moescope.errors import BadInput
                    "(data-parallel attention), the experts sharded over them.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
               help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts).")
+@click.option("--rebalance-steps", type=click.IntRange(min=1), default=None,
+              help="EPLB in the loop (--world-size > 1): every N steps plan a placement from the fleet's live "
+                   "counts and move the experts' weights between ranks while serving.")
+@click.option("--rebalance-slots", type=click.IntRange(min=1), default=None,
+              help="Experts per rank the rebalancer places (spare slots replicate hot experts) [the starting "
+                   "placement's most per rank].")
+@click.option("--rebalance-below", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Rearrange only when the measured balancedness (mean rank / busiest rank) since the last time "
+                   "is below this [always].")
 @click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation.")
 @click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="The slow rank's delay before each dispatch exchange.")
@@ -73,6 +82,8 @@ def demo(**o) -> int | None:
         raise BadInput(f"--decode {o['decode_mode']} serves on one process: it cannot hold expert parallelism "
                        f"(--world-size {world_size})")
     rank_env = env_rank()
+    if world_size == 1 and rank_env is None and o["rebalance_steps"]:
+        raise BadInput("--rebalance-steps rearranges experts between ranks: it needs --world-size > 1")
     if world_size > 1 and rank_env is None:
         model = build_model(o, config_from_options(o))  # validates the model and placement before spawning
         return demo_parallel.launch(click.get_current_context(), world_size, o["placement_spec"], slow_rank,
@@ -96,6 +107,7 @@ def demo(**o) -> int | None:
             stop = demo_parallel.StopOnSignal()
             a2a, monitor, lockstep = demo_parallel.setup_rank(stack, model, rank, world, o["placement_spec"],
                                                               slow_rank, delay_ms, o["timeout"])
+            lockstep.rebalancer = demo_parallel.rebalancer(o)
         config = config_from_options(o, rank=rank, world=world, baseline=baseline,
                                      observers=(a2a, monitor) if world > 1 else ())
         inst = stack.enter_context(moescope.instrument(model, config))
@@ -118,7 +130,7 @@ def demo(**o) -> int | None:
         summary = _summarise(inst, records, time.perf_counter() - start, model,
                              n_requests if o["duration"] is None else len(records))
         if a2a is not None:
-            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"])
+            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep)
         if o["linger"]:
             time.sleep(o["linger"])
     if o["save_baseline"] and rank == 0:  # (rank 0's share of the requests: it holds the traces)

@@ -166,7 +166,29 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
     return AllToAllStats(world_size), monitor, ep
 
 
-def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) -> dict:
+def rebalancer(o: dict):
+    """The demo's ``parallel.eplb.Rebalancer`` from its options, or None."""
+    from moescope.parallel.eplb import Rebalancer
+
+    if not o["rebalance_steps"]:
+        return None
+    return Rebalancer(o["rebalance_steps"], o["rebalance_slots"], o["rebalance_below"])
+
+
+def rebalance_report(ep) -> list[dict]:
+    """Each rearrangement: when, how long, what moved, busiest / mean rank measured before it, predicted for the
+    new placement, and measured after it (until the next one, or the end of the run)."""
+    out = []
+    for i, ev in enumerate(ep.events):
+        after = ep.events[i + 1].before if i + 1 < len(ep.events) else ep.measured_since()
+        out.append({"step": ev.step, "seconds": round(ev.seconds, 4), "moved_experts": ev.moved,
+                    "moved_bytes": ev.moved_bytes,
+                    **{k: {str(layer): round(v, 4) for layer, v in d.items()}
+                       for k, d in (("before", ev.before), ("predicted", ev.predicted), ("measured", after))}})
+    return out
+
+
+def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep=None) -> dict:
     a2a = stats.seconds["dispatch"] + stats.seconds["combine"]
     return {"rank": rank, "completed": summary["completed"], "tokens": summary["tokens"],
             "tokens_per_s": summary["tokens_per_s"],
@@ -175,4 +197,8 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) ->
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
             "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes,
             "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
-            "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio")}
+            "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio"),
+            "steps": ep.steps if ep is not None else None,
+            # busiest rank's rows / the mean rank's per layer, measured since the last rearrangement (or the start)
+            "rank_max_over_mean": {str(k): round(v, 4) for k, v in ep.measured_since().items()} if ep else None,
+            "rebalances": rebalance_report(ep) if ep is not None and ep.rebalancer is not None else None}

@@ -63,7 +63,11 @@ class AllToAllRecord:
     recv_bytes: tuple[int, ...]
     peer_wait_s: tuple[float, ...]  # per peer (dispatch only; zeros for combine)
     # dispatch only: rows this rank's experts (physical: its replicas included) computed, per expert of the layer
+    # (-1: an expert this rank does not hold)
     expert_rows: tuple[int, ...] = ()
+    # dispatch only: rows every rank computes in this exchange (from the split sizes every rank receives: the same
+    # on every rank): the measured per-rank load
+    rank_rows: tuple[int, ...] = ()
 
 
 class ExpertParallel:
@@ -89,6 +93,11 @@ class ExpertParallel:
         self.stop_agreed = False  # some rank's stop flag came in: every rank knows it after the same step
         self.all_done = False  # every rank's done flag came in the same exchange
         self.dispatches = 0  # dispatch exchanges made (an engine step that made none runs an idle forward)
+        self.rebalancer = None  # parallel.eplb.Rebalancer: EPLB in the loop
+        self.steps = 0  # rank steps begun (``between_steps``): the same count on every rank
+        self.events: list = []  # parallel.eplb.Rebalance, in order
+        self._rows_since: dict[int, list[int]] = {}  # layer -> rows each rank computed since the last rearrangement
+        self._routed: dict[int, torch.Tensor] = {}  # layer -> this rank's slots per logical expert, same period
 
     def begin_run(self) -> None:
         """Forget the last run's agreement (a new ``Engine.run`` starts)."""
@@ -117,6 +126,11 @@ class ExpertParallel:
                 nrep = torch.tensor([len(r) for r in ranks], device=device)
             t = self._owner[layer] = (owner, reps, nrep)
         return t
+
+    def _held(self, layer: int, n_exp: int) -> list[int]:
+        """[E]: 0 for the experts this rank holds in ``layer``, -1 for the others."""
+        held = set(self.placement.layers[layer][self.rank])
+        return [0 if e in held else -1 for e in range(n_exp)]
 
     def _destinations(self, layer: int, my_ids: torch.Tensor, n_exp: int) -> torch.Tensor:
         """Destination rank of each slot (-1: dropped). A replicated expert's slots are dealt over its replicas
@@ -148,6 +162,84 @@ class ExpertParallel:
             x = torch.empty(0, p.shape[-1], dtype=p.dtype, device=p.device)
             self._forward(m.layer_index, m.experts, x, torch.empty(0, 1, dtype=torch.long, device=p.device),
                           torch.empty(0, 1, dtype=p.dtype, device=p.device))
+
+    def measured_since(self) -> dict[int, float]:
+        """Per layer: the busiest rank's rows over the mean rank's since the last rearrangement (or the start)."""
+        return {layer: max(r) / (sum(r) / len(r)) for layer, r in sorted(self._rows_since.items()) if sum(r)}
+
+    def between_steps(self, moe_layers) -> None:
+        """Called by the engine before each rank step (every rank, the same step): rearranges when due."""
+        self.steps += 1
+        rb = self.rebalancer
+        if rb is not None and self.steps % rb.every_steps == 0:
+            self.rebalance(moe_layers)
+
+    @torch.inference_mode()
+    def rebalance(self, moe_layers) -> None:
+        """Plan a placement from the fleet's counts since the last time and move the weights (``parallel.eplb``)."""
+        from moescope.analysis.placement_plan import imbalance, plan_layer, rank_loads
+        from moescope.parallel.eplb import Rebalance
+
+        start = time.perf_counter()
+        rb, w, old = self.rebalancer, self.world, self.placement
+        layers = [m.layer_index for m in moe_layers]
+        n_exp = old.n_experts
+        device = moe_layers[0].experts.gate_up_proj.device
+        counts = torch.stack([self._routed.get(layer, torch.zeros(n_exp, dtype=torch.long, device=device)).double()
+                              for layer in layers])  # [L, E]
+        self._collective(dist.all_reduce, counts)  # the fleet's: every rank plans the same placement
+        before = self.measured_since()
+        if rb.below is not None and before and min(1 / v for v in before.values()) >= rb.below:
+            return  # balanced enough: keep measuring from here
+        load = counts.cpu().numpy()
+        if not load.sum():
+            return
+        slots = rb.slots or max(len(x) for per in old.layers.values() for x in per)
+        new_layers, predicted = {}, {}
+        for i, layer in enumerate(layers):
+            per = plan_layer(load[i], w, slots)
+            new_layers[layer] = tuple(tuple(x) for x in per)
+            predicted[layer] = imbalance(rank_loads(load[i], per))
+        ops, received = [], []
+        moved = 0
+        for m in moe_layers:
+            layer = m.layer_index
+            for r in range(w):
+                for e in new_layers[layer][r]:
+                    if e in old.layers[layer][r]:
+                        continue
+                    moved += 1
+                    src = min(old.ranks_of(layer, e))
+                    params = (m.experts.gate_up_proj, m.experts.down_proj)
+                    if self.rank == src:
+                        ops += [dist.P2POp(dist.isend, p[e].contiguous(), r) for p in params]
+                    elif self.rank == r:
+                        bufs = [torch.empty_like(p[e]) for p in params]
+                        ops += [dist.P2POp(dist.irecv, b, src) for b in bufs]
+                        received.append((params, e, bufs))
+        if ops:
+            try:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            except RuntimeError as exc:
+                if self.monitor is None:
+                    raise
+                raise self.monitor.explain(exc) from None
+        moved_bytes = 0
+        for params, e, bufs in received:
+            for p, b in zip(params, bufs):
+                p.data[e].copy_(b)
+                moved_bytes += b.numel() * b.element_size()
+        replicated = any(sum(len(x) for x in per) > n_exp for per in new_layers.values())
+        self.placement = Placement(w, n_exp, new_layers, replicated)
+        self._owner.clear()
+        self._rows_since.clear()
+        self._routed.clear()
+        event = Rebalance(self.steps, time.perf_counter() - start, moved, moved_bytes, before, predicted,
+                          new_layers)
+        self.events.append(event)
+        if self.observer is not None:
+            self.observer().on_rebalance(event)
 
     def _collective(self, fn, *args) -> None:
         """Run one collective; a failure (peer gone, timeout) becomes a ParallelError naming the rank."""
@@ -184,6 +276,12 @@ class ExpertParallel:
         self._collective(dist.all_to_all_single, meta_in, meta_out)
         meta_in = meta_in.view(w, w + 3)
         recv_counts = meta_in[:, self.rank].long().tolist()  # what each peer sends me
+        rank_rows = meta_in[:, :w].sum(0).long().tolist()  # what every rank computes (the W x W split matrix)
+        since = self._rows_since.setdefault(layer, [0] * w)
+        self._rows_since[layer] = [a + b for a, b in zip(since, rank_rows)]
+        if self.rebalancer is not None and len(my_ids):  # (on the device: no sync)
+            got = torch.bincount(my_ids, minlength=n_exp + 1)[:n_exp]
+            self._routed[layer] = got if layer not in self._routed else self._routed[layer] + got
         entry = meta_in[:, w].tolist()  # each peer's entry time
         if bool(meta_in[:, w + 1].any()):
             self.stop_agreed = True
@@ -202,12 +300,12 @@ class ExpertParallel:
         # -- local experts: one group per (source rank, expert); each source's rows come sorted by expert ---
         local = torch.empty_like(recv_rows)
         at = 0
-        rows = [0] * n_exp  # physical load: rows each expert here computed
+        rows = self._held(layer, n_exp)  # physical load: rows each expert here computed (-1: not held here)
         for n in recv_counts:
             if n:
                 counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
                 local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
-                rows = [a + b for a, b in zip(rows, counts)]
+                rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
             at += n
 
         # -- combine ------------------------------------------------------------------------------------
@@ -223,7 +321,8 @@ class ExpertParallel:
             row_bytes = hidden * x.element_size() + 8  # a row and its expert id
             obs = self.observer()
             obs.on_all_to_all(AllToAllRecord(layer, "dispatch", dispatch_s, tuple(n * row_bytes for n in sends),
-                                             tuple(n * row_bytes for n in recv_counts), wait, tuple(rows)))
+                                             tuple(n * row_bytes for n in recv_counts), wait, tuple(rows),
+                                             tuple(rank_rows)))
             obs.on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
                                              tuple(n * hidden * x.element_size() for n in recv_counts),
                                              tuple(n * hidden * x.element_size() for n in sends),

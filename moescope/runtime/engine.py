@@ -513,6 +513,7 @@ class Engine:
         nothing to run, or whose step ran no forward, runs an idle forward: zero rows of its own), and says
         whether it is done (nothing queued or running) in the step's exchanges."""
         ranks.set_done(done)
+        ranks.between_steps(self.model.moe_layers())  # EPLB in the loop: rearranges when due (every rank)
         before = self._steps
         if self.has_work:
             self.step()
