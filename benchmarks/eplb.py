@@ -58,6 +58,29 @@ def med(rows: list[dict], key: str) -> float | None:
     return round(statistics.median(vals), 4) if vals else None
 
 
+def markdown(report: dict) -> str:
+    """The docs' table, every figure from the results file."""
+    st, ep = report["static"], report["eplb"]
+    rows = [
+        ("per-rank max/mean, measured (whole run / before the first rearrangement)", st["max_over_mean_end"],
+         ep["before"]),
+        ("per-rank max/mean predicted by the planner for the new placement", "-", ep["predicted"]),
+        ("per-rank max/mean measured after it (until the next one)", "-", ep["measured"]),
+        ("rearrangement seconds (fleet counts, plan, weight moves)", "-", ep["rebalance_s"]),
+        ("experts moved in the first rearrangement", "-", ep["moved_experts"]),
+        ("rearrangements per run", 0, ep["rebalances"]),
+        ("throughput, output tokens/s (both ranks)", st["tokens_per_s"], ep["tokens_per_s"]),
+        ("throughput ratio, EPLB / static", 1, report["throughput_ratio_eplb_over_static"]),
+    ]
+    lines = [f"{report['model']}, {report['world_size']} gloo ranks, scenario {report['scenario']}, "
+             f"{report['requests']} requests per run; EPLB every {report['rebalance_steps']} steps, "
+             f"{report['rebalance_slots']} slots per rank; medians of {report['rounds']} rounds "
+             "(benchmarks/results/eplb.json).", "",
+             "| figure | static round-robin | EPLB in the loop |", "|---|---|---|"]
+    lines += [f"| {name} | {a} | {b} |" for name, a, b in rows]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=7)
@@ -66,7 +89,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slots", type=int, default=5, help="--rebalance-slots (tiny-demo: 8 experts, 4 per rank)")
     ap.add_argument("--quick", action="store_true", help="1 round, 12 requests (CI keeps the script working)")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--markdown", metavar="RESULTS", default=None,
+                    help="print the docs' table from a results file and exit (no run)")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(json.loads(Path(args.markdown).read_text())), end="")
+        return 0
     if args.quick:
         args.rounds, args.requests, args.every = 1, 12, 10
     args.out = args.out or HERE / "results" / ("eplb-quick.json" if args.quick else "eplb.json")

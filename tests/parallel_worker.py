@@ -24,8 +24,19 @@ def requests(rank: int, world: int):
     return traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=6), N_REQUESTS)[rank::world]
 
 
-def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: str) -> None:
+REBALANCE_START = ((0, 1, 2, 4, 6), (0, 1, 3, 5, 7))  # 8 experts on 2 ranks, two replicated
+
+
+def start_placement(layout: str, cfg, world: int):
     from moescope.parallel import placement
+
+    if layout == "rebalance":
+        return placement.validate({layer: REBALANCE_START for layer in cfg.moe_layers}, cfg.n_experts, world, True,
+                                  cfg.moe_layers)
+    return placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
+
+
+def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: str) -> None:
     from moescope.parallel.expert_parallel import ExpertParallel
     from moescope.runtime.config import from_dict
     from moescope.runtime.engine import Engine
@@ -36,9 +47,8 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
                             timeout=datetime.timedelta(seconds=60))
     cfg = from_dict(cfg_dict)
     model = MoETransformer(cfg).eval()
-    rebalance = layout == "rebalance"  # round-robin, then EPLB in the loop every 3 steps, 5 slots per rank
-    pl = placement.build("round-robin" if rebalance else layout, n_experts=cfg.n_experts, world_size=world,
-                         moe_layers=cfg.moe_layers)
+    rebalance = layout == "rebalance"  # experts 0 and 1 on both ranks, then EPLB every 3 steps, 5 slots per rank
+    pl = start_placement(layout, cfg, world)
     rows: dict[int, list[int]] = {}  # physical load of the direct forward: rows this rank computed per expert
 
     class Rows:
