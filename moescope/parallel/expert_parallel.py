@@ -12,7 +12,8 @@ Per MoE layer, on every rank:
    source's rows arrive contiguous and already sorted by expert, so every expert sees exactly the rows, in
    exactly the order, that the single-process model running that source's requests gives it, and the
    outputs are bit-identical to it (a production kernel batches an expert's rows over all sources instead:
-   the same numbers up to float summation order);
+   the same numbers up to float summation order; so does this one under the expert cache, whose lookups count
+   once per expert per forward);
 4. **combine**: the results go back through the reverse all-to-all; each rank weights and sums its tokens'
    slots in slot order.
 ``world_size == 1`` never gets here: the model computes its experts locally (the identity path).
@@ -299,14 +300,21 @@ class ExpertParallel:
 
         # -- local experts: one group per (source rank, expert); each source's rows come sorted by expert ---
         local = torch.empty_like(recv_rows)
-        at = 0
         rows = self._held(layer, n_exp)  # physical load: rows each expert here computed (-1: not held here)
-        for n in recv_counts:
-            if n:
-                counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
-                local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
-                rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
-            at += n
+        if experts.weight_source is not None:  # the expert cache: one lookup per expert per forward, all sources
+            by_expert = torch.argsort(recv_ids, stable=True)
+            counts = torch.bincount(recv_ids, minlength=n_exp).tolist()
+            if len(recv_ids):
+                local[by_expert] = experts.compute_grouped(recv_rows[by_expert], counts)
+            rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
+        else:
+            at = 0
+            for n in recv_counts:
+                if n:
+                    counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
+                    local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
+                    rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
+                at += n
 
         # -- combine ------------------------------------------------------------------------------------
         start = time.perf_counter()
