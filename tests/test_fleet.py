@@ -17,6 +17,7 @@ from moescope.alerts import rules
 from moescope.parallel.eplb import Rebalance
 from moescope.parallel.expert_parallel import AllToAllRecord
 from moescope.runtime.model import MoETransformer
+from moescope.tui.top_data import frame, parse_exposition
 from servers import Prometheus, free_port, wait_http
 
 TOP_K = 2  # tiny-demo's
@@ -106,7 +107,8 @@ def test_rank_load_and_eplb_gauges_are_the_exchanges_rows(tiny_cfg):
                                             predicted={1: 1.01}, layers={}))
         for rows in after:
             exchange(1, rows)
-        parsed = parse(inst.exporter.exposition().decode())
+        text = inst.exporter.exposition().decode()
+        parsed = parse(text)
 
     def ratio(rows):
         total = [sum(col) for col in zip(*rows)]
@@ -124,3 +126,7 @@ def test_rank_load_and_eplb_gauges_are_the_exchanges_rows(tiny_cfg):
     # physical load: the experts held here (-1: not held), zeros included
     assert by_label(parsed, "moescope_expert_physical_slots_total", "expert", layer="1") == \
         {"0": 5 * 4, "2": 0, "4": 0, "6": 0}
+    # `top` says it in its routing line, from the same series (the worst layer; L2's ranks: 0 and 4 rows)
+    note = frame(parse_exposition(text), None, 1.0, {}).judged
+    assert f"rank max/mean {ratio([[0, 4]]):.2f} (L2>" in note, note
+    assert f"EPLB L1: measured {ratio(after):.2f} vs predicted 1.01" in note, note

@@ -180,6 +180,8 @@ GAUGES = {"cv": "moescope_expert_load_cv_ratio", "excess_cv": "moescope_expert_l
           "dead_unexpected": "moescope_dead_experts_unexpected",
           "drift_jsd": "moescope_routing_drift_jsd_bits", "drift_noise": "moescope_routing_drift_noise_bits",
           "rank_max_over_mean": "moescope_rank_load_max_over_mean_ratio",
+          "eplb_predicted": "moescope_eplb_predicted_max_over_mean_ratio",
+          "eplb_measured": "moescope_eplb_measured_max_over_mean_ratio",
           "slots_per_expert": "moescope_window_slots_per_expert"}
 HOT_SERIES = "moescope_expert_hot_factor_ratio"
 
@@ -220,10 +222,14 @@ def _per_layer(cur: Samples):
 
 
 def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> str:
-    """What top judges against what, and what waits, in words."""
+    """What top judges against what, and what waits, in words; then the per-rank load and EPLB, whenever
+    exported (measured from the exchanges: no sampling judgement to wait for)."""
     if not routing:
         return "waiting for the exporter's judged series"
-    rs = list(routing.values())
+    return _judged_words(list(routing.values()), t) + _rank_words(list(routing.values()), t)
+
+
+def _judged_words(rs: list[LayerRouting], t: Thresholds) -> str:
     with_excess = [r for r in rs if r.excess_cv is not None]
     if not with_excess:
         return "the exporter exports no excess CV: imbalance not judged (an older moescope?)"
@@ -239,10 +245,19 @@ def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> st
         words = f"no baseline: imbalance only above excess CV {t.imbalance_cv:g} (moescope baseline save)"
     if len(judged) < len(rs):
         words += f"; {len(rs) - len(judged)} layers: too few requests to judge"
+    return words
+
+
+def _rank_words(rs: list[LayerRouting], t: Thresholds) -> str:
+    words = ""
     ranks = [(r.rank_max_over_mean, r.layer) for r in rs if levels.finite(r.rank_max_over_mean)]
     if ranks:
         v, layer = max(ranks)
         words += f"; rank max/mean {v:.2f} (L{layer}{'>' if t.rank_overloaded(v) else '<='}{t.rank_max_over_mean:g})"
+    eplb = [(r.eplb[1], r.eplb[0], r.layer) for r in rs if r.eplb is not None]
+    if eplb:  # the worst layer since the last rearrangement: what it measures against what the planner predicted
+        measured, predicted, layer = max(eplb)
+        words += f"; EPLB L{layer}: measured {measured:.2f} vs predicted {predicted:.2f}"
     return words
 
 
