@@ -245,11 +245,14 @@ class MetricsObserver(Observer):
             self.eplb_rows = {}
 
     def eplb_gauges(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
-        """(before, predicted, measured since) max/mean per layer of the last rearrangement; empty without one."""
+        """(before, predicted, measured since) max/mean per layer of the last rearrangement; empty without one
+        (measured: NaN for a layer no row has reached since, as a gauge not judged yet)."""
         with self.lock:
             if not self.eplb_predicted:
                 return {}, {}, {}
-            measured = {layer: float(r.max() / r.mean()) for layer, r in sorted(self.eplb_rows.items()) if r.sum()}
+            rows = self.eplb_rows
+            measured = {layer: float(rows[layer].max() / rows[layer].mean()) if layer in rows and rows[layer].sum()
+                        else float("nan") for layer in sorted(self.eplb_predicted)}
             return self.eplb_before, self.eplb_predicted, measured
 
     def on_request(self, record) -> None:
