@@ -178,8 +178,8 @@ def _workload(o: dict, settings: dict, world: int):
 
     rate = 0.0 if world > 1 else o["rate"]
     n = o["n_requests"]
-    if n is None:  # (from the asked rate: a --duration run must not run dry)
-        n = 32 if o["duration"] is None else max(64, int(o["rate"] * o["duration"] * 2) + 16)
+    if n is None:  # (from the asked rate: a --duration run must not run dry; each of W ranks serves 1/W of them)
+        n = 32 if o["duration"] is None else max(64, int(o["rate"] * o["duration"] * 2) + 16) * world
     shift = settings.get("traffic_shift")
     shift_after = None
     if shift:
