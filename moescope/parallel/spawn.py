@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,15 +56,19 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
 
     tmp = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
     run_id = uuid.uuid4().hex[:10]
-    os.environ["MOESCOPE_RUN_ID"] = run_id + "-"  # request ids shared by all ranks: <run>-<index>
-    os.environ[ENV_SUMMARY] = str(tmp)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several ranks per node
+    env = {"MOESCOPE_RUN_ID": run_id + "-",  # request ids shared by all ranks: <run>-<index>
+           ENV_SUMMARY: str(tmp), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # (as torchrun sets)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # moescope reports, not the agent
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL),
                           signals_to_handle="SIGTERM,SIGINT,SIGHUP", shutdown_timeout=int(timeout_s) + GRACE_S)
     first: dict[int, RankFailure] = {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the agent hands its environment to the ranks; ours is put back after
+    handlers = {}  # the agent installs its own handlers for the signals it forwards: ours are put back after
+    if threading.current_thread() is threading.main_thread():
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
         elastic_launch(config, sys.executable)("-m", "moescope", *argv)
     except SignalException as exc:  # the ranks are gone: end as the signal would have ended us
@@ -73,6 +78,15 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
             how = (f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 and
                    -f.exitcode in signal.valid_signals() else f"exited with code {f.exitcode}")
             first[rank] = _failure(tmp, rank, f.exitcode, f"rank {rank} {how}", f.timestamp)
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:  # (None: installed outside Python, nothing to put back)
+                signal.signal(sig, handler)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     summaries, others = [], []
     for r in range(world_size):
         path = tmp / f"rank{r}.json"
