@@ -34,7 +34,8 @@ ROUTER_IMPLS = ("auto", "torch", "triton")
 @dataclass(frozen=True)
 class Metrics:
     """Prometheus metrics. ``port``: serve them there (0: any free port; None: no exporter, counters only).
-    ``export_routing``: False on a lock-step rank that routes the same tokens as an exporting rank.
+    ``export_routing``: False on a rank that routes the same tokens as an exporting rank (ranks given the
+    same requests).
     ``expert_series_budget``: None for the metrics' default (docs/metrics.md, "Cardinality").
     ``baseline``: the user's healthy baseline (``moescope baseline save``): a file, an
     ``analysis.baseline.Profile`` or {layer: load}; the reference of the hot, dead and drift judgements and
@@ -99,7 +100,7 @@ class Cache:
 @dataclass(frozen=True)
 class Canary:
     """A fixed batch routed between steps; its flip ratio per layer against the first run. Due every
-    ``interval_s`` seconds, or every ``every_steps`` engine steps (lock-step ranks: a step count, never a clock)."""
+    ``interval_s`` seconds, or every ``every_steps`` engine steps (expert-parallel ranks: steps, not a clock)."""
 
     interval_s: float = 5.0
     every_steps: int | None = None

@@ -8,11 +8,36 @@ import os
 import torch
 import torch.distributed as dist
 
+# Per rank: the tokens of one direct forward (rank 2 has none: it runs an idle forward), and the requests it
+# serves: request i on rank i mod W, 7 requests, so ranks hold different counts and finish at different steps.
+FORWARD_TOKENS = (37, 5, 0, 12)
+N_REQUESTS = 7
+
+
+def forward_tokens(rank: int) -> torch.Tensor:
+    return torch.randint(0, 256, (FORWARD_TOKENS[rank],), generator=torch.Generator().manual_seed(11 + rank))
+
+
+def requests(rank: int, world: int):
+    from moescope.runtime import traffic
+
+    return traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=6), N_REQUESTS)[rank::world]
+
+
+REBALANCE_START = ((0, 1, 2, 4, 6), (0, 1, 3, 5, 7))  # 8 experts on 2 ranks, two replicated
+
+
+def start_placement(layout: str, cfg, world: int):
+    from moescope.parallel import placement
+
+    if layout == "rebalance":
+        return placement.validate({layer: REBALANCE_START for layer in cfg.moe_layers}, cfg.n_experts, world, True,
+                                  cfg.moe_layers)
+    return placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
+
 
 def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: str) -> None:
-    from moescope.parallel import placement
     from moescope.parallel.expert_parallel import ExpertParallel
-    from moescope.runtime import traffic
     from moescope.runtime.config import from_dict
     from moescope.runtime.engine import Engine
     from moescope.runtime.model import MoETransformer, Segment
@@ -22,17 +47,36 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
                             timeout=datetime.timedelta(seconds=60))
     cfg = from_dict(cfg_dict)
     model = MoETransformer(cfg).eval()
-    pl = placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
-    ep = ExpertParallel(pl, rank, world)
+    rebalance = layout == "rebalance"  # experts 0 and 1 on both ranks, then EPLB every 3 steps, 5 slots per rank
+    pl = start_placement(layout, cfg, world)
+    rows: dict[int, list[int]] = {}  # physical load of the direct forward: rows this rank computed per expert
+
+    class Rows:
+        def on_all_to_all(self, record):
+            if record.op == "dispatch" and record.expert_rows:
+                rows[record.layer] = [a + max(b, 0) for a, b in zip(rows.get(record.layer, [0] * cfg.n_experts),
+                                                                    record.expert_rows)]
+
+    observer = Rows()
+    ep = ExpertParallel(pl, rank, world, observer=lambda: observer)
     for layer in model.moe_layers():
         layer.parallel = ep
-    gen = torch.Generator().manual_seed(11)
-    tokens = torch.randint(0, 256, (37,), generator=gen)  # 37: chunks of unequal size on every world size
+    tokens = forward_tokens(rank)
+    logits = None
     with torch.no_grad():
-        logits = model(tokens, [Segment(20), Segment(17)]).logits
-    records = Engine(model, max_batch=3).run(traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=6),
-                                                              5), realtime=False, id_prefix="t-")
-    torch.save({"logits": logits, "outputs": [r.output_tokens for r in records]},
+        if len(tokens):
+            logits = model(tokens, [Segment(len(tokens))]).logits
+        else:
+            ep.idle_forward(model.moe_layers())
+    ep.observer = None
+    if rebalance:
+        from moescope.parallel.eplb import Rebalancer
+
+        ep.rebalancer = Rebalancer(3, slots=5)
+    records = Engine(model, max_batch=3, lockstep=ep).run(requests(rank, world), realtime=False, id_prefix="t-")
+    torch.save({"logits": logits, "outputs": [r.output_tokens for r in records],
+                "ids": [r.request_id for r in records], "dispatches": ep.dispatches, "rows": rows,
+                "rebalances": [(e.step, e.moved, e.layers) for e in ep.events]},
                os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()

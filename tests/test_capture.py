@@ -444,7 +444,7 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
     assert by_label(parsed, "moescope_expert_cache_capacity_ratio", "layer") == \
         {str(layer): 2 / tiny_cfg.n_experts for layer in tiny_cfg.moe_layers}
     assert thresholds.DEFAULT.cache_floor(2 / tiny_cfg.n_experts) == pytest.approx(1 / tiny_cfg.n_experts)
-    # a replicated expert's slots split as the lock-step dispatch sends them
+    # a replicated expert's slots dealt evenly over its replicas, as the dispatch deals them
     from moescope.parallel.placement import validate
 
     rep = validate({layer: ((0, 1, 2), (2, 3, 4, 5)) for layer in tiny_cfg.moe_layers}, tiny_cfg.n_experts, 2,

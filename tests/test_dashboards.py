@@ -113,6 +113,7 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
         proc = subprocess.Popen(
             [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "16", "--rate", "0",
              "--world-size", "2", "--cache-size", "4", "--capacity-factor", "1.0", "--metrics-port", str(port),
+             "--rebalance-steps", "10",  # EPLB in the loop: its panels
              "--linger", "30", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # A single-process demo beside it: the canary (flip ratio) and drift series (expert parallel runs
         # have no canary yet), and a hot expert (expert 3 of layer 1) for the hot-expert panels.

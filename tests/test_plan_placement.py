@@ -11,19 +11,20 @@ import numpy as np
 import pytest
 import torch
 
-from moescope.analysis import placement_plan, profile
+from moescope.analysis import profile
+from moescope.parallel import planner as placement_plan
 from moescope.cli import main
 from moescope.parallel import placement as placement_mod
 
 
 def _naive_rank_loads(load, per_rank):
-    """Token by token: 1/N of the tokens per sender; local replica first, else the lowest holder."""
+    """Slot by slot: an expert's slots dealt over its replicas in turn."""
     n = len(per_rank)
     out = [0.0] * n
     for e, w in enumerate(load):
-        for sender in range(n):
-            holders = [r for r in range(n) if e in per_rank[r]]
-            out[sender if sender in holders else min(holders)] += w / n
+        holders = [r for r in range(n) if e in per_rank[r]]
+        for j in range(int(w)):
+            out[holders[j % len(holders)]] += 1
     return out
 
 

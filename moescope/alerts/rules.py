@@ -243,13 +243,18 @@ def markdown_table(t: Thresholds = DEFAULT) -> str:
     return "\n".join(rows)
 
 
-# Recording rules: rates summed over ranks (ranks serving different tokens add up; lock-step ranks export routing
-# once, so the sum counts every token once either way), and the per-expert share the heatmaps and `top` read.
+# Recording rules: rates summed over ranks (each rank routes and exports its own tokens, so the sum counts every
+# token once), and the per-expert share the heatmaps and `top` read.
 RECORDING = (
     ("model_layer_expert:moescope_expert_tokens:rate1m",
      "sum without (instance, rank) (rate(moescope_expert_tokens_total[1m]))"),
     ("model_layer:moescope_router_tokens:rate1m",
      "sum without (instance, rank) (rate(moescope_router_tokens_total[1m]))"),
+    # the fleet's per-rank load, measured (TensorRT-LLM's max/mean): each rank's physical rows (an instance is one
+    # rank of one replica), the busiest over the mean
+    ("model_layer:moescope_rank_load_max_over_mean:ratio1m",
+     "max by (model, layer) (sum by (model, layer, instance) (rate(moescope_expert_physical_slots_total[1m]))) / "
+     "avg by (model, layer) (sum by (model, layer, instance) (rate(moescope_expert_physical_slots_total[1m])))"),
     ("model_layer_expert:moescope_expert_load_share:ratio1m",
      "model_layer_expert:moescope_expert_tokens:rate1m / ignoring (expert) group_left "
      "sum without (expert) (model_layer_expert:moescope_expert_tokens:rate1m)"),

@@ -45,6 +45,9 @@ class Observer:
     def on_all_to_all(self, record: Any) -> None:
         """One expert-parallel exchange (dispatch or combine) of one layer on this rank (``AllToAllRecord``)."""
 
+    def on_rebalance(self, event: Any) -> None:
+        """Expert-parallel ranks rearranged their experts (EPLB in the loop; a ``parallel.eplb.Rebalance``)."""
+
     def on_step(self, step: Any) -> None:
         """The engine finished a step (one prefill or decode forward); ``step`` is a ``StepRecord``."""
 
@@ -63,7 +66,7 @@ NOOP = Observer()
 
 
 _HOOKS = ("on_routing", "on_layer_time", "on_stats", "on_cache", "on_all_to_all", "on_canary", "on_step", "on_request",
-          "on_idle", "shutdown")
+          "on_idle", "on_rebalance", "shutdown")
 
 
 class FanOut(Observer):
@@ -129,6 +132,9 @@ class FanOut(Observer):
 
     def on_step(self, step: Any) -> None:
         self._each("on_step", step)
+
+    def on_rebalance(self, event: Any) -> None:
+        self._each("on_rebalance", event)
 
     def on_request(self, request: Any) -> None:
         self._each("on_request", request)

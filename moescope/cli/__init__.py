@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except MoescopeError as exc:
         click.echo(f"moescope: error: {_one_line(str(exc))}", err=True)
+        _error_file(f"moescope: error: {_one_line(str(exc))}")
         return exc.exit_code
     except click.exceptions.Abort:
         click.echo("moescope: aborted", err=True)
@@ -64,6 +65,22 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         return 0
     return rv if isinstance(rv, int) else 0
+
+
+def _error_file(line: str) -> None:
+    """A rank under torchrun (``TORCHELASTIC_ERROR_FILE`` set) leaves its one-line error in its error file, where
+    the launcher reads it (torch.distributed.elastic's per-rank error files)."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass
 
 
 def entry() -> None:

@@ -84,21 +84,22 @@ instrument_options = _stack(
                  help="Router path: the fused Triton kernel (auto: on CUDA when triton is installed) or torch."),
 )
 
-LOCKSTEP_CANARY_STEPS = 32  # lock-step ranks: the canary forward is a collective, run at the same step
+LOCKSTEP_CANARY_STEPS = 32  # expert-parallel ranks: the canary forward is a collective, run at the same step
 
 
 def config_from_options(o: dict, *, rank: int = 0, world: int = 1, observers=(), baseline=None):
-    """The ``moescope.Config`` the parsed options ``o`` describe, for ``rank`` of ``world`` lock-step ranks
-    (each rank exports on metrics port + rank, only rank 0 exports routing and writes traces). ``baseline``:
+    """The ``moescope.Config`` the parsed options ``o`` describe, for ``rank`` of ``world`` expert-parallel
+    ranks (each rank exports its own routing on metrics port + rank; only rank 0 writes traces). ``baseline``:
     a drift reference computed by the caller, used when no ``--baseline`` file is given."""
     from moescope.config import Cache, Canary, Config, Metrics, Mitigations, Traces
+    from moescope.metrics.state import EXPERT_SERIES_BUDGET
 
     traces_path = o.get("traces_path")
     if o.get("otlp_endpoint") and traces_path == "none":
         raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
     port = o["metrics_port"]
     traces = None
-    if traces_path != "none" and rank == 0:  # lock-step ranks trace identical routing: rank 0 keeps it
+    if traces_path != "none" and rank == 0:  # one trace store: rank 0 keeps its own requests' traces
         traces = Traces(traces_path, sample=o["trace_sample"], seed=o["seed"], otlp_endpoint=o.get("otlp_endpoint"))
     cache = None
     if o["cache_size"] is not None or o["cache_policy"] or o["cache_tier"] or o["cache_prefetch"]:
@@ -113,7 +114,9 @@ def config_from_options(o: dict, *, rank: int = 0, world: int = 1, observers=(),
         mitigations = Mitigations(load_bound=o["load_bound"], smoothing_margin=o["smoothing_margin"])
     return Config(
         metrics=Metrics(port=None if port < 0 else port + (rank if port > 0 else 0), addr=o["metrics_addr"],
-                        rank=rank, export_routing=rank == 0, baseline=o["baseline_path"] or baseline,
+                        rank=rank, baseline=o["baseline_path"] or baseline,
+                        # W ranks share one process's per-expert series budget: the fleet's stays within it
+                        expert_series_budget=None if world == 1 else EXPERT_SERIES_BUDGET // world,
                         window_s=o.get("metrics_window") or 60.0),
         traces=traces, routing_log=o.get("record_routing") if rank == 0 else None, cache=cache, canary=canary,
         mitigations=mitigations, scenarios=tuple(s.strip() for s in o["scenario"].split(",") if s.strip()),

@@ -2,7 +2,8 @@
 
 The command maps flags: the model and its instrumentation come from ``cli/config_options.py`` (one
 ``moescope.Config``, shared with ``serve``), the workload from the flags here; with ``--world-size W`` the
-launcher in ``demo_parallel`` runs W lock-step ranks of this same command.
+launcher in ``demo_parallel`` runs W ranks of this same command (data-parallel attention: each rank serves
+its share of the requests, the experts sharded over the ranks).
 """
 
 from __future__ import annotations
@@ -44,9 +45,19 @@ from moescope.errors import BadInput
                    "(static); or that step captured as a CUDA graph (graph, CUDA only). Needs every expert "
                    "resident: no --cache-size, --world-size, mitigations.")
 @click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Expert parallelism: spawn this many ranks (gloo on CPU) serving the same requests in lock-step.")
+              help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
+                   "(data-parallel attention), the experts sharded over them.")
 @click.option("--placement", "placement_spec", default="round-robin", show_default=True,
               help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts).")
+@click.option("--rebalance-steps", type=click.IntRange(min=1), default=None,
+              help="EPLB in the loop (--world-size > 1): every N steps plan a placement from the fleet's live "
+                   "counts and move the experts' weights between ranks while serving.")
+@click.option("--rebalance-slots", type=click.IntRange(min=1), default=None,
+              help="Experts per rank the rebalancer places (spare slots replicate hot experts) [the starting "
+                   "placement's most per rank].")
+@click.option("--rebalance-below", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+              help="Rearrange only when the measured balancedness (mean rank / busiest rank) since the last time "
+                   "is below this [always].")
 @click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation.")
 @click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="The slow rank's delay before each dispatch exchange.")
@@ -59,6 +70,7 @@ def demo(**o) -> int | None:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.cli import demo_parallel
     from moescope.parallel.launch import env_rank
+    from moescope.parallel.spawn import write_summary
 
     settings = config_from_options(o).settings  # the scenarios' real settings override the flags
     world_size = max(o["world_size"], settings.get("world_size", 1))
@@ -70,6 +82,8 @@ def demo(**o) -> int | None:
         raise BadInput(f"--decode {o['decode_mode']} serves on one process: it cannot hold expert parallelism "
                        f"(--world-size {world_size})")
     rank_env = env_rank()
+    if world_size == 1 and rank_env is None and o["rebalance_steps"]:
+        raise BadInput("--rebalance-steps rearranges experts between ranks: it needs --world-size > 1")
     if world_size > 1 and rank_env is None:
         model = build_model(o, config_from_options(o))  # validates the model and placement before spawning
         return demo_parallel.launch(click.get_current_context(), world_size, o["placement_spec"], slow_rank,
@@ -77,6 +91,7 @@ def demo(**o) -> int | None:
     rank, world = rank_env or (0, 1)
     model = build_model(o, config_from_options(o))
     reqs, n_requests, rate = _workload(o, settings, world)
+    reqs = reqs[rank::world]  # data-parallel attention: request i is served by rank i mod W
     baseline = None
     if settings.get("traffic_shift") and not o["baseline_path"]:  # drift needs a known-good reference
         from moescope.analysis.baseline import calibration_profile
@@ -87,10 +102,12 @@ def demo(**o) -> int | None:
     with ExitStack() as stack:
         import moescope
 
-        a2a = lockstep = None
+        a2a = lockstep = stop = None
         if world > 1:  # join the group first: the rank's observers go into the instrumentation
+            stop = demo_parallel.StopOnSignal()
             a2a, monitor, lockstep = demo_parallel.setup_rank(stack, model, rank, world, o["placement_spec"],
                                                               slow_rank, delay_ms, o["timeout"])
+            lockstep.rebalancer = demo_parallel.rebalancer(o)
         config = config_from_options(o, rank=rank, world=world, baseline=baseline,
                                      observers=(a2a, monitor) if world > 1 else ())
         inst = stack.enter_context(moescope.instrument(model, config))
@@ -105,16 +122,20 @@ def demo(**o) -> int | None:
 
             records = serve_with_live_view(engine, reqs, run, inst.exporter.url)
         else:
+            if stop is not None:
+                stop.engine = engine
             records = _serve(engine, reqs, run)
+            if stop is not None:
+                stop.engine = None
         summary = _summarise(inst, records, time.perf_counter() - start, model,
                              n_requests if o["duration"] is None else len(records))
         if a2a is not None:
-            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"])
+            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep)
         if o["linger"]:
             time.sleep(o["linger"])
-    if o["save_baseline"] and rank == 0:  # (lock-step ranks route alike; rank 0 holds the traces)
+    if o["save_baseline"] and rank == 0:  # (rank 0's share of the requests: it holds the traces)
         _save_baseline(o["save_baseline"], summary, model.cfg.name, run_started)
-    if world > 1 and demo_parallel.write_summary(summary):
+    if world > 1 and write_summary(summary):
         return None
     if o["record_routing"]:
         summary["routing_log"] = str(o["record_routing"])
@@ -151,13 +172,14 @@ def _save_baseline(path: str, summary: dict, model_name: str, run_started: float
 
 
 def _workload(o: dict, settings: dict, world: int):
-    """(requests, how many, arrival rate): lock-step ranks schedule by step, never by wall clock."""
+    """(requests, how many, arrival rate): expert-parallel ranks queue all their requests at once (arrivals by
+    wall clock would only add idle forwards)."""
     from moescope.runtime import traffic
 
     rate = 0.0 if world > 1 else o["rate"]
     n = o["n_requests"]
-    if n is None:  # (from the asked rate: a --duration run must not run dry)
-        n = 32 if o["duration"] is None else max(64, int(o["rate"] * o["duration"] * 2) + 16)
+    if n is None:  # (from the asked rate: a --duration run must not run dry; each of W ranks serves 1/W of them)
+        n = 32 if o["duration"] is None else max(64, int(o["rate"] * o["duration"] * 2) + 16) * world
     shift = settings.get("traffic_shift")
     shift_after = None
     if shift:

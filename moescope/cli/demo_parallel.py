@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 
 import click
 
@@ -48,8 +46,9 @@ def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
 
 def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: int | None, timeout: float,
            model, as_json: bool) -> None:
-    """Spawn the ranks, merge their summaries and print them. A failed run: every failed rank's own error
-    (and, when it died without one, the tail of its stderr) in the order they ended, then ``RanksFailed``."""
+    """Run the ranks under torchrun's agent, merge their summaries and print them. A failed run: every failed
+    rank's own error (and, when it died without one, the tail of its stderr), the first to fail first, then
+    ``RanksFailed``."""
     from moescope.cli.summary import print_human
     from moescope.parallel import placement as placement_mod
     from moescope.parallel.spawn import run_ranks
@@ -71,7 +70,7 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
         raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
                           f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
                           first.code if first and first.code > 0 else 1)
-    merged = dict(summaries[0])
+    merged = merge_summaries(summaries, model.cfg.top_k, ctx.params.get("duration") is not None)
     merged["world_size"] = world_size
     merged["placement"] = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
     merged["ranks"] = [s["rank"] for s in summaries]
@@ -82,9 +81,58 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
     print_human(merged)
     click.echo(f"expert parallel over {world_size} ranks ({placement_spec}); per rank:")
     for r in merged["ranks"]:
-        click.echo(f"  rank {r['rank']}: {r['tokens_per_s']} tokens/s, all-to-all {r['all_to_all_s']:.3f}s "
+        click.echo(f"  rank {r['rank']}: {r['completed']} requests, {r['tokens_per_s']} tokens/s, "
+                   f"all-to-all {r['all_to_all_s']:.3f}s "
                    f"({r['all_to_all_share']:.1%} of the run), waited on peers "
                    + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
+
+
+def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dict:
+    """The run's summary from its ranks' (data-parallel attention: each served its own requests): requests,
+    tokens, throughput and expert load added up, the load judged again from the sums (``print_human`` judges a
+    summary without ``expert_load_summary``); latency percentiles are rank 0's (each rank's own in ``ranks``)."""
+    from moescope import stats
+
+    merged = dict(summaries[0])
+    for key in ("expert_load_summary", "judged", "canary_flip_ratio"):
+        merged.pop(key, None)
+    merged["top_k"] = top_k
+    merged["completed"] = sum(s["completed"] for s in summaries)
+    if by_duration:  # a --duration run asks for as many as it serves
+        merged["requests"] = sum(s["requests"] for s in summaries)
+    merged["tokens"] = {k: sum(s["tokens"][k] for s in summaries) for k in ("prompt", "output")}
+    merged["tokens_per_s"] = round(sum(s["tokens_per_s"] or 0 for s in summaries), 1)
+    merged["wall_s"] = max(s["wall_s"] for s in summaries)
+    merged["request_ids"] = sorted(i for s in summaries for i in s["request_ids"])
+    merged["requests_detail"] = sorted((d for s in summaries for d in s["requests_detail"]),
+                                       key=lambda d: d["request_id"])
+    load = {layer: [sum(s["expert_load"][layer][e] for s in summaries) for e in range(len(counts))]
+            for layer, counts in summaries[0]["expert_load"].items()}
+    merged["expert_load"] = load
+    merged["expert_load_cv"] = {layer: round(stats.load_cv(c), 4) for layer, c in load.items()}
+    merged["tokens_dropped"] = {layer: sum(s["tokens_dropped"].get(layer, 0) for s in summaries)
+                                for layer in summaries[0]["tokens_dropped"]}
+    return merged
+
+
+class StopOnSignal:
+    """A rank's SIGTERM and SIGHUP (the launcher's agent forwards the signal it got, or stops the survivors of a
+    failed rank): while ``engine`` serves, ask it to stop (the ranks agree on the step, and a rank blocked in an
+    exchange with a dead peer still names it first); otherwise end now, as the signal would."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.engine = None
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, self)
+
+    def __call__(self, signum, _frame) -> None:
+        if self.engine is None:
+            raise SystemExit(128 + signum)
+        self.engine.request_stop()
 
 
 class RanksFailed(MoescopeError):
@@ -98,7 +146,7 @@ class RanksFailed(MoescopeError):
 def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, slow_rank: int | None,
                delay_ms: float, timeout: float):
     """Join the group and shard the experts; returns (AllToAllStats, RankMonitor, ExpertParallel: the
-    engine's ``lockstep``, through whose exchanges the ranks agree when to stop)."""
+    engine's ``lockstep``, through whose exchanges the ranks make the same steps and agree when to stop)."""
     import torch.distributed as dist
 
     from moescope.parallel import placement as placement_mod
@@ -118,23 +166,39 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
     return AllToAllStats(world_size), monitor, ep
 
 
-def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float) -> dict:
+def rebalancer(o: dict):
+    """The demo's ``parallel.eplb.Rebalancer`` from its options, or None."""
+    from moescope.parallel.eplb import Rebalancer
+
+    if not o["rebalance_steps"]:
+        return None
+    return Rebalancer(o["rebalance_steps"], o["rebalance_slots"], o["rebalance_below"])
+
+
+def rebalance_report(ep) -> list[dict]:
+    """Each rearrangement: when, how long, what moved, busiest / mean rank measured before it, predicted for the
+    new placement, and measured after it (until the next one, or the end of the run)."""
+    out = []
+    for i, ev in enumerate(ep.events):
+        after = ep.events[i + 1].before if i + 1 < len(ep.events) else ep.measured_since()
+        out.append({"step": ev.step, "seconds": round(ev.seconds, 4), "moved_experts": ev.moved,
+                    "moved_bytes": ev.moved_bytes,
+                    **{k: {str(layer): round(v, 4) for layer, v in d.items()}
+                       for k, d in (("before", ev.before), ("predicted", ev.predicted), ("measured", after))}})
+    return out
+
+
+def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep=None) -> dict:
     a2a = stats.seconds["dispatch"] + stats.seconds["combine"]
-    return {"rank": rank, "tokens_per_s": summary["tokens_per_s"], "all_to_all_s": round(a2a, 4),
+    return {"rank": rank, "completed": summary["completed"], "tokens": summary["tokens"],
+            "tokens_per_s": summary["tokens_per_s"],
+            "latency_s": summary["latency_s"], "all_to_all_s": round(a2a, 4),
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,
             "dispatch_s": round(stats.seconds["dispatch"], 4), "combine_s": round(stats.seconds["combine"], 4),
             "exchanges": stats.exchanges, "dispatch_received_bytes": stats.received_bytes,
             "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
-            "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio")}
-
-
-def write_summary(summary: dict) -> bool:
-    """Under the launcher, hand the summary back through a file; returns True when it did."""
-    from moescope.parallel.spawn import ENV_SUMMARY
-
-    path = os.environ.get(ENV_SUMMARY)
-    if not path:
-        return False
-    with open(path, "w") as f:
-        json.dump(summary, f)
-    return True
+            "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio"),
+            "steps": ep.steps if ep is not None else None,
+            # busiest rank's rows / the mean rank's per layer, measured since the last rearrangement (or the start)
+            "rank_max_over_mean": {str(k): round(v, 4) for k, v in ep.measured_since().items()} if ep else None,
+            "rebalances": rebalance_report(ep) if ep is not None and ep.rebalancer is not None else None}

@@ -26,7 +26,8 @@ IMPORT_OPTION = click.option("--import", "import_path", type=click.Path(dir_okay
 @json_option
 def plan_cmd(traces_path, import_path, since, ranks, slots, out_dir, as_json) -> None:
     """Plan which rank holds which experts; predict max/mean load per rank against round-robin."""
-    from moescope.analysis import placement_plan, profile
+    from moescope.analysis import profile
+    from moescope.parallel import planner as placement_plan
     from moescope.traces.store import CorruptRows
 
     corrupt = CorruptRows()

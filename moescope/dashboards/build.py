@@ -329,6 +329,17 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert-parallel ranks: slots each rank computed over "
                                "the window", [
         _q(prometheus, f"sum by (peer) (moescope_rank_window_slots{{{SEL}}})", "rank {{peer}}")], "none", 0, 24))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "EPLB in the loop: busiest / mean rank, predicted at the "
+                               "last rearrangement vs measured since (worst layer)", [
+        _q(prometheus, f"max(moescope_eplb_predicted_max_over_mean_ratio{{{SEL}}})", "predicted"),
+        _q(prometheus, f"max(moescope_eplb_measured_max_over_mean_ratio{{{SEL}}})", "measured since"),
+        _q(prometheus, f"max(moescope_eplb_before_max_over_mean_ratio{{{SEL}}})", "measured before")], "none", 12, 24))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "EPLB rearrangements: seconds each (p99 by rank) and "
+                               "experts moved per minute", [
+        _q(prometheus, "histogram_quantile(0.99, sum by (le, rank) (rate(moescope_eplb_rebalance_seconds_bucket"
+           f"{{{SEL}}}[$__rate_interval])))", "rank {{rank}} s"),
+        _q(prometheus, f"sum by (rank) (increase(moescope_eplb_moved_experts_total{{{SEL}}}[1m]))",
+           "rank {{rank}} moved/min")], "none", 0, 32))
     return dash
 
 

@@ -34,8 +34,8 @@ class MetricSpec:
     help: str
     labels: tuple[str, ...] = ()
     buckets: tuple[float, ...] = ()
-    # A function of the routed tokens: lock-step expert-parallel ranks route the same tokens, so only one of
-    # them exports these (summing over ranks then counts every token once in either deployment).
+    # A function of the routed tokens: each expert-parallel rank exports its own (data-parallel attention: each
+    # routes its own tokens), and a rank given the same tokens as another would not (``export_routing``).
     routing: bool = False
 
     @property
@@ -148,6 +148,20 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "op"),
     _c("moescope_all_to_all_bytes_total", "Bytes exchanged with each peer rank in expert-parallel all-to-alls.",
        "peer", "direction"),
+    _c("moescope_expert_physical_slots_total", "Expert parallelism: slots this rank's copy of each expert computed "
+       "(physical load: every rank's tokens routed to it, a replicated expert's share of them); the routing "
+       "counters count each token once, by the rank that routed it, under its logical expert.", "layer", "expert"),
+    _c("moescope_eplb_rebalances_total", "EPLB in the loop: rearrangements of the expert placement while serving."),
+    _c("moescope_eplb_moved_experts_total", "EPLB in the loop: expert copies placed on a rank that did not hold them "
+       "(weights moved), over all layers."),
+    _h("moescope_eplb_rebalance_seconds", "EPLB in the loop: one rearrangement (fleet counts, plan, weight moves, "
+       "table switch), as this rank spent it.", LATENCY_BUCKETS),
+    _g("moescope_eplb_before_max_over_mean_ratio", "EPLB: the busiest rank's rows over the mean rank's, measured "
+       "from the exchanges between the last two rearrangements (before the last).", "layer"),
+    _g("moescope_eplb_predicted_max_over_mean_ratio", "EPLB: the busiest / mean rank the planner predicted for the "
+       "placement of the last rearrangement, on the counts it planned from.", "layer"),
+    _g("moescope_eplb_measured_max_over_mean_ratio", "EPLB: the busiest / mean rank measured from the exchanges "
+       "since the last rearrangement (compare with the predicted ratio).", "layer"),
     _c("moescope_all_to_all_peer_wait_seconds_total", "Time this rank waited for each peer to join the dispatch "
        "exchange (the N x N wait matrix is this series by rank and peer).", "peer"),
     _h("moescope_step_seconds", "Engine step (one forward) time, with a request id exemplar.", LATENCY_BUCKETS,

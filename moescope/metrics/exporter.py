@@ -179,6 +179,9 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
         out.append(w.family(spec[name], [((str(k),), v) for k, v in counters.get(name, ())], openmetrics))
     out.append(w.family(spec["moescope_expert_cache_capacity_ratio"], [((str(k),), v) for k, v in capacity],
                         openmetrics))
+    for name, values in zip(("moescope_eplb_before_max_over_mean_ratio", "moescope_eplb_predicted_max_over_mean_ratio",
+                             "moescope_eplb_measured_max_over_mean_ratio"), st.eplb_gauges()):
+        out.append(w.family(spec[name], [((str(k),), v) for k, v in sorted(values.items())], openmetrics))
     return "".join(out)
 
 

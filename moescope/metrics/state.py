@@ -89,8 +89,8 @@ class MetricsObserver(Observer):
         window_s: length of the sliding window the ratio gauges use.
         expert_series_budget: export the full tier (per-(layer, expert) counters) while layers x experts <= this;
             beyond it the reduced tier only (every layer's hottest and coldest experts, its load distribution).
-        export_routing: False on a rank that routes the same tokens as another exporting rank (lock-step
-            expert parallelism): its routing series would repeat that rank's, and sums over ranks would count
+        export_routing: False on a rank that routes the same tokens as another exporting rank (ranks given
+            the same requests): its routing series would repeat that rank's, and sums over ranks would count
             every token twice. The rank still exports timings, all-to-all, cache and memory.
         flush_interval_s: how often the routing probe summarises pending decisions (reads call ``flush()``
             first, so a scrape sees every finished step).
@@ -126,6 +126,11 @@ class MetricsObserver(Observer):
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
         self.routing_window = RoutingWindow(info.moe_layers, info.n_experts, window_s)
+        self.rank_window = RankWindow(window_s)  # measured per-rank load (expert-parallel exchanges)
+        # EPLB in the loop: the last rearrangement's figures and the rows per rank measured since (layer -> [W])
+        self.eplb_before: dict[int, float] = {}
+        self.eplb_predicted: dict[int, float] = {}
+        self.eplb_rows: dict[int, np.ndarray] = {}
         self.flips: dict[int, float] = {}  # last canary run's flip ratio per layer
         self._baseline = None  # analysis.baseline.Profile: the hot/dead/drift reference and the baseline series
         per_request = 4 * max(1, len(info.moe_layers) * info.n_experts)
@@ -229,6 +234,34 @@ class MetricsObserver(Observer):
                 counters[("moescope_all_to_all_bytes_total", (str(peer), "received"))] += recv
                 if record.op == "dispatch":
                     counters[("moescope_all_to_all_peer_wait_seconds_total", (str(peer),))] += wait
+            layer = str(record.layer)
+            for e, n in enumerate(record.expert_rows):  # the experts held here (physical load), zeros included
+                if n >= 0:
+                    counters[("moescope_expert_physical_slots_total", (layer, str(e)))] += n
+            if record.rank_rows:
+                self.rank_window.add(record.layer, record.rank_rows, self.clock())
+                since = self.eplb_rows.get(record.layer)
+                self.eplb_rows[record.layer] = np.asarray(record.rank_rows, dtype=np.float64) + (
+                    0.0 if since is None else since)
+
+    def on_rebalance(self, event) -> None:
+        with self.lock:
+            self.counters[("moescope_eplb_rebalances_total", ())] += 1
+            self.counters[("moescope_eplb_moved_experts_total", ())] += event.moved
+            self.hist("moescope_eplb_rebalance_seconds").observe(event.seconds)
+            self.eplb_before, self.eplb_predicted = dict(event.before), dict(event.predicted)
+            self.eplb_rows = {}
+
+    def eplb_gauges(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """(before, predicted, measured since) max/mean per layer of the last rearrangement; empty without one
+        (measured: NaN for a layer no row has reached since, as a gauge not judged yet)."""
+        with self.lock:
+            if not self.eplb_predicted:
+                return {}, {}, {}
+            rows = self.eplb_rows
+            measured = {layer: float(rows[layer].max() / rows[layer].mean()) if layer in rows and rows[layer].sum()
+                        else float("nan") for layer in sorted(self.eplb_predicted)}
+            return self.eplb_before, self.eplb_predicted, measured
 
     def on_request(self, record) -> None:
         self.probe.on_request(record.request_id)  # its draw is folded once its last step is summarised
@@ -348,10 +381,23 @@ class MetricsObserver(Observer):
         return p if p is not None and p.world_size > 1 else None
 
     def rank_loads(self, g: LayerGauges) -> tuple[dict[int, float], dict[int, float]] | None:
+        """Per-rank load over the window: measured from the expert-parallel exchanges where this process makes
+        them (every rank knows every rank's rows: the same numbers on every rank), else modelled from this
+        process's routing and the placement (``_modelled_rank_loads``)."""
+        with self.lock:
+            measured = self.rank_window.loads(self.clock())
+        if measured:
+            mom = {layer: float(v) for layer, v in zip(measured, thresholds.max_over_mean(
+                np.array(list(measured.values()), dtype=np.float64)).tolist()) if np.isfinite(v)}
+            total = np.sum(list(measured.values()), axis=0)
+            return mom, {r: float(v) for r, v in enumerate(total.tolist())}
+        return self._modelled_rank_loads(g)
+
+    def _modelled_rank_loads(self, g: LayerGauges) -> tuple[dict[int, float], dict[int, float]] | None:
         """Over the window, with an expert-parallel placement over > 1 rank: ({layer: busiest rank's slots /
         the mean rank's} for the judged layers (a finite noise bound), {rank: slots summed over layers});
-        None without a placement. A replicated expert's slots are split as the lock-step dispatch sends them:
-        each rank sends its 1/W of the tokens to its own replica, else to the lowest rank holding one."""
+        None without a placement. A replicated expert's slots are split as the dispatch deals them: 1/R to each
+        of its R replicas. (This rank's routing only: each rank routes its own tokens.)"""
         p = self.placement()
         if p is None or not len(g.layers):
             return None
@@ -369,8 +415,7 @@ class MetricsObserver(Observer):
                 split = np.zeros((p.n_experts, w))
                 for x in range(p.n_experts):
                     ranks = p.ranks_of(g.layers[j], x)
-                    split[x, list(ranks)] = 1.0 / w
-                    split[x, ranks[0]] += (w - len(ranks)) / w
+                    split[x, list(ranks)] = 1.0 / len(ranks)
                 loads[i] = slots[i] @ split
         mom = thresholds.max_over_mean(loads)
         judged = {g.layers[j]: float(v) for j, v in zip(known, mom.tolist())
@@ -431,3 +476,33 @@ LAYER_GAUGES = (
     ("moescope_router_entropy_ratio", "entropy"),
     ("moescope_router_margin_ratio", "margin"),
 )
+
+
+class RankWindow:
+    """Rows each rank computed per layer over the last ``window_s`` seconds, in one-second buckets (bounded:
+    layers x window_s x world numbers), from the expert-parallel dispatch exchanges."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.buckets: dict[int, collections.deque] = {}  # layer -> deque of [second, np.ndarray[W]]
+
+    def add(self, layer: int, rows, now: float) -> None:
+        q = self.buckets.setdefault(layer, collections.deque())
+        sec = int(now)
+        if q and q[-1][0] == sec:
+            q[-1][1] += rows
+        else:
+            q.append([sec, np.asarray(rows, dtype=np.float64)])
+        while q and q[0][0] <= now - self.window_s:
+            q.popleft()
+
+    def loads(self, now: float) -> dict[int, np.ndarray]:
+        """layer -> [W] rows over the window (layers with any)."""
+        out = {}
+        for layer, q in sorted(self.buckets.items()):
+            rows = [r for sec, r in q if sec > now - self.window_s]
+            if rows:
+                total = np.sum(rows, axis=0)
+                if total.sum() > 0:
+                    out[layer] = total
+        return out

@@ -1,23 +1,33 @@
-"""Expert parallelism: every rank runs the same requests in lock-step (data replicated), each MoE layer's
-experts are sharded over the ranks by a ``Placement``, and tokens travel to their experts and back through
-two ``torch.distributed.all_to_all_single`` exchanges per layer.
+"""Expert parallelism with data-parallel attention (DP attention), as wide-EP serving runs DeepSeek-V3-class
+models (SGLang, vLLM, TensorRT-LLM over DeepEP): each rank serves its own requests (its own attention, its
+own KV caches, its own router decisions) and each MoE layer's experts are sharded over the ranks by a
+``Placement``; per MoE layer the rank's tokens travel to their experts' owners and back through two
+``torch.distributed.all_to_all_single`` exchanges with variable splits.
 
-Per MoE layer, on every rank (the routing decision is identical everywhere: same inputs, same weights):
-1. the rank owns a contiguous chunk of the step's tokens; it sorts its slots by (destination rank, expert);
+Per MoE layer, on every rank:
+1. the rank sorts its tokens' slots by (destination rank, expert);
 2. **dispatch**: a small all-to-all of per-peer slot counts plus the rank's entry timestamp (which gives the
-   per-peer wait matrix for free) and its stop flag, then the rows and their expert ids;
-3. each rank computes its local experts on the rows it received, grouped by expert (a stable sort keeps
-   the source-rank and token order, so every expert sees exactly the rows, in exactly the order, that the
-   single-process model gives it: outputs are bit-identical);
+   per-peer wait matrix for free) and its stop and done flags, then the rows and their expert ids;
+3. each rank computes its local experts on the rows it received, one group per (source rank, expert): each
+   source's rows arrive contiguous and already sorted by expert, so every expert sees exactly the rows, in
+   exactly the order, that the single-process model running that source's requests gives it, and the
+   outputs are bit-identical to it (a production kernel batches an expert's rows over all sources instead:
+   the same numbers up to float summation order; so does this one under the expert cache, whose lookups count
+   once per expert per forward);
 4. **combine**: the results go back through the reverse all-to-all; each rank weights and sums its tokens'
-   slots in slot order, and an all-gather rebuilds the step's [T, H] output on every rank.
+   slots in slot order.
 ``world_size == 1`` never gets here: the model computes its experts locally (the identity path).
 
-Stopping: ranks serve in lock-step, so they must leave at the same step; no per-rank clock can promise
-that (one rank past its deadline leaves while another enters one more collective step). A rank that wants
-to stop (its deadline passed) says so in the stop flag of its next dispatch exchange; every rank receives
-every flag of that exchange, so after that step all agree (``stop_agreed``) and all stop before the next one.
-The flag rides on the exchange the step makes anyway: no extra collective.
+Every rank must enter the same exchanges: a rank with no work this step runs an **idle forward**
+(``idle_forward``: the exchanges of every MoE layer with zero rows of its own, as production DP attention runs
+dummy batches), so its experts still compute what its peers send. Ranks given the same requests compute the
+same tokens: that is the old lock-step mode (data replicated), which needs nothing of its own.
+
+Stopping: the ranks must leave after the same step. Each dispatch exchange carries two flags: *stop* (the
+rank's deadline passed; any rank's flag stops all) and *done* (the rank had nothing queued or running when the
+step began; all ranks' flags end the run). Every rank receives every flag of that exchange, so after that step
+all agree (``stop_agreed``, ``all_done``) and all stop before the next one; the flags ride on the exchange the
+step makes anyway: no extra collective.
 
 Per-peer wait: rank i's wait on peer p in one exchange is max(0, entry_p - entry_i), from the entry
 timestamps exchanged in step 2 (wall clock: exact on one machine, NTP-accurate across machines). A slow
@@ -53,6 +63,12 @@ class AllToAllRecord:
     sent_bytes: tuple[int, ...]  # per peer
     recv_bytes: tuple[int, ...]
     peer_wait_s: tuple[float, ...]  # per peer (dispatch only; zeros for combine)
+    # dispatch only: rows this rank's experts (physical: its replicas included) computed, per expert of the layer
+    # (-1: an expert this rank does not hold)
+    expert_rows: tuple[int, ...] = ()
+    # dispatch only: rows every rank computes in this exchange (from the split sizes every rank receives: the same
+    # on every rank): the measured per-rank load
+    rank_rows: tuple[int, ...] = ()
 
 
 class ExpertParallel:
@@ -73,28 +89,158 @@ class ExpertParallel:
         self.slow_delay_s = slow_delay_s
         self.monitor = monitor
         self._owner: dict[int, torch.Tensor] = {}
-        self._stop_wanted = False  # this rank's flag, sent in every dispatch exchange
-        self.stop_agreed = False  # some rank's flag came in: every rank knows it after the same step
+        self._stop_wanted = False  # this rank's flags, sent in every dispatch exchange
+        self._done = False
+        self.stop_agreed = False  # some rank's stop flag came in: every rank knows it after the same step
+        self.all_done = False  # every rank's done flag came in the same exchange
+        self.dispatches = 0  # dispatch exchanges made (an engine step that made none runs an idle forward)
+        self.rebalancer = None  # parallel.eplb.Rebalancer: EPLB in the loop
+        self.steps = 0  # rank steps begun (``between_steps``): the same count on every rank
+        self.events: list = []  # parallel.eplb.Rebalance, in order
+        self._rows_since: dict[int, list[int]] = {}  # layer -> rows each rank computed since the last rearrangement
+        self._routed: dict[int, torch.Tensor] = {}  # layer -> this rank's slots per logical expert, same period
+
+    def begin_run(self) -> None:
+        """Forget the last run's agreement (a new ``Engine.run`` starts)."""
+        self._stop_wanted = self._done = self.stop_agreed = self.all_done = False
 
     def request_stop(self) -> None:
         """Ask the peers to stop: sent with the next dispatch exchange (call between steps only, so every
         exchange of one step carries the same flag)."""
         self._stop_wanted = True
 
-    def _owners(self, layer: int, device) -> torch.Tensor:
+    def set_done(self, done: bool) -> None:
+        """Whether this rank has nothing queued or running (between steps only, as ``request_stop``)."""
+        self._done = done
+
+    def _owners(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(owner rank of each expert, index E the dropped-slot sentinel -1; for a placement with replicas also
+        [E, R] the replica ranks of each expert (repeated to R columns) and [E] how many it has)."""
         t = self._owner.get(layer)
         if t is None:
-            t = self._owner[layer] = torch.tensor(self.placement.owner_table(layer, self.rank), device=device)
+            owner = torch.tensor(self.placement.owner_table(layer, self.rank), device=device)
+            reps = nrep = None
+            if self.placement.replicated:
+                ranks = [self.placement.ranks_of(layer, e) for e in range(self.placement.n_experts)]
+                width = max(len(r) for r in ranks)
+                reps = torch.tensor([[r[i % len(r)] for i in range(width)] for r in ranks], device=device)
+                nrep = torch.tensor([len(r) for r in ranks], device=device)
+            t = self._owner[layer] = (owner, reps, nrep)
         return t
 
-    def _chunk(self, n_tokens: int) -> tuple[int, int]:
-        per, extra = divmod(n_tokens, self.world)
-        start = self.rank * per + min(self.rank, extra)
-        return start, start + per + (self.rank < extra)
+    def _held(self, layer: int, n_exp: int) -> list[int]:
+        """[E]: 0 for the experts this rank holds in ``layer``, -1 for the others."""
+        held = set(self.placement.layers[layer][self.rank])
+        return [0 if e in held else -1 for e in range(n_exp)]
+
+    def _destinations(self, layer: int, my_ids: torch.Tensor, n_exp: int) -> torch.Tensor:
+        """Destination rank of each slot (-1: dropped). A replicated expert's slots are dealt over its replicas
+        in turn (the j-th slot of the expert from this rank goes to replica (j + rank) mod R): split evenly,
+        whichever rank routed them."""
+        owner, reps, nrep = self._owners(layer, my_ids.device)
+        dest = owner[my_ids]
+        if reps is None or not len(my_ids):
+            return dest
+        ok = my_ids < n_exp
+        ids = torch.where(ok, my_ids, 0)
+        by_expert = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids, minlength=n_exp)
+        starts = torch.cumsum(counts, 0) - counts
+        pos = torch.empty_like(ids)
+        pos[by_expert] = torch.arange(len(ids), device=ids.device) - starts[ids[by_expert]]
+        return torch.where(ok, reps[ids, (pos + self.rank) % nrep[ids]], dest)
 
     def __call__(self, layer: int, experts: Experts, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:
         return self._forward(layer, experts, x, ids, weights)
+
+    @torch.inference_mode()
+    def idle_forward(self, moe_layers) -> None:
+        """This rank's part of a step it has no tokens for: every MoE layer's exchanges with zero rows sent,
+        its experts computing what the peers send (``moe_layers``: the model's, in forward order)."""
+        for m in moe_layers:
+            p = m.experts.gate_up_proj
+            x = torch.empty(0, p.shape[-1], dtype=p.dtype, device=p.device)
+            self._forward(m.layer_index, m.experts, x, torch.empty(0, 1, dtype=torch.long, device=p.device),
+                          torch.empty(0, 1, dtype=p.dtype, device=p.device))
+
+    def measured_since(self) -> dict[int, float]:
+        """Per layer: the busiest rank's rows over the mean rank's since the last rearrangement (or the start)."""
+        return {layer: max(r) / (sum(r) / len(r)) for layer, r in sorted(self._rows_since.items()) if sum(r)}
+
+    def between_steps(self, moe_layers) -> None:
+        """Called by the engine before each rank step (every rank, the same step): rearranges when due."""
+        self.steps += 1
+        rb = self.rebalancer
+        if rb is not None and self.steps % rb.every_steps == 0:
+            self.rebalance(moe_layers)
+
+    @torch.inference_mode()
+    def rebalance(self, moe_layers) -> None:
+        """Plan a placement from the fleet's counts since the last time and move the weights (``parallel.eplb``)."""
+        from moescope.parallel.planner import imbalance, plan_layer, rank_loads
+        from moescope.parallel.eplb import Rebalance
+
+        start = time.perf_counter()
+        rb, w, old = self.rebalancer, self.world, self.placement
+        layers = [m.layer_index for m in moe_layers]
+        n_exp = old.n_experts
+        device = moe_layers[0].experts.gate_up_proj.device
+        counts = torch.stack([self._routed.get(layer, torch.zeros(n_exp, dtype=torch.long, device=device)).double()
+                              for layer in layers])  # [L, E]
+        self._collective(dist.all_reduce, counts)  # the fleet's: every rank plans the same placement
+        before = self.measured_since()
+        if rb.below is not None and before and min(1 / v for v in before.values()) >= rb.below:
+            return  # balanced enough: keep measuring from here
+        load = counts.cpu().numpy()
+        if not load.sum():
+            return
+        slots = rb.slots or max(len(x) for per in old.layers.values() for x in per)
+        new_layers, predicted = {}, {}
+        for i, layer in enumerate(layers):
+            per = plan_layer(load[i], w, slots)
+            new_layers[layer] = tuple(tuple(x) for x in per)
+            predicted[layer] = imbalance(rank_loads(load[i], per))
+        ops, received = [], []
+        moved = 0
+        for m in moe_layers:
+            layer = m.layer_index
+            for r in range(w):
+                for e in new_layers[layer][r]:
+                    if e in old.layers[layer][r]:
+                        continue
+                    moved += 1
+                    src = min(old.ranks_of(layer, e))
+                    params = (m.experts.gate_up_proj, m.experts.down_proj)
+                    if self.rank == src:
+                        ops += [dist.P2POp(dist.isend, p[e].contiguous(), r) for p in params]
+                    elif self.rank == r:
+                        bufs = [torch.empty_like(p[e]) for p in params]
+                        ops += [dist.P2POp(dist.irecv, b, src) for b in bufs]
+                        received.append((params, e, bufs))
+        if ops:
+            try:
+                for req in dist.batch_isend_irecv(ops):
+                    req.wait()
+            except RuntimeError as exc:
+                if self.monitor is None:
+                    raise
+                raise self.monitor.explain(exc) from None
+        moved_bytes = 0
+        for params, e, bufs in received:
+            for p, b in zip(params, bufs):
+                p.data[e].copy_(b)
+                moved_bytes += b.numel() * b.element_size()
+        replicated = any(sum(len(x) for x in per) > n_exp for per in new_layers.values())
+        self.placement = Placement(w, n_exp, new_layers, replicated)
+        self._owner.clear()
+        self._rows_since.clear()
+        self._routed.clear()
+        event = Rebalance(self.steps, time.perf_counter() - start, moved, moved_bytes, before, predicted,
+                          new_layers)
+        self.events.append(event)
+        if self.observer is not None:
+            self.observer().on_rebalance(event)
 
     def _collective(self, fn, *args) -> None:
         """Run one collective; a failure (peer gone, timeout) becomes a ParallelError naming the rank."""
@@ -109,31 +255,40 @@ class ExpertParallel:
         n_tokens, k = ids.shape
         hidden = x.shape[1]
         n_exp = experts.n_experts
-        t0, t1 = self._chunk(n_tokens)
-        my_ids = ids[t0:t1].reshape(-1)  # [n_my*k] slot order
-        dest = self._owners(layer, ids.device)[my_ids]  # -1 for dropped slots
-        key = torch.where(dest >= 0, dest * (n_exp + 1) + my_ids, torch.full_like(my_ids, self.world * (n_exp + 1)))
+        w = self.world
+        my_ids = ids.reshape(-1)  # [T*k] slot order
+        dest = self._destinations(layer, my_ids, n_exp)  # -1 for dropped slots
+        key = torch.where(dest >= 0, dest * (n_exp + 1) + my_ids, torch.full_like(my_ids, w * (n_exp + 1)))
         order = torch.argsort(key, stable=True)
-        send_counts = torch.bincount(dest[dest >= 0], minlength=self.world)
+        send_counts = torch.bincount(dest[dest >= 0], minlength=w)
         n_send = int(send_counts.sum())  # host values: split sizes of the exchange, once per layer
         order = order[:n_send]
-        send_rows = x[t0 + order // k]  # [n_send, H]
+        send_rows = x[order // k]  # [n_send, H]
         send_ids = my_ids[order]
 
         # -- dispatch -----------------------------------------------------------------------------------
         if self.slow_delay_s:
             time.sleep(self.slow_delay_s)  # the slow-rank fault: this rank joins the exchange late
         start = time.perf_counter()
-        meta_out = torch.cat([send_counts.double(),
-                              torch.tensor([time.time(), float(self._stop_wanted)], dtype=torch.float64)])
-        meta_out = meta_out.repeat(self.world)  # [W * (W + 2)]: counts, timestamp, stop flag to every peer
+        meta_out = torch.cat([send_counts.double(), torch.tensor(
+            [time.time(), float(self._stop_wanted), float(self._done)], dtype=torch.float64)])
+        meta_out = meta_out.repeat(w)  # [W * (W + 3)]: counts, timestamp, stop and done flags to every peer
         meta_in = torch.empty_like(meta_out)
         self._collective(dist.all_to_all_single, meta_in, meta_out)
-        meta_in = meta_in.view(self.world, self.world + 2)
+        meta_in = meta_in.view(w, w + 3)
         recv_counts = meta_in[:, self.rank].long().tolist()  # what each peer sends me
-        entry = meta_in[:, self.world].tolist()  # each peer's entry time
-        if bool(meta_in[:, self.world + 1].any()):
+        rank_rows = meta_in[:, :w].sum(0).long().tolist()  # what every rank computes (the W x W split matrix)
+        since = self._rows_since.setdefault(layer, [0] * w)
+        self._rows_since[layer] = [a + b for a, b in zip(since, rank_rows)]
+        if self.rebalancer is not None and len(my_ids):  # (on the device: no sync)
+            got = torch.bincount(my_ids, minlength=n_exp + 1)[:n_exp]
+            self._routed[layer] = got if layer not in self._routed else self._routed[layer] + got
+        entry = meta_in[:, w].tolist()  # each peer's entry time
+        if bool(meta_in[:, w + 1].any()):
             self.stop_agreed = True
+        if bool(meta_in[:, w + 2].all()):
+            self.all_done = True
+        self.dispatches += 1
         sends = send_counts.tolist()
         recv_rows = torch.empty(sum(recv_counts), hidden, dtype=x.dtype, device=x.device)
         self._collective(dist.all_to_all_single, recv_rows, send_rows.contiguous(), recv_counts, sends)
@@ -143,38 +298,41 @@ class ExpertParallel:
         me = entry[self.rank]
         wait = tuple(max(0.0, e - me) if p != self.rank else 0.0 for p, e in enumerate(entry))
 
-        # -- local experts ------------------------------------------------------------------------------
-        by_expert = torch.argsort(recv_ids, stable=True)  # keeps source-rank, then token, order per expert
-        counts = torch.bincount(recv_ids, minlength=n_exp).tolist()
+        # -- local experts: one group per (source rank, expert); each source's rows come sorted by expert ---
         local = torch.empty_like(recv_rows)
-        local[by_expert] = experts.compute_grouped(recv_rows[by_expert], counts)
+        rows = self._held(layer, n_exp)  # physical load: rows each expert here computed (-1: not held here)
+        if experts.weight_source is not None:  # the expert cache: one lookup per expert per forward, all sources
+            by_expert = torch.argsort(recv_ids, stable=True)
+            counts = torch.bincount(recv_ids, minlength=n_exp).tolist()
+            if len(recv_ids):
+                local[by_expert] = experts.compute_grouped(recv_rows[by_expert], counts)
+            rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
+        else:
+            at = 0
+            for n in recv_counts:
+                if n:
+                    counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
+                    local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
+                    rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
+                at += n
 
         # -- combine ------------------------------------------------------------------------------------
         start = time.perf_counter()
         back = torch.empty(n_send, hidden, dtype=x.dtype, device=x.device)
         self._collective(dist.all_to_all_single, back, local, sends, recv_counts)
-        slot_out = torch.zeros((t1 - t0) * k, hidden, dtype=x.dtype, device=x.device)
+        slot_out = torch.zeros(n_tokens * k, hidden, dtype=x.dtype, device=x.device)
         slot_out[order] = back
-        mine = combine(slot_out, weights[t0:t1])  # [n_my, H]
-        per = -(-n_tokens // self.world)  # all_gather needs equal sizes: pad each chunk to the largest
-        padded = torch.zeros(per, hidden, dtype=x.dtype, device=x.device)
-        padded[: t1 - t0] = mine
-        gathered = [torch.empty_like(padded) for _ in range(self.world)]
-        self._collective(dist.all_gather, gathered, padded)
-        out = torch.cat([g[: self._chunk_of(r, n_tokens)] for r, g in enumerate(gathered)])
+        out = combine(slot_out, weights)  # [T, H]
         combine_s = time.perf_counter() - start
 
         if self.observer is not None:
             row_bytes = hidden * x.element_size() + 8  # a row and its expert id
             obs = self.observer()
             obs.on_all_to_all(AllToAllRecord(layer, "dispatch", dispatch_s, tuple(n * row_bytes for n in sends),
-                                             tuple(n * row_bytes for n in recv_counts), wait))
+                                             tuple(n * row_bytes for n in recv_counts), wait, tuple(rows),
+                                             tuple(rank_rows)))
             obs.on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
                                              tuple(n * hidden * x.element_size() for n in recv_counts),
                                              tuple(n * hidden * x.element_size() for n in sends),
-                                             (0.0,) * self.world))
+                                             (0.0,) * w))
         return out
-
-    def _chunk_of(self, rank: int, n_tokens: int) -> int:
-        per, extra = divmod(n_tokens, self.world)
-        return per + (rank < extra)

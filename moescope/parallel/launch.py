@@ -1,7 +1,8 @@
 """Process-group set-up, the rank monitor, and `moescope demo --world-size W`'s launcher.
 
-Ranks meet through a TCPStore. When the launcher spawns the ranks itself, the store lives in the launcher
-process, so it outlives any rank; under torchrun the agent's store plays that part (MASTER_ADDR/PORT).
+Ranks meet through a TCPStore that outlives any rank: under torchrun (``moescope demo --world-size W`` runs
+its agent in-process: ``parallel/spawn.py``) the agent's store (MASTER_ADDR/PORT); ranks started by hand may
+name another one in ``MOESCOPE_STORE`` (host:port; the tests' own launchers do).
 
 The monitor: each rank's background thread writes ``hb/<rank> = "<step> <unix time>"`` to the store every
 ``HEARTBEAT_S``. When a collective fails (a peer closed its connection, or nothing came within the
@@ -22,7 +23,7 @@ from moescope.capture.observer import Observer
 from moescope.parallel.expert_parallel import ParallelError
 
 HEARTBEAT_S = 0.5
-ENV_STORE = "MOESCOPE_STORE"  # host:port of the launcher's store
+ENV_STORE = "MOESCOPE_STORE"  # host:port of a store that ranks started by hand share
 
 
 def env_rank() -> tuple[int, int] | None:

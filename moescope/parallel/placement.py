@@ -8,8 +8,10 @@ YAML (or JSON) form, the same map for every MoE layer unless ``layers`` override
     replicated: false             # true allows an expert on several ranks (hot-expert replication)
 
 Validation: ranks are 0..W-1, each layer places every expert at least once, and exactly once unless
-``replicated``. A replicated expert is computed on the sender's own rank when it holds a replica, else on
-the lowest rank holding one.
+``replicated``. Logical experts are the model's E; physical experts are the placed copies (>= E with
+replicas). A replicated expert's slots are dealt over its replicas in turn by every rank that routes them
+(``ExpertParallel._destinations``): each replica computes 1/R of the expert's slots, up to one slot per
+routing rank and layer step.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ class Placement:
         return tuple(r for r, experts in enumerate(self.layers[layer]) if expert in experts)
 
     def owner_table(self, layer: int, sender: int) -> list[int]:
-        """Destination rank of each expert (index E: the dropped-slot sentinel, -1) as seen from ``sender``."""
+        """Destination rank of each expert (index E: the dropped-slot sentinel, -1) as seen from ``sender``
+        (a replicated expert: its first replica; the dispatcher deals its slots over all of them)."""
         table = []
         for e in range(self.n_experts):
             ranks = self.ranks_of(layer, e)

@@ -1,36 +1,43 @@
-"""`moescope demo --world-size W`: spawn W rank processes of the same demo and merge their summaries."""
+"""`moescope demo --world-size W`: run W rank processes of the same demo under torchrun's agent
+(``torch.distributed.run``'s in-process ``elastic_launch``, standalone c10d rendezvous, no restarts).
+
+What the agent gives: the ranks' environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT: ``launch.init`` joins the
+group on the agent's store), each rank's stdout and stderr in its own file and its error file
+(``TORCHELASTIC_ERROR_FILE``: moescope's CLI writes its one-line error there), failure detection, and
+signals: a SIGTERM, SIGINT or SIGHUP to the launcher is forwarded to every rank, which then stops serving at a
+step every rank agrees on; a rank still running after the shutdown timeout is killed. No rank outlives the
+launcher. When a rank fails, the agent sends SIGTERM to the others; a rank blocked in an exchange with the dead
+one finishes its own report first (its collective fails at once, or within ``--timeout``, and names the rank),
+which the shutdown timeout (``--timeout`` plus a grace period) leaves time for.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch.distributed as dist
-
-from moescope.parallel.launch import ENV_STORE
-
-ENV_SUMMARY = "MOESCOPE_SUMMARY_OUT"
+ENV_SUMMARY = "MOESCOPE_SUMMARY_DIR"  # each rank writes rank<R>.json there
 TAIL_LINES = 6  # of a failed rank's stderr, shown by the launcher
+GRACE_S = 10  # past --timeout: how long the agent waits for ranks to end on their own before killing them
 
 
 @dataclass(frozen=True)
 class RankFailure:
-    """A rank that exited non-zero: its own one-line error (or a note of how it died) and its stderr tail."""
+    """A rank that failed: its own one-line error (or a note of how it died) and its stderr tail."""
 
     rank: int
-    code: int  # exit code; negative: killed by that signal
-    error: str  # its "moescope: error: ..." line, else "exited with code N" / "killed by SIGKILL"
+    code: int  # exit code; negative: killed by that signal; 1 when only its error file tells
+    error: str  # its "moescope: error: ..." line, else "rank R exited with code N" / "killed by SIGKILL"
     tail: tuple[str, ...]  # the last lines of its stderr (a traceback's end, when it crashed)
-    ended_s: float  # seconds after launch: the first to end is most likely the cause
+    ended_s: float  # when it failed (unix time): the first to fail is most likely the cause
 
     @property
     def crashed(self) -> bool:
@@ -39,75 +46,88 @@ class RankFailure:
 
 
 def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[dict | None], list[RankFailure]]:
-    """Run ``moescope <argv>`` as ranks 0..W-1. Returns (per-rank summaries, failed ranks in the order they
-    ended). Each rank's stdout and stderr go to their own files, so a dead rank's last words are its own.
+    """Run ``moescope <argv>`` as ranks 0..W-1 under torchrun's agent. Returns (per-rank summaries, failed ranks:
+    those the agent saw fail first, then those that left their own error, each group in the order they
+    failed). A signal to the launcher ends every rank, then this process (exit 128 + N)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    The store lives here, so it outlives any rank. If a rank fails, the others get ``timeout_s`` plus a
-    grace period to stop on their own (naming the failed rank), then are killed.
-    """
-    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     tmp = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
-    run_id = uuid.uuid4().hex[:10] + "-"  # request ids shared by all ranks: <run>-<index>
-    procs, logs = [], []
-    t0 = time.monotonic()
-    for r in range(world_size):
-        env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world_size),
-               "MOESCOPE_RUN_ID": run_id,
-               ENV_STORE: f"127.0.0.1:{store.port}", ENV_SUMMARY: str(tmp / f"rank{r}.json")}
-        out, err = open(tmp / f"rank{r}.out", "wb"), open(tmp / f"rank{r}.err", "wb")
-        logs += [out, err]
-        procs.append(subprocess.Popen([sys.executable, "-m", "moescope", *argv], env=env, stdout=out, stderr=err,
-                                      stdin=subprocess.DEVNULL))
-    ended: dict[int, float] = {}
-    first_failure = None
-    terminated: list[int] = []
-
-    def forward(signum, _frame) -> None:  # a SIGTERM/SIGHUP to the launcher ends its ranks, never orphans them
-        terminated.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
-
-    previous = {}
+    run_id = uuid.uuid4().hex[:10]
+    env = {"MOESCOPE_RUN_ID": run_id + "-",  # request ids shared by all ranks: <run>-<index>
+           ENV_SUMMARY: str(tmp), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # (as torchrun sets)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # moescope reports, not the agent
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
+                          logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL),
+                          signals_to_handle="SIGTERM,SIGINT,SIGHUP", shutdown_timeout=int(timeout_s) + GRACE_S)
+    first: dict[int, RankFailure] = {}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the agent hands its environment to the ranks; ours is put back after
+    handlers = {}  # the agent installs its own handlers for the signals it forwards: ours are put back after
     if threading.current_thread() is threading.main_thread():
-        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     try:
-        while len(ended) < world_size:
-            for r, p in enumerate(procs):
-                if r not in ended and p.poll() is not None:
-                    ended[r] = time.monotonic() - t0
-                    if p.returncode != 0 and first_failure is None:
-                        first_failure = time.monotonic()
-            if first_failure is not None and time.monotonic() - first_failure > timeout_s + 10:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.05)
-    except KeyboardInterrupt:
-        for p in procs:
-            p.kill()
-        raise
+        elastic_launch(config, sys.executable)("-m", "moescope", *argv)
+    except SignalException as exc:  # the ranks are gone: end as the signal would have ended us
+        raise SystemExit(128 + int(exc.sigval)) from None
+    except ChildFailedError as exc:
+        for rank, f in exc.failures.items():
+            how = (f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 and
+                   -f.exitcode in signal.valid_signals() else f"exited with code {f.exitcode}")
+            first[rank] = _failure(tmp, rank, f.exitcode, f"rank {rank} {how}", f.timestamp)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        for log in logs:
-            log.close()
-    if terminated:  # the ranks ended on the forwarded signal: end as it would have ended us (128 + N)
-        raise SystemExit(128 + terminated[0])
-    summaries, failures = [], []
-    for r, p in enumerate(procs):
+        for sig, handler in handlers.items():
+            if handler is not None:  # (None: installed outside Python, nothing to put back)
+                signal.signal(sig, handler)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    summaries, others = [], []
+    for r in range(world_size):
         path = tmp / f"rank{r}.json"
         summaries.append(json.loads(path.read_text()) if path.exists() else None)
-        if p.returncode != 0:
-            failures.append(_failure(r, p.returncode, tmp / f"rank{r}.err", ended.get(r, 0.0)))
-    return summaries, sorted(failures, key=lambda f: f.ended_s)
+        if r not in first:
+            own = _own_error(tmp, r)
+            if own is not None:
+                others.append(_failure(tmp, r, 1, *own))
+    return summaries, sorted(first.values(), key=lambda f: f.ended_s) + sorted(others, key=lambda f: f.ended_s)
 
 
-def _failure(rank: int, code: int, err_path: Path, ended_s: float) -> RankFailure:
-    lines = [ln for ln in err_path.read_text(errors="replace").splitlines() if ln.strip()]
-    error = next((ln for ln in reversed(lines) if ln.startswith("moescope: error:")), None)
-    if error is None:
-        how = f"killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals() \
-            else f"exited with code {code}"
-        error = f"rank {rank} {how}"
-    return RankFailure(rank, code, error, tuple(lines[-TAIL_LINES:]), ended_s)
+def _rank_dir(tmp: Path, rank: int) -> Path | None:
+    found = sorted((tmp / "logs").glob(f"*/attempt_*/{rank}"))
+    return found[-1] if found else None
+
+
+def _own_error(tmp: Path, rank: int) -> tuple[str, float] | None:
+    """(its one-line error, when) from the rank's error file, if it left one."""
+    d = _rank_dir(tmp, rank)
+    try:
+        data = json.loads((d / "error.json").read_text())["message"]
+        return data["message"], float(data["extraInfo"]["timestamp"])
+    except (TypeError, OSError, ValueError, KeyError):
+        return None
+
+
+def _failure(tmp: Path, rank: int, code: int, how: str, when: float) -> RankFailure:
+    d = _rank_dir(tmp, rank)
+    try:
+        lines = [ln for ln in (d / "stderr.log").read_text(errors="replace").splitlines() if ln.strip()]
+    except (TypeError, OSError):
+        lines = []
+    error = next((ln for ln in reversed(lines) if ln.startswith("moescope: error:")), None) or how
+    return RankFailure(rank, code, error, tuple(lines[-TAIL_LINES:]), when)
+
+
+def write_summary(summary: dict) -> bool:
+    """Under the launcher, hand the summary back through a file; returns True when it did."""
+    where = os.environ.get(ENV_SUMMARY)
+    if not where:
+        return False
+    with open(Path(where) / f"rank{os.environ.get('RANK', '0')}.json", "w") as f:
+        json.dump(summary, f)
+    return True

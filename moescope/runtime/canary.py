@@ -28,7 +28,7 @@ class Canary:
     def __init__(self, model: MoETransformer, *, prompts: list[str] | None = None, interval_s: float = 5.0,
                  every_steps: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """Due every ``interval_s`` seconds, or with ``every_steps`` every that many engine steps (the first step
-        included): expert-parallel ranks serve in lock-step, and a canary forward is a collective, so they
+        included): expert-parallel ranks make the same steps, and a canary forward is a collective, so they
         must all run it at the same step, which no per-rank clock can promise."""
         if every_steps is not None and every_steps <= 0:
             raise ValueError(f"every_steps must be positive, got {every_steps}")

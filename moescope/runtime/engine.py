@@ -134,9 +134,11 @@ class Engine:
             decode steps call no per-layer hooks (a graph cannot): their routing reaches observers that take
             summaries (``on_stats``: the metrics) from the in-step counters after each step; the trace store
             keeps such requests whole but without per-token routing.
-        lockstep: for ranks serving in lock-step (expert parallelism), the object their exchanges share a stop
-            flag through (``request_stop()``, ``stop_agreed``): ``run``'s deadline or ``request_stop`` then
-            ends the run at a step every rank agrees on, never at a step one rank skips.
+        lockstep: for expert-parallel ranks (``parallel.ExpertParallel``, data-parallel attention: each rank
+            runs its own requests), the object their exchanges share flags through: ``run`` makes the same
+            exchanges on every rank each step (an idle forward where a rank has nothing to run), and ends at a
+            step every rank agrees on (a deadline or ``request_stop`` on any rank, or every rank done), never at
+            a step one rank skips.
     """
 
     def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,
@@ -484,21 +486,26 @@ class Engine:
         pending = collections.deque(sorted(requests, key=lambda r: (r.arrival_s, r.index)))
         start = self.clock()
         n_before = len(self.finished)
-        while pending or self.has_work:
+        ranks = self.lockstep
+        if ranks is not None:
+            ranks.begin_run()
+        while ranks is not None or pending or self.has_work:
             now = self.clock()
             if self._stop_requested or (deadline_s is not None and now - start >= deadline_s):
-                if self.lockstep is None:
+                if ranks is None:
                     break
-                self.lockstep.request_stop()  # the peers learn it in the next step's exchange
-            if self.lockstep is not None and self.lockstep.stop_agreed:
-                break  # every rank saw the same stop flags in the same step: all stop here
+                ranks.request_stop()  # the peers learn it in the next step's exchange
+            if ranks is not None and (ranks.stop_agreed or ranks.all_done):
+                break  # every rank saw the same flags in the same step: all stop here
             while pending and (not realtime or start + pending[0].arrival_s <= now):
                 r = pending.popleft()
                 self.submit(r.prompt, max_new_tokens=r.max_new_tokens, temperature=temperature,
                             domain=r.domain, tenant=r.tenant,
                             request_id=f"{id_prefix}{r.index:05d}" if id_prefix is not None else None,
                             arrival=start + r.arrival_s if realtime else now)
-            if self.has_work:
+            if ranks is not None:
+                self._rank_step(ranks, done=not (pending or self.has_work))
+            elif self.has_work:
                 self.step()
             elif pending:
                 self.idle()
@@ -513,6 +520,21 @@ class Engine:
         if not self._told_idle:
             self._told_idle = True
             self.observer.on_idle()
+
+    def _rank_step(self, ranks, done: bool) -> None:
+        """One step of an expert-parallel rank: every rank makes the same exchanges each step (a rank with
+        nothing to run, or whose step ran no forward, runs an idle forward: zero rows of its own), and says
+        whether it is done (nothing queued or running) in the step's exchanges."""
+        ranks.set_done(done)
+        ranks.between_steps(self.model.moe_layers())  # EPLB in the loop: rearranges when due (every rank)
+        before = self._steps
+        if self.has_work:
+            self.step()
+        elif self.canary is not None and self.canary.due():  # (step() asks the canary itself)
+            self.observer.on_canary(self.canary.run())  # a collective: every rank runs it at the same step
+        if self._steps == before:  # no forward of its own this step
+            ranks.idle_forward(self.model.moe_layers())
+            self.idle()
 
     def request_stop(self) -> None:
         """Ask ``run`` to return after the current step (thread-safe: a flag read between steps)."""

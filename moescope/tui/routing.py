@@ -45,6 +45,7 @@ class LayerRouting:
     drift_over_noise: float | None = None  # drift JSD minus its noise (bits)
     rank_max_over_mean: float | None = None
     fires: tuple[str, ...] = ()  # the alert rules this layer's series meet (before Alertmanager's inhibitions)
+    eplb: tuple[float, float] | None = None  # EPLB's last rearrangement: (predicted, measured since) max/mean
 
     @property
     def judged(self) -> bool:
@@ -141,6 +142,8 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
     over_noise = jsd - noise if levels.finite(jsd) and levels.finite(noise) else None
     unexpected = g("dead_unexpected")
     rank = g("rank_max_over_mean")
+    predicted, measured = g("eplb_predicted"), g("eplb_measured")
+    eplb = (predicted, measured) if levels.finite(predicted) and levels.finite(measured) else None
     hots = tuple(sorted(((e, f, ref) for e, (f, ref) in (hot_factors or {}).items() if f > t.hot_factor),
                         key=lambda x: (-x[1], x[0])))
     cv_level = levels.level(excess, bar)
@@ -172,7 +175,7 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
     fires += [f"MoEExpertHot:{e}" for e, _, _ in hots]
     return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,
                         ", ".join(words), base if levels.finite(base) else None, bar, unexpected, hots, over_noise,
-                        rank, tuple(fires))
+                        rank, tuple(fires), eplb)
 
 
 class History:

@@ -149,16 +149,6 @@ def _fmt(v: float | None, kind: str) -> str:
     return f"{v:.3f}"
 
 
-def _lowest_rank(cur: Samples) -> Samples:
-    """Expert-parallel ranks route the same tokens in lock-step: routing and cache figures come from the lowest
-    rank (summing ranks would count every token once per rank); all-to-all and memory stay per rank."""
-    ranks = sorted({dict(labels).get("rank", "0") for (n, labels) in cur if n == "moescope_router_tokens_total"})
-    if len(ranks) <= 1:
-        return cur
-    keep = ranks[0]
-    return {k: v for k, v in cur.items() if dict(k[1]).get("rank", keep) == keep}
-
-
 def expert_counts(samples: Samples | None) -> dict[int, np.ndarray]:
     """layer -> cumulative slots per expert from the per-expert tier (empty when the exporter serves none)."""
     got: dict[int, dict[int, float]] = defaultdict(dict)
@@ -190,6 +180,8 @@ GAUGES = {"cv": "moescope_expert_load_cv_ratio", "excess_cv": "moescope_expert_l
           "dead_unexpected": "moescope_dead_experts_unexpected",
           "drift_jsd": "moescope_routing_drift_jsd_bits", "drift_noise": "moescope_routing_drift_noise_bits",
           "rank_max_over_mean": "moescope_rank_load_max_over_mean_ratio",
+          "eplb_predicted": "moescope_eplb_predicted_max_over_mean_ratio",
+          "eplb_measured": "moescope_eplb_measured_max_over_mean_ratio",
           "slots_per_expert": "moescope_window_slots_per_expert"}
 HOT_SERIES = "moescope_expert_hot_factor_ratio"
 
@@ -230,10 +222,14 @@ def _per_layer(cur: Samples):
 
 
 def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> str:
-    """What top judges against what, and what waits, in words."""
+    """What top judges against what, and what waits, in words; then the per-rank load and EPLB, whenever
+    exported (measured from the exchanges: no sampling judgement to wait for)."""
     if not routing:
         return "waiting for the exporter's judged series"
-    rs = list(routing.values())
+    return _judged_words(list(routing.values()), t) + _rank_words(list(routing.values()), t)
+
+
+def _judged_words(rs: list[LayerRouting], t: Thresholds) -> str:
     with_excess = [r for r in rs if r.excess_cv is not None]
     if not with_excess:
         return "the exporter exports no excess CV: imbalance not judged (an older moescope?)"
@@ -249,10 +245,19 @@ def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> st
         words = f"no baseline: imbalance only above excess CV {t.imbalance_cv:g} (moescope baseline save)"
     if len(judged) < len(rs):
         words += f"; {len(rs) - len(judged)} layers: too few requests to judge"
+    return words
+
+
+def _rank_words(rs: list[LayerRouting], t: Thresholds) -> str:
+    words = ""
     ranks = [(r.rank_max_over_mean, r.layer) for r in rs if levels.finite(r.rank_max_over_mean)]
     if ranks:
         v, layer = max(ranks)
         words += f"; rank max/mean {v:.2f} (L{layer}{'>' if t.rank_overloaded(v) else '<='}{t.rank_max_over_mean:g})"
+    eplb = [(r.eplb[1], r.eplb[0], r.layer) for r in rs if r.eplb is not None]
+    if eplb:  # the worst layer since the last rearrangement: what it measures against what the planner predicted
+        measured, predicted, layer = max(eplb)
+        words += f"; EPLB L{layer}: measured {measured:.2f} vs predicted {predicted:.2f}"
     return words
 
 
@@ -283,9 +288,6 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     ``expert_counts`` when the caller has them)."""
     models = {dict(labels).get("model") for (n, labels) in cur if n == "moescope_router_tokens_total"}
     model = sorted(m for m in models if m)[0] if any(models) else None
-    full = cur
-    cur = _lowest_rank(cur)
-    prev = _lowest_rank(prev) if prev else prev
 
     def delta(name, by=()):
         now = _sum(cur, name, by)
@@ -310,7 +312,7 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     nonfinite = sum((delta if prev else lambda n: _sum(cur, n))("moescope_router_nonfinite_logits_total").values())
     fetch = _hist_delta(cur, prev, "moescope_expert_fetch_seconds")
     fetch_p99 = _quantile(fetch.get((), {}), 0.99) if fetch else None
-    rss = _max(full, "moescope_process_resident_memory_bytes")
+    rss = _max(cur, "moescope_process_resident_memory_bytes")
     routing, tier, window, n_exp, columns = _routing(cur, t, history, expert_counts(cur) if totals is None else totals)
     judged = [r for r in routing.values() if r.judged]
     worst = max(judged, key=lambda r: r.excess_cv / r.bar, default=None)
@@ -336,7 +338,7 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
              "cache hit": "pct", "fetch p99": "ms", "RSS": "bytes"}
     tiles = [Tile(name, v, text if text is not None else _fmt(v, kinds.get(name, "num")), lvl)
              for name, v, text, lvl in values]
-    a2a = _hist_delta(full, None, "moescope_all_to_all_seconds", ("rank",))
+    a2a = _hist_delta(cur, None, "moescope_all_to_all_seconds", ("rank",))
     a2a_p99 = {rank[0]: q for rank, hb in sorted(a2a.items()) if (q := _quantile(hb, 0.99)) is not None}
     return Frame(at or time.time(), model, endpoints, tiles, routing, tier, window, n_exp, columns,
                  judged_note(routing, t), a2a_p99, cache_low)
@@ -418,7 +420,7 @@ class Poller:
                     merged.get(k, v), v)
         ok = any(v == "ok" for v in status.values())
         prev = self._prev if ok else None
-        counts = expert_counts(_lowest_rank(merged)) if ok else {}
+        counts = expert_counts(merged) if ok else {}
         if prev is not None:
             self.history.push(expert_deltas(counts, self._prev_counts), now - self._prev_at)
         f = frame(merged, prev, now - self._prev_at, status, self.thresholds, history=self.history, totals=counts)

@@ -23,25 +23,23 @@ from moescope.parallel.placement import _layout
 
 
 def rank_loads(load: np.ndarray, per_rank: list[list[int]]) -> np.ndarray:
-    """[N] slots each rank computes under the runtime's dispatch rule (senders own 1/N of the tokens)."""
+    """[N] slots each rank computes under the runtime's dispatch rule: a replicated expert's slots dealt evenly
+    over its replicas (``ExpertParallel._destinations``), whichever rank routed them."""
     n = len(per_rank)
     out = np.zeros(n)
     for e, w in enumerate(load):
         holders = [r for r in range(n) if e in per_rank[r]]
-        for sender in range(n):
-            dest = sender if sender in holders else holders[0]
-            out[dest] += w / n
+        for r in holders:
+            out[r] += w / len(holders)
     return out
 
 
 def cross_rank_share(load: np.ndarray, per_rank: list[list[int]]) -> float:
-    """Share of slots computed on another rank than their sender's."""
+    """Share of slots computed on another rank than their sender's: each of N ranks routes 1/N of the tokens
+    and a replicated expert's slots are dealt evenly over its R replicas, so a holder keeps 1/R of its own
+    slots and the local share is 1/N whatever the placement (replicas buy balance, not locality)."""
     n = len(per_rank)
-    total = load.sum()
-    if total == 0:
-        return 0.0
-    local = sum(w / n for e, w in enumerate(load) for s in range(n) if e in per_rank[s])
-    return float(1 - local / total)
+    return 0.0 if load.sum() == 0 else float(1 - 1 / n)
 
 
 def imbalance(loads: np.ndarray) -> float:

@@ -1,0 +1,132 @@
+"""A fleet of expert-parallel ranks in one real Prometheus: each rank exports the routing of its own tokens
+(data-parallel attention), by logical expert, and the physical load of the experts it holds; summed over the
+ranks, every routed slot is counted exactly once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+import moescope
+from metrics_util import by_label, parse
+from moescope.alerts import rules
+from moescope.parallel.eplb import Rebalance
+from moescope.parallel.expert_parallel import AllToAllRecord
+from moescope.runtime.model import MoETransformer
+from moescope.tui.top_data import frame, parse_exposition
+from servers import Prometheus, free_port, wait_http
+
+TOP_K = 2  # tiny-demo's
+
+
+def _final(prom: Prometheus, metric: str, by: str) -> dict[str, float]:
+    """Each series' last value (counters only grow: the max over the run), summed by ``by``."""
+    return {r["metric"].get(by, ""): float(r["value"][1])
+            for r in prom.query(f"sum by ({by}) (max_over_time({metric}[5m]))")}
+
+
+@pytest.mark.integration
+def test_the_fleet_sum_in_prometheus_counts_every_token_once(tmp_path):
+    port = free_port(2)  # rank r serves metrics on port + r
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rules.rules_document(), sort_keys=False))
+    prom = Prometheus(tmp_path, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], rule_files=[str(rules_file)])
+    try:
+        demo = subprocess.run(
+            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--requests", "9",
+             "--rate", "0", "--metrics-port", str(port), "--traces", "none", "--linger", "4", "--json",
+             "--placement", str(_replicated(tmp_path))], capture_output=True, text=True, timeout=300)
+        assert demo.returncode == 0, demo.stderr[-2000:]
+        s = json.loads(demo.stdout)
+        wait_http(prom.url + "/-/ready")
+        # the forwards' tokens: every prompt token and every output token but each request's last (never fed back)
+        fed = [r["tokens"]["prompt"] + r["tokens"]["output"] - r["completed"] for r in s["ranks"]]
+        assert fed[0] != fed[1] and [r["completed"] for r in s["ranks"]] == [5, 4]
+        by_rank = _final(prom, 'moescope_router_tokens_total{layer="1"}', "rank")
+        assert by_rank == {"0": fed[0], "1": fed[1]}  # each rank its own tokens: different counts
+        routed = _final(prom, "moescope_router_tokens_total", "layer")
+        logical = _final(prom, "moescope_expert_tokens_total", "layer")
+        physical = _final(prom, "moescope_expert_physical_slots_total", "layer")
+        layers = {str(x) for x in (1, 2, 3)}
+        assert set(routed) == set(logical) == set(physical) == layers
+        for layer in layers:  # the fleet's sum: tokens served x k, exactly, logical and physical alike
+            assert routed[layer] == sum(fed)
+            assert logical[layer] == physical[layer] == sum(fed) * TOP_K, layer
+        # a replicated expert's slots split over its replicas; its logical label counts them once
+        rows = {(r["metric"]["rank"], r["metric"]["expert"]): float(r["value"][1]) for r in prom.query(
+            'max_over_time(moescope_expert_physical_slots_total{layer="1",expert=~"0|1"}[5m])')}
+        per_rank = {e: {rk: v for (rk, x), v in rows.items() if x == e} for e in ("0", "1")}
+        assert per_rank["1"].keys() == {"1"}  # expert 1 lives on rank 1 only
+        assert per_rank["0"].keys() == {"0", "1"} and min(per_rank["0"].values()) > 0
+        expert0 = _final(prom, 'moescope_expert_tokens_total{layer="1",expert="0"}', "layer")["1"]
+        assert sum(per_rank["0"].values()) == expert0
+        # per-rank load max/mean, measured from the exchanges' split sizes: every rank exports the same value,
+        # the busiest rank's physical rows over the mean rank's (the run fits the 60 s window)
+        rows = {(r["metric"]["layer"], r["metric"]["rank"]): float(r["value"][1]) for r in prom.query(
+            "sum by (layer, rank) (max_over_time(moescope_expert_physical_slots_total[5m]))")}
+        gauge = {(r["metric"]["layer"], r["metric"]["rank"]): float(r["value"][1]) for r in prom.query(
+            "last_over_time(moescope_rank_load_max_over_mean_ratio[5m])")}
+        for layer in layers:
+            loads = [rows[(layer, "0")], rows[(layer, "1")]]
+            want = max(loads) / (sum(loads) / 2)
+            assert gauge[(layer, "0")] == pytest.approx(want, rel=1e-9) == gauge[(layer, "1")], layer
+        recorded = prom.query("last_over_time(model_layer:moescope_rank_load_max_over_mean:ratio1m[5m])")
+        assert {r["metric"]["layer"] for r in recorded} == layers  # the recording rule's fleet view evaluates
+    finally:
+        prom.stop()
+
+
+def _replicated(tmp_path):
+    path = tmp_path / "placement.yaml"
+    path.write_text("replicated: true\nrank_to_experts: {0: [0, 2, 4, 6], 1: [0, 1, 3, 5, 7]}\n")
+    return path
+
+
+def test_rank_load_and_eplb_gauges_are_the_exchanges_rows(tiny_cfg):
+    """The per-rank load a rank exports is what the dispatch exchanges measured (rows per rank, the same numbers on
+    every rank), over the window; after a rearrangement, the EPLB gauges hold its before and predicted figures and
+    the max/mean measured since it."""
+    model = MoETransformer(tiny_cfg).eval()
+    with moescope.instrument(model, port=0, model_name="t") as inst:
+        def exchange(layer, rows):
+            inst.metrics.on_all_to_all(AllToAllRecord(layer, "dispatch", 0.001, (0, 0), (0, 0), (0.0, 0.0),
+                                                      (5, -1, 0, -1, 0, -1, 0, -1), rows))
+
+        before = [[30, 10], [20, 20]]
+        after = [[11, 9], [10, 10]]
+        for rows in before:
+            exchange(1, rows)
+        exchange(2, [0, 4])
+        assert not by_label(parse(inst.exporter.exposition().decode()), "moescope_eplb_predicted_max_over_mean_ratio",
+                            "layer")  # no rearrangement yet: no EPLB series
+        inst.metrics.on_rebalance(Rebalance(step=5, seconds=0.02, moved=3, moved_bytes=100, before={1: 1.25},
+                                            predicted={1: 1.01}, layers={}))
+        for rows in after:
+            exchange(1, rows)
+        text = inst.exporter.exposition().decode()
+        parsed = parse(text)
+
+    def ratio(rows):
+        total = [sum(col) for col in zip(*rows)]
+        return max(total) / (sum(total) / len(total))
+
+    assert by_label(parsed, "moescope_rank_load_max_over_mean_ratio", "layer") == \
+        pytest.approx({"1": ratio(before + after), "2": ratio([[0, 4]])})
+    assert by_label(parsed, "moescope_rank_window_slots", "peer") == {"0": 71 + 0, "1": 49 + 4}
+    assert by_label(parsed, "moescope_eplb_measured_max_over_mean_ratio", "layer") == pytest.approx(
+        {"1": ratio(after)})
+    assert by_label(parsed, "moescope_eplb_predicted_max_over_mean_ratio", "layer") == {"1": 1.01}
+    assert by_label(parsed, "moescope_eplb_before_max_over_mean_ratio", "layer") == {"1": 1.25}
+    assert parsed[("moescope_eplb_rebalances_total", frozenset({("model", "t"), ("rank", "0")}))] == 1
+    assert parsed[("moescope_eplb_moved_experts_total", frozenset({("model", "t"), ("rank", "0")}))] == 3
+    # physical load: the experts held here (-1: not held), zeros included
+    assert by_label(parsed, "moescope_expert_physical_slots_total", "expert", layer="1") == \
+        {"0": 5 * 4, "2": 0, "4": 0, "6": 0}
+    # `top` says it in its routing line, from the same series (the worst layer; L2's ranks: 0 and 4 rows)
+    note = frame(parse_exposition(text), None, 1.0, {}).judged
+    assert f"rank max/mean {ratio([[0, 4]]):.2f} (L2>" in note, note
+    assert f"EPLB L1: measured {ratio(after):.2f} vs predicted 1.01" in note, note
