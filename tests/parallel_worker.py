@@ -49,6 +49,14 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
     model = MoETransformer(cfg).eval()
     rebalance = layout == "rebalance"  # experts 0 and 1 on both ranks, then EPLB every 3 steps, 5 slots per rank
     pl = start_placement(layout, cfg, world)
+    if rebalance:  # the experts this rank does not hold yet are poison: only the weights a move sends can serve
+        with torch.no_grad():
+            for layer in model.moe_layers():
+                held = set(pl.layers[layer.layer_index][rank])
+                for e in range(cfg.n_experts):
+                    if e not in held:
+                        layer.experts.gate_up_proj[e].fill_(float("nan"))
+                        layer.experts.down_proj[e].fill_(float("nan"))
     rows: dict[int, list[int]] = {}  # physical load of the direct forward: rows this rank computed per expert
 
     class Rows:

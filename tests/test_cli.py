@@ -31,6 +31,10 @@ def test_demo_json_summary(capsys):
     (["demo", "--weights", "/nonexistent.safetensors"], "does not exist"),
     (["demo", "--device", "cuda:0"], None),
     (["demo", "--rate", "-1"], "--rate"),
+    (["demo", "--rebalance-steps", "5"], "needs --world-size > 1"),
+    (["demo", "--rebalance-below", "0.9"], "give it too"),
+    (["demo", "--world-size", "2", "--rebalance-steps", "5", "--rebalance-slots", "2"], "cannot hold 8 experts"),
+    (["requests", "--traces", "/nonexistent-lake/"], "does not exist"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
     import torch

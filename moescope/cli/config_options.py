@@ -89,7 +89,8 @@ LOCKSTEP_CANARY_STEPS = 32  # expert-parallel ranks: the canary forward is a col
 
 def config_from_options(o: dict, *, rank: int = 0, world: int = 1, observers=(), baseline=None):
     """The ``moescope.Config`` the parsed options ``o`` describe, for ``rank`` of ``world`` expert-parallel
-    ranks (each rank exports its own routing on metrics port + rank; only rank 0 writes traces). ``baseline``:
+    ranks (each rank exports its own routing on metrics port + rank; into a trace lake every rank writes its own
+    requests, in its own ``replica=`` partition; a SQLite store is rank 0's alone, one writer per file). ``baseline``:
     a drift reference computed by the caller, used when no ``--baseline`` file is given."""
     from moescope.config import Cache, Canary, Config, Metrics, Mitigations, Traces
     from moescope.metrics.state import EXPERT_SERIES_BUDGET
@@ -99,7 +100,9 @@ def config_from_options(o: dict, *, rank: int = 0, world: int = 1, observers=(),
         raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
     port = o["metrics_port"]
     traces = None
-    if traces_path != "none" and rank == 0:  # one trace store: rank 0 keeps its own requests' traces
+    from moescope.traces import lake
+
+    if traces_path != "none" and (rank == 0 or lake.is_lake(traces_path)):
         traces = Traces(traces_path, sample=o["trace_sample"], seed=o["seed"], otlp_endpoint=o.get("otlp_endpoint"))
     cache = None
     if o["cache_size"] is not None or o["cache_policy"] or o["cache_tier"] or o["cache_prefetch"]:

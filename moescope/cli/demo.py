@@ -84,8 +84,20 @@ def demo(**o) -> int | None:
     rank_env = env_rank()
     if world_size == 1 and rank_env is None and o["rebalance_steps"]:
         raise BadInput("--rebalance-steps rearranges experts between ranks: it needs --world-size > 1")
+    if not o["rebalance_steps"] and (o["rebalance_slots"] is not None or o["rebalance_below"] is not None):
+        raise BadInput("--rebalance-slots and --rebalance-below shape the rearrangements --rebalance-steps N "
+                       "makes: give it too")
     if world_size > 1 and rank_env is None:
+        from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
+
+        if resolve_device(o["device"]).type != "cpu":
+            raise BadInput(f"--world-size {world_size} runs its ranks over gloo on CPU; CUDA ranks (NCCL) are not "
+                           "built yet: add --device cpu")
         model = build_model(o, config_from_options(o))  # validates the model and placement before spawning
+        if o["rebalance_slots"] is not None and o["rebalance_slots"] * world_size < model.cfg.n_experts:
+            raise BadInput(f"--rebalance-slots {o['rebalance_slots']}: {world_size} ranks x "
+                           f"{o['rebalance_slots']} slots cannot hold {model.cfg.n_experts} experts (need "
+                           f">= {-(-model.cfg.n_experts // world_size)})")
         return demo_parallel.launch(click.get_current_context(), world_size, o["placement_spec"], slow_rank,
                                     o["timeout"], model, o["as_json"])
     rank, world = rank_env or (0, 1)

@@ -116,7 +116,7 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
 
 
 class StopOnSignal:
-    """A rank's SIGTERM and SIGHUP (the launcher's agent forwards the signal it got, or stops the survivors of a
+    """A rank's SIGTERM, SIGINT and SIGHUP (the launcher's agent forwards the signal it got, or stops the survivors of a
     failed rank): while ``engine`` serves, ask it to stop (the ranks agree on the step, and a rank blocked in an
     exchange with a dead peer still names it first); otherwise end now, as the signal would."""
 
@@ -126,7 +126,7 @@ class StopOnSignal:
 
         self.engine = None
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGHUP):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (Ctrl-C reaches every rank too)
                 signal.signal(sig, self)
 
     def __call__(self, signum, _frame) -> None:

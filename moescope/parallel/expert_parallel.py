@@ -36,6 +36,7 @@ rank shows up as the peer everyone waits on (DeepEP's N x N view).
 
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ import torch.distributed as dist
 from moescope.errors import MoescopeError
 from moescope.parallel.placement import Placement
 from moescope.runtime.experts import Experts, combine
+
+
+EVENTS_KEPT = 256  # the last rearrangements kept for the summary (one placement each): bounded for days
 
 
 class ParallelError(MoescopeError):
@@ -96,7 +100,8 @@ class ExpertParallel:
         self.dispatches = 0  # dispatch exchanges made (an engine step that made none runs an idle forward)
         self.rebalancer = None  # parallel.eplb.Rebalancer: EPLB in the loop
         self.steps = 0  # rank steps begun (``between_steps``): the same count on every rank
-        self.events: list = []  # parallel.eplb.Rebalance, in order
+        self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)  # parallel.eplb.Rebalance, in order
+        self._dealt: dict[int, torch.Tensor] = {}  # layer -> slots of each expert this rank has dealt to replicas
         self._rows_since: dict[int, list[int]] = {}  # layer -> rows each rank computed since the last rearrangement
         self._routed: dict[int, torch.Tensor] = {}  # layer -> this rank's slots per logical expert, same period
 
@@ -135,8 +140,9 @@ class ExpertParallel:
 
     def _destinations(self, layer: int, my_ids: torch.Tensor, n_exp: int) -> torch.Tensor:
         """Destination rank of each slot (-1: dropped). A replicated expert's slots are dealt over its replicas
-        in turn (the j-th slot of the expert from this rank goes to replica (j + rank) mod R): split evenly,
-        whichever rank routed them."""
+        in turn, continuing across forwards: the j-th slot of the expert this rank has routed since it started
+        goes to replica (j + rank) mod R, so a decode step's one slot per expert does not always land on the
+        same replica: split evenly, whichever rank routed them. The running count stays on the device."""
         owner, reps, nrep = self._owners(layer, my_ids.device)
         dest = owner[my_ids]
         if reps is None or not len(my_ids):
@@ -148,7 +154,12 @@ class ExpertParallel:
         starts = torch.cumsum(counts, 0) - counts
         pos = torch.empty_like(ids)
         pos[by_expert] = torch.arange(len(ids), device=ids.device) - starts[ids[by_expert]]
-        return torch.where(ok, reps[ids, (pos + self.rank) % nrep[ids]], dest)
+        dealt = self._dealt.get(layer)
+        if dealt is None:
+            dealt = self._dealt[layer] = torch.zeros(n_exp, dtype=torch.long, device=ids.device)
+        out = torch.where(ok, reps[ids, (pos + dealt[ids] + self.rank) % nrep[ids]], dest)
+        dealt.index_add_(0, ids, ok.long())  # (no boolean indexing: no host sync on CUDA)
+        return out
 
     def __call__(self, layer: int, experts: Experts, x: torch.Tensor, ids: torch.Tensor,
                  weights: torch.Tensor) -> torch.Tensor:

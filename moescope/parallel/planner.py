@@ -4,9 +4,9 @@ Per MoE layer, EPLB's recipe on one node: (1) with ``slots`` physical slots per 
 spare slots one by one to the expert with the highest load per replica; (2) pack the replicas onto ranks,
 heaviest first, each onto the least-loaded rank that has a free slot and no replica of that expert yet.
 
-Predicted load per rank follows the runtime's dispatch rule (`parallel.placement`): every rank owns 1/N of a
-step's tokens; a slot goes to the sender's own rank when it holds a replica of the expert, else to the lowest
-rank holding one. So a replica helps in proportion to the senders it serves, not 1/replicas.
+Predicted load per rank follows the runtime's dispatch rule (``parallel.expert_parallel``): a replicated
+expert's slots are dealt over its replicas in turn, so each of its R replicas computes 1/R of its load,
+whichever rank routed the tokens (``rank_loads``).
 
 Outputs: deepseek-ai/EPLB's tensors (``phy2log`` [layers, N*S], ``log2phy`` [layers, E, max replicas] padded
 with -1, ``logcnt`` [layers, E]) as JSON, and the placement YAML `moescope demo --placement` accepts.

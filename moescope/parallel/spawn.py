@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -72,6 +73,7 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
     try:
         elastic_launch(config, sys.executable)("-m", "moescope", *argv)
     except SignalException as exc:  # the ranks are gone: end as the signal would have ended us
+        shutil.rmtree(tmp, ignore_errors=True)
         raise SystemExit(128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
         for rank, f in exc.failures.items():
@@ -95,6 +97,7 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
             own = _own_error(tmp, r)
             if own is not None:
                 others.append(_failure(tmp, r, 1, *own))
+    shutil.rmtree(tmp, ignore_errors=True)  # read: the failures carry their ranks' last lines
     return summaries, sorted(first.values(), key=lambda f: f.ended_s) + sorted(others, key=lambda f: f.ended_s)
 
 

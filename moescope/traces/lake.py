@@ -70,6 +70,16 @@ def is_lake(path: str | os.PathLike) -> bool:
     return s.endswith(("/", os.sep)) or os.path.isdir(s) or any(c in s for c in "*?[") or "://" in s
 
 
+def _need(module: str):
+    """``module`` imported, or the one-line error that says which extra brings it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise BadInput(f"the trace lake needs {module}: pip install 'moescope[lake]'") from None
+
+
 def schema():
     import pyarrow as pa
 
@@ -122,6 +132,7 @@ class LakeWriter:
                  roll_bytes: int = 64 * 2**20, max_bytes: int | None = None, max_age_s: float | None = None,
                  replica: str | None = None) -> None:
         self.root = Path(root)
+        _need("pyarrow.parquet")  # at start, as a clear error: not a lost row per flush later
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -134,6 +145,9 @@ class LakeWriter:
         self.seq = 0
         self.files = 0  # files written (ticks and rolled)
         self._open: list[tuple[int, Path]] = []  # (seq, tick file) not rolled yet
+        # ticks a rolled file replaces, deleted one roll later: a reader that listed them just before the roll
+        # still finds them (and leaves them out, by the rolled file's footer)
+        self._rolled: list[Path] = []
         self._open_bytes, self._opened = 0, time.monotonic()
 
     def _dir(self, started: float) -> Path:
@@ -168,8 +182,9 @@ class LakeWriter:
             _write_atomic(table, d / f"p-{self.run_id}-{ticks[0][0]:06d}-{ticks[-1][0]:06d}.parquet",
                           replaces=[p.name for _, p in ticks])
             self.files += 1
-            for _, p in ticks:
-                p.unlink()
+        for p in self._rolled:
+            p.unlink(missing_ok=True)  # (`traces compact` may have taken them already)
+        self._rolled = [p for _, p in self._open]
         self._open, self._open_bytes = [], 0
         if self.max_bytes is not None or self.max_age_s is not None:
             enforce_retention(self.root / f"model={self.model}", self.replica, max_bytes=self.max_bytes,
@@ -178,6 +193,9 @@ class LakeWriter:
     def close(self) -> None:
         if self._open:
             self.roll()
+        for p in self._rolled:
+            p.unlink(missing_ok=True)
+        self._rolled = []
 
 
 def enforce_retention(root: str | Path, replica: str | None = None, *, max_bytes: int | None = None,
@@ -242,7 +260,7 @@ def compact(root: str | Path, *, min_age_s: float = 600.0, target_bytes: int = 2
 
 def data_files(path: str) -> list[str]:
     """The Parquet files under ``path`` (a directory, or a glob of directories and files)."""
-    roots = sorted(glob.glob(path)) if any(c in path for c in "*?[") else [path]
+    roots = sorted(glob.glob(path, recursive=True)) if any(c in path for c in "*?[") else [path]
     files: set[str] = set()
     for root in roots:
         if os.path.isdir(root):
@@ -361,7 +379,7 @@ def _sql_list(items: list[str]) -> str:
 def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
     """Open a lake for reading (see the module docstring); ``warn``: where the one line about skipped files
     goes (default stderr)."""
-    import duckdb
+    duckdb = _need("duckdb")
 
     s = str(path)
     duck = duckdb.connect()
@@ -371,7 +389,7 @@ def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
     else:
         if not any(c in s for c in "*?[") and not os.path.isdir(s):
             raise BadInput(f"trace lake {s} does not exist (run `moescope demo --traces {s.rstrip('/')}/` first)")
-        if any(c in s for c in "*?[") and not glob.glob(s):
+        if any(c in s for c in "*?[") and not glob.glob(s, recursive=True):
             raise BadInput(f"trace lake {s}: the pattern matches nothing")
         files = readable_files(s, skipped, duck)
         if skipped:

@@ -409,8 +409,10 @@ def _valid_step(st) -> bool:
     return all(isinstance(v, list) and all(_is_num(x) for x in v) for v in peer_wait.values())
 
 
-# one model shape (``IS NOT DISTINCT FROM``: SQLite's ``IS``, which DuckDB also reads, the lake's engine)
-_SHAPE = "layers IS NOT DISTINCT FROM ? AND top_k IS NOT DISTINCT FROM ? AND n_experts IS NOT DISTINCT FROM ?"
+# one model shape, NULL equal to NULL, in SQL both engines read: SQLite before 3.39 (Ubuntu 22.04's 3.37) has
+# no ``IS NOT DISTINCT FROM``; DuckDB, the lake's engine, has no ``IS ?``
+_SHAPE = "coalesce(layers, '') = coalesce(?, '') AND coalesce(top_k, -1) = coalesce(?, -1) AND " \
+    "coalesce(n_experts, -1) = coalesce(?, -1)"
 
 
 def iter_routed(conn, *, since: float | None = None, limit: int | None = None, newest: bool = False,
