@@ -21,9 +21,11 @@ def _off() -> bool:
 
 
 @contextmanager
-def progress(description: str, total: int) -> Iterator[Callable[[int], None]]:
-    """Yields ``advance(n=1)``; shows ``description`` with a bar of ``total`` steps and the time left."""
-    if _off():
+def progress(description: str, total: int, lines: bool = True) -> Iterator[Callable[[int], None]]:
+    """Yields ``advance(n=1)``; shows ``description`` with a bar of ``total`` steps and the time left.
+    ``lines``: off a terminal, the start and done lines (False: nothing, for work whose output is the
+    command's own, as `cache-sim --json`'s errors and results)."""
+    if _off() or (not lines and not sys.stderr.isatty()):
         yield lambda n=1: None
         return
     started = time.monotonic()

@@ -14,6 +14,7 @@ import numpy as np
 from moescope.analysis import cache_stack
 from moescope.analysis.files import read_format
 from moescope.errors import BadInput
+from moescope.progress import progress
 from moescope.runtime import cache_policy
 from moescope.capture.routing_log import FORMAT
 
@@ -49,16 +50,19 @@ def load_lookups_from_store(conn, corrupt=None) -> tuple[int, dict[int, list[int
     layer_no: dict[int, int] = {}
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (step number, layer numbers, ids) per request
     n_experts = None
-    for r in iter_routed(conn, corrupt=corrupt):
-        n_experts, steps = r.n_experts, r.steps
-        used = np.unique(np.asarray(r.step_of[:r.n_routed], dtype=np.int64))
-        if any("index" not in steps[int(i)] for i in used):
-            raise BadInput("this trace store predates step ids; record a new one (or use --record-routing)")
-        number = np.zeros(len(steps), np.int64)
-        for i in used:
-            number[i] = step_rank.setdefault((steps[i].get("run", ""), steps[i]["index"]), len(step_rank))
-        layers = np.array([layer_no.setdefault(layer, len(layer_no)) for layer in r.layers], np.int64)
-        parts.append((number[np.asarray(r.step_of[:r.n_routed], dtype=np.int64)], layers, r.ids))
+    total = conn.execute("SELECT count(*) FROM requests WHERE ids IS NOT NULL").fetchone()[0]
+    with progress("reading the stored routing", total, lines=False) as advance:
+        for r in iter_routed(conn, corrupt=corrupt):
+            advance()
+            n_experts, steps = r.n_experts, r.steps
+            used = np.unique(np.asarray(r.step_of[:r.n_routed], dtype=np.int64))
+            if any("index" not in steps[int(i)] for i in used):
+                raise BadInput("this trace store predates step ids; record a new one (or use --record-routing)")
+            number = np.zeros(len(steps), np.int64)
+            for i in used:
+                number[i] = step_rank.setdefault((steps[i].get("run", ""), steps[i]["index"]), len(step_rank))
+            layers = np.array([layer_no.setdefault(layer, len(layer_no)) for layer in r.layers], np.int64)
+            parts.append((number[np.asarray(r.step_of[:r.n_routed], dtype=np.int64)], layers, r.ids))
     if n_experts is None:
         raise corrupt.nothing_left("the trace store holds no routed tokens")
     order = np.empty(len(step_rank), np.int64)
