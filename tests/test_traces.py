@@ -268,10 +268,13 @@ from moescope.runtime.engine import Engine
 from moescope.traces.recorder import TraceRecorder
 from moescope.traces.writer import TraceWriter
 tick = TraceWriter.tick
+def say(line):  # one write per line: print() writes the text and its newline apart, and two threads print here
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 def told(self):  # a line per written tick, once its rows are committed (SQLite) or its file renamed (lake)
     ids = [r.request_id for r in self._finished]
     tick(self)
-    print("W", *ids, flush=True)
+    say(" ".join(["W", *ids]))
 TraceWriter.tick = told
 model = loader.build_model("tiny-demo")
 rec = TraceRecorder(sys.argv[1], flush_interval_s=0.5)
@@ -283,7 +286,7 @@ for r in traffic.generate(traffic.TrafficConfig(seed=9), 100000):
     engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
 while True:
     for record in engine.step():
-        print(time.time(), record.request_id, flush=True)
+        say(f"{time.time()} {record.request_id}")
 """
 
 
