@@ -101,6 +101,10 @@ class Thresholds:
     memory_horizon_s: int = 4 * 3600
     # The trend's window; a process without samples a window ago is too young to judge (start-up growth).
     memory_window_s: int = 1800
+    # diagnose: judge a memory trend beside the working set (KV-cache tokens held) only where time varies on
+    # its own: the part of time's spread the tokens held do not follow, at least this share (0.1: time and
+    # working set correlate at r < 0.995; beyond that a fitted split between them is arbitrary)
+    memory_time_apart: float = 0.1
 
     for_scale: float | None = None
 

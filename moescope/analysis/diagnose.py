@@ -655,7 +655,8 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
         t_rel = ts - ts[0]
         x = np.column_stack([np.ones_like(t_rel), kv])
         t_alone = t_rel - x @ np.linalg.lstsq(x, t_rel, rcond=None)[0]  # time, less what the working set follows
-        if t_alone.std() < 0.1 * t_rel.std():  # memory rose with the tokens held: time cannot be told apart
+        if t_alone.std() < t.memory_time_apart * t_rel.std():  # memory rose with the tokens held: time
+            # cannot be told apart from them
             return [Finding("leak", "info", "Memory: the working set (KV-cache tokens held) grew with time; "
                             "not judged as a trend", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
         coef = np.linalg.lstsq(np.column_stack([x, t_rel]), rss, rcond=None)[0]
