@@ -28,6 +28,7 @@ from moescope.capture.routing_probe import RoutingProbe, StepStats
 from moescope.errors import BadInput
 from moescope.metrics import catalogue
 from moescope.metrics.window import LayerGauges, RoutingWindow
+from moescope.parallel import planner
 
 # Per-(layer, expert) counters up to 64 MoE layers x 256 experts per replica: DeepSeek-V3's shape and a little
 # beyond (docs/metrics.md, "Cardinality", has the arithmetic).
@@ -92,8 +93,8 @@ class MetricsObserver(Observer):
         export_routing: False on a rank that routes the same tokens as another exporting rank (ranks given
             the same requests): its routing series would repeat that rank's, and sums over ranks would count
             every token twice. The rank still exports timings, all-to-all, cache and memory.
-        flush_interval_s: how often the routing probe summarises pending decisions (reads call ``flush()``
-            first, so a scrape sees every finished step).
+        flush_interval_s: how often the engine's thread summarises pending routing while it steps (and once
+            when it goes idle); reads serve the last summary (``flush``).
         max_inflight: in-flight requests whose per-(layer, expert) counts are held (None: from
             ``INFLIGHT_BYTES``).
         clock: monotonic seconds (tests inject a fake one).
@@ -183,8 +184,7 @@ class MetricsObserver(Observer):
         model has no engine to say when it is idle: there (``reads_flush``) a read flushes first."""
         self.probe.flush()
 
-    def on_idle(self) -> None:
-        self.probe.flush()
+    on_idle = flush  # the engine went idle: summarise now, on its thread
 
     def on_stats(self, st: StepStats) -> None:
         """Routing statistics summarised elsewhere: a CUDA-graph decode step's in-graph counters
@@ -409,14 +409,8 @@ class MetricsObserver(Observer):
         if not p.replicated:
             owner = np.array([[p.ranks_of(g.layers[j], x)[0] for x in range(p.n_experts)] for j in known])
             loads = thresholds.rank_loads(slots, owner, w)
-        else:
-            loads = np.zeros((len(known), w))
-            for i, j in enumerate(known):
-                split = np.zeros((p.n_experts, w))
-                for x in range(p.n_experts):
-                    ranks = p.ranks_of(g.layers[j], x)
-                    split[x, list(ranks)] = 1.0 / len(ranks)
-                loads[i] = slots[i] @ split
+        else:  # the dispatch's rule, as the planner predicts with it
+            loads = np.stack([planner.rank_loads(slots[i], p.layers[g.layers[j]]) for i, j in enumerate(known)])
         mom = thresholds.max_over_mean(loads)
         judged = {g.layers[j]: float(v) for j, v in zip(known, mom.tolist())
                   if np.isfinite(v) and np.isfinite(g.noise_cv[j])}
