@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import in_ci
+from helpers import wait_until
 from moescope import prom_http
 
 
@@ -63,15 +64,9 @@ def _bindable(port: int) -> bool:
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            prom_http.get(url, "a server", timeout=2)
-            return
-        except prom_http.Unreachable:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+    """Until ``url`` answers."""
+    wait_until(lambda: prom_http.get(url, "a server", timeout=2) is not None, timeout=timeout, what=f"GET {url}",
+               interval=0.2, ignore=(prom_http.Unreachable, OSError))
 
 
 class _Server:

@@ -8,6 +8,7 @@ import torch
 
 import moescope
 from conftest import in_ci
+from helpers import Recording
 from metrics_util import by_label, parse
 from moescope import stats
 from moescope.analysis import baseline as bl
@@ -260,39 +261,23 @@ def test_device_summary_path_equals_the_host_path(tiny_cfg):
         np.testing.assert_array_equal(host[i, :7], want.sum(0))
 
 
-class Recorder(Observer):
-    """Independent reference: every decision's expert ids and every step's segments, mapped to requests row by
-    row with plain Python after the run."""
+def per_request(rec: Recording, layers) -> dict:
+    """{request id: [L, E] slots} recounted row by row with plain Python from the recorded routing (dropped slots,
+    the sentinel id E, excluded), layers in ``layers`` order."""
+    import numpy as np
 
-    def __init__(self):
-        self.pending, self.steps, self.finished = [], [], []
-
-    def on_routing(self, layer, decision):
-        self.pending.append((layer, decision.active_ids.tolist(), decision.n_experts))
-
-    def on_step(self, step):
-        self.steps.append((tuple(step.segments), self.pending))
-        self.pending = []
-
-    def on_request(self, record):
-        self.finished.append(record.request_id)
-
-    def per_request(self, layers):
-        """{request id: [L, E] slots} (dropped slots excluded), layers in ``layers`` order."""
-        import numpy as np
-
-        out = {}
-        for segments, decisions in self.steps:
-            for layer, ids, n_exp in decisions:
-                row = 0
-                for rid, _, n in segments:
-                    acc = out.setdefault(rid, np.zeros((len(layers), n_exp)))
-                    for r in range(row, row + n):
-                        for e in ids[r]:
-                            if e < n_exp:
-                                acc[layers.index(layer), e] += 1
-                    row += n
-        return out
+    out = {}
+    for segments, decisions in rec.steps:
+        for layer, ids, n_exp in decisions:
+            ids, row = ids.tolist(), 0
+            for rid, _, n in segments:
+                acc = out.setdefault(rid, np.zeros((len(layers), n_exp)))
+                for r in range(row, row + n):
+                    for e in ids[r]:
+                        if e < n_exp:
+                            acc[layers.index(layer), e] += 1
+                row += n
+    return out
 
 
 def test_per_request_counts_and_the_judged_series_equal_a_recomputation_from_recorded_routing(tiny_cfg):
@@ -301,7 +286,7 @@ def test_per_request_counts_and_the_judged_series_equal_a_recomputation_from_rec
     from moescope import sampling, thresholds
 
     model = MoETransformer(tiny_cfg.replace(capacity_factor=1.0)).eval()
-    rec = Recorder()
+    rec = Recording()
     seen = []
     with moescope.instrument(model, port=0, model_name="t", observers=[rec]) as inst:
         probe_listener = inst.metrics.probe._listener
@@ -312,8 +297,8 @@ def test_per_request_counts_and_the_judged_series_equal_a_recomputation_from_rec
         parsed = parse(inst.exporter.exposition().decode())
         window = inst.metrics.window()
     layers = list(tiny_cfg.moe_layers)
-    want = rec.per_request(layers)
-    assert set(want) == {r.request_id for r in records} == set(rec.finished)
+    want = per_request(rec, layers)
+    assert set(want) == {r.request_id for r in records} == {r.request_id for r in rec.requests}
     # the probe's per-request counts, summed over its flushes, equal the row-by-row recount
     got: dict = {}
     for st in seen:

@@ -17,6 +17,7 @@ from moescope.alerts import rules
 from moescope.cli import main
 from moescope.dashboards import build
 from moescope.metrics import catalogue
+from helpers import wait_until
 from servers import Prometheus, free_port
 
 DASH = ROOT / "dashboards"
@@ -129,16 +130,17 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
             stderr=subprocess.DEVNULL)
         clients = threading.Thread(target=_serve_traffic, args=(f"http://127.0.0.1:{port + 3}", 120), daemon=True)
         clients.start()
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:  # wait until Prometheus has the run's final counters from both ranks
-            n = prom.scalar('count(moescope_build_info{model="tiny-demo"})') - 1 \
-                if prom.scalar('count(moescope_build_info{model="tiny-demo"})') else None
-            steps = prom.scalar('sum(moescope_steps_total{model="tiny-demo"})')
-            served = prom.scalar('sum(moescope_serve_e2e_request_latency_seconds_count{model="tiny-demo"})')
-            if n == 2 and steps and served and proc.poll() is None:
-                time.sleep(6)  # a few more scrapes: rates need several samples
-                break
-            time.sleep(1)
+
+        def readings():  # live: both ranks and the single run (the server exports serving series only)
+            return {"targets": prom.scalar('count(moescope_build_info{model="tiny-demo"})'),
+                    "steps": prom.scalar('sum(moescope_steps_total{model="tiny-demo"})'),
+                    "served": prom.scalar('sum(moescope_serve_e2e_request_latency_seconds_count{model="tiny-demo"})'),
+                    "2-rank run": "running" if proc.poll() is None else proc.returncode}
+
+        wait_until(readings, timeout=240, what="every target's series in Prometheus while the runs linger",
+                   until=lambda r: r["targets"] == 3 and r["steps"] and r["served"] and r["2-rank run"] == "running",
+                   interval=1)
+        time.sleep(6)  # a few more scrapes: rates need several samples
         failures = check_panels(prom, "tiny-demo", "1")
         assert not failures, "\n".join(failures)
         hot = prom.query('moescope_expert_hot_factor_ratio{model="tiny-demo"}')

@@ -1,30 +1,14 @@
 import torch
+from helpers import Recording
 
-from moescope.capture.observer import Observer
 from moescope.runtime import tokenizer, traffic
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer, Segment
 
 
-class RoutingRecorder(Observer):
-    def __init__(self):
-        self.ids = []
-        self.steps = []
-        self.requests = []
-
-    def on_routing(self, layer, decision):
-        self.ids.append((layer, decision.ids.clone()))
-
-    def on_step(self, step):
-        self.steps.append(step)
-
-    def on_request(self, request):
-        self.requests.append(request)
-
-
 def _serve(cfg, temperature, n=12, max_batch=4):
     model = MoETransformer(cfg)
-    rec = RoutingRecorder()
+    rec = Recording()
     engine = Engine(model, max_batch=max_batch, seed=5, observer=rec)
     reqs = traffic.generate(traffic.TrafficConfig(seed=2, output_tokens_median=8), n)
     records = engine.run(reqs, realtime=False, temperature=temperature)
@@ -36,8 +20,8 @@ def test_seeded_run_is_bit_identical_twice(tiny_cfg):
         a, rec_a = _serve(tiny_cfg, temperature)
         b, rec_b = _serve(tiny_cfg, temperature)
         assert [r.output_tokens for r in a] == [r.output_tokens for r in b]
-        assert len(rec_a.ids) == len(rec_b.ids) > 0
-        assert all(la == lb and torch.equal(x, y) for (la, x), (lb, y) in zip(rec_a.ids, rec_b.ids))
+        assert len(rec_a.decisions) == len(rec_b.decisions) > 0
+        assert all(la == lb and torch.equal(x, y) for (la, x, _), (lb, y, _) in zip(rec_a.decisions, rec_b.decisions))
 
 
 def test_engine_output_equals_manual_greedy_decode(tiny_cfg):
@@ -68,10 +52,10 @@ def test_request_timings_and_steps_are_consistent(tiny_cfg):
         assert r.ttft_s >= r.queue_s + r.prefill_s - 1e-9
         assert abs(sum(r.token_latencies_s) - r.total_s) < 1e-9
         assert r.finish_reason in ("length", "eos")
-    phases = {s.phase for s in rec.steps}
+    phases = {s.phase for s in rec.step_records}
     assert phases == {"prefill", "decode"}
     # Every token the engine ran is accounted to a request in the step records.
-    total = sum(n for s in rec.steps for _, _, n in s.segments)
+    total = sum(n for s in rec.step_records for _, _, n in s.segments)
     assert total == sum(len(r.prompt_tokens) + r.n_output - 1 for r in records)
 
 

@@ -3,20 +3,12 @@ and per-request seeds, each checked against a plain engine run of the same reque
 
 from __future__ import annotations
 
-from moescope.capture.observer import Observer
+from helpers import Recording
 from moescope.runtime import tokenizer
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 
 PROMPTS = ["def add(a, b):", "The river", "12 + 7 =", "¿Qué tal?", "import os", "Once upon"]
-
-
-class Requests(Observer):
-    def __init__(self):
-        self.records = []
-
-    def on_request(self, request):
-        self.records.append(request)
 
 
 class FakeClock:
@@ -29,7 +21,7 @@ class FakeClock:
 
 
 def _engine(cfg, **kw):
-    obs = Requests()
+    obs = Recording()
     return Engine(MoETransformer(cfg), seed=1, observer=obs, **kw), obs
 
 
@@ -69,7 +61,7 @@ def test_a_raising_sink_is_counted_and_never_stops_the_engine(tiny_cfg):
     engine.submit("hello", max_new_tokens=4, sink=broken)
     engine.submit("world", max_new_tokens=4)
     _drain(engine)
-    assert len(obs.records) == 2 and engine.sink_errors == 4
+    assert len(obs.requests) == 2 and engine.sink_errors == 4
 
 
 def test_cancel_frees_the_slot_and_records_the_request_as_cancelled(tiny_cfg):
@@ -91,8 +83,8 @@ def test_cancel_frees_the_slot_and_records_the_request_as_cancelled(tiny_cfg):
     engine.step()  # the freed slot takes c at once
     assert [r.request_id for r in engine._running] == ["b", "c"]
     _drain(engine)
-    assert [r.request_id for r in obs.records][:2] == ["a", "q"]
-    assert {r.request_id: r.finish_reason for r in obs.records}["c"] in ("length", "eos")
+    assert [r.request_id for r in obs.requests][:2] == ["a", "q"]
+    assert {r.request_id: r.finish_reason for r in obs.requests}["c"] in ("length", "eos")
     # the cancelled request's tokens are a prefix of what it would have made
     ref, _ = _engine(tiny_cfg, max_batch=2)
     ref.submit(PROMPTS[0], max_new_tokens=40, request_id="a")
@@ -108,7 +100,7 @@ def test_timeout_ends_running_and_queued_requests(tiny_cfg):
     engine.submit(PROMPTS[1], max_new_tokens=50, request_id="queued", timeout_s=0.1)
     engine.submit(PROMPTS[2], max_new_tokens=2, request_id="fine")
     _drain(engine)
-    by = {r.request_id: r for r in obs.records}
+    by = {r.request_id: r for r in obs.requests}
     assert by["slow"].finish_reason == "timeout" and 0 < by["slow"].n_output < 50
     assert by["slow"].total_s >= 0.2
     assert by["queued"].finish_reason == "timeout" and by["queued"].n_output == 0

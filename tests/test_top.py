@@ -8,6 +8,7 @@ import time
 
 import pytest
 from metrics_util import parse, series
+from helpers import moescope_popen, wait_until
 from servers import free_port, wait_http
 from tmux_screen import wait_screen
 from top_scale import (COLLAPSED, DEAD, DEAD_LAYER, HOT_EXPERT, HOT_LAYER, HOT_ONE, SKEWED, ScaleExporter,
@@ -18,22 +19,13 @@ from moescope.tui.top_data import Poller, _fmt, scrape
 
 
 def _demo(port, *args):
-    return subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--no-tui", "--metrics-port", str(port),
-                             "--traces", "none", "--canary-interval", "0", *args],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return moescope_popen("demo", "--no-tui", "--metrics-port", port, "--traces", "none", "--canary-interval", "0",
+                          *args)
 
 
 def _served(url, n):
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            got = scrape(url)
-            if sum(v for (name, _), v in got.items() if name == "moescope_requests_total") >= n:
-                return
-        except OSError:
-            pass
-        time.sleep(0.3)
-    raise AssertionError("the demo did not serve its requests")
+    wait_until(lambda: sum(v for (name, _), v in scrape(url).items() if name == "moescope_requests_total") >= n,
+               timeout=120, what=f"the demo serving {n} requests")
 
 
 def _plain(app, widget_id):
@@ -141,9 +133,7 @@ def test_top_reads_prometheus_and_alertmanager(tmp_path):
         wait_http(f"http://{url}/metrics", timeout=90)
         _served(url, 16)
         prom = Prometheus(tmp_path, [url])
-        deadline = time.monotonic() + 30
-        while not prom.query("moescope_expert_load_cv_ratio") and time.monotonic() < deadline:
-            time.sleep(0.5)
+        wait_until(lambda: prom.query("moescope_expert_load_cv_ratio"), timeout=30, what="the gauges in Prometheus")
         alert = [{"labels": {"alertname": "MoEExpertCollapse", "severity": "critical", "layer": "2",
                              "model": "tiny-demo"}}]
         req = urllib.request.Request(f"http://{am.address}/api/v2/alerts", data=json.dumps(alert).encode(),
@@ -188,22 +178,16 @@ def test_tmux_80x24_screen_shows_tiles_heatmap_and_quits():
             return subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
                                   text=True).stdout
 
-        deadline = time.monotonic() + 60
-        text = ""
-        while time.monotonic() < deadline:
+        def rows_shown():
             text = screen()
-            if "L3 " in text and "excess CV 0." in text:
-                break
-            time.sleep(0.5)
+            return text if "L3 " in text and "excess CV 0." in text else None
+
+        text = wait_until(rows_shown, timeout=60, what="top's rows on the tmux screen", interval=0.5)
         assert f"127.0.0.1:{port} ok" in text and "excess CV 0." in text and "3 layers x 8 experts" in text, text
         assert all(f"L{la} " in text for la in (1, 2, 3)) and "quit" in text, text  # rows and key help fit
         assert all(len(line) <= 80 for line in text.splitlines())
         subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
-        deadline = time.monotonic() + 20
-        while "EXITED" not in text and time.monotonic() < deadline:
-            time.sleep(0.3)
-            text = screen()
-        assert "EXITED" in text
+        wait_until(lambda: "EXITED" in screen(), timeout=20, what="top exiting on q")
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
         demo.kill()

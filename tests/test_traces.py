@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import moescope
-from moescope.capture.observer import Observer
+from helpers import Recording
 from moescope.cli import main
 from moescope.errors import BadInput
 from moescope.runtime import traffic
@@ -23,28 +23,9 @@ from moescope.traces.recorder import TraceRecorder
 EVIL = "\x1b]0;pwned\x07\x1b[2J\x1b[31mred\x9b"
 
 
-class StepRouting(Observer):
-    """Independent record: per step, each request's token rows of every layer's expert ids."""
-
-    def __init__(self):
-        self.pending, self.by_request = [], {}
-
-    def on_routing(self, layer, decision):
-        self.pending.append((layer, decision.active_ids.clone()))
-
-    def on_step(self, step):
-        offset = 0
-        for rid, _, n in step.segments:
-            rows = self.by_request.setdefault(rid, [])
-            for t in range(offset, offset + n):
-                rows.append([ids[t].tolist() for _, ids in self.pending])
-            offset += n
-        self.pending = []
-
-
 def _serve(cfg, path, n=6, **kw):
     model = MoETransformer(cfg).eval()
-    spy = StepRouting()
+    spy = Recording()
     rec = TraceRecorder(path, **kw)
     with moescope.instrument(model, observers=[rec, spy]):
         engine = Engine(model, max_batch=3)
@@ -64,7 +45,7 @@ def test_trace_json_expert_ids_equal_an_independent_observer(tiny_cfg, tmp_path,
         assert main(["trace", r.request_id, "--traces", str(path), "--json"]) == 0
         doc = json.loads(capsys.readouterr().out)
         routed = [t for t in doc["tokens"] if t["layers"]]
-        assert [[la["experts"] for la in t["layers"]] for t in routed] == spy.by_request[r.request_id]
+        assert [[la["experts"] for la in t["layers"]] for t in routed] == spy.rows_by_request()[r.request_id]
         assert len(doc["tokens"]) == len(r.prompt_tokens) + r.n_output
         assert [t["latency_s"] for t in doc["tokens"] if t["phase"] == "decode"] == \
             pytest.approx(list(r.token_latencies_s), rel=1e-6)
