@@ -41,28 +41,28 @@ def wait_until(probe: Callable[[], T], *, timeout: float, what: str, until: Call
         time.sleep(interval)
 
 
-def moescope_argv(*args: str) -> list[str]:
+def cli_argv(*args: str) -> list[str]:
     """The CLI as a user runs it: ``python -m moescope ARGS`` in this interpreter."""
     return [sys.executable, "-m", "moescope", *map(str, args)]
 
 
-def moescope(*args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+def run_cli(*args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """Run ``moescope ARGS`` to its end; text output captured. ``kw`` goes to subprocess.run (env, cwd, input)."""
-    return subprocess.run(moescope_argv(*args), capture_output=True, text=True, timeout=timeout, **kw)
+    return subprocess.run(cli_argv(*args), capture_output=True, text=True, timeout=timeout, **kw)
 
 
-def moescope_ok(*args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
+def run_cli_ok(*args, timeout: float = 300, **kw) -> subprocess.CompletedProcess:
     """``moescope`` that must exit 0; the failure message is the command and its stderr."""
-    run = moescope(*args, timeout=timeout, **kw)
+    run = run_cli(*args, timeout=timeout, **kw)
     assert run.returncode == 0, f"moescope {' '.join(map(str, args))} -> {run.returncode}\n{run.stderr[-4000:]}"
     return run
 
 
-def moescope_popen(*args, **kw) -> subprocess.Popen:
+def popen_cli(*args, **kw) -> subprocess.Popen:
     """Start ``moescope ARGS`` in the background (output discarded unless ``kw`` says otherwise)."""
     kw.setdefault("stdout", subprocess.DEVNULL)
     kw.setdefault("stderr", subprocess.DEVNULL)
-    return subprocess.Popen(moescope_argv(*args), **kw)
+    return subprocess.Popen(cli_argv(*args), **kw)
 
 
 class Recording(Observer):

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import re
 import subprocess
-import time
 import urllib.request
 
 import pytest
@@ -16,6 +15,7 @@ from moescope import thresholds
 from moescope.alerts import cases, rules, unit_tests
 from moescope.cli import main
 from moescope.metrics import catalogue
+from helpers import wait_until
 from servers import Alertmanager, require
 
 PROM = ROOT / "collectors" / "prometheus"
@@ -255,14 +255,12 @@ def test_a_real_alertmanager_mutes_the_symptoms_of_a_cause(tmp_path):
         urllib.request.urlopen(req, timeout=10).read()
         muted = {("a", "MoEExpertHot", "2"), ("a", "MoEExpertLoadImbalance", "3"),
                  ("b", "MoEExpertLoadImbalance", "2"), ("b", "MoERankLoadImbalance", "2")}
-        deadline = time.monotonic() + 20
-        while True:
+        def state():
             got = json.loads(urllib.request.urlopen(f"http://{am.address}/api/v2/alerts", timeout=10).read())
-            state = {(a["labels"]["model"], a["labels"]["alertname"], a["labels"]["layer"]):
-                     bool(a["status"]["inhibitedBy"]) for a in got}
-            if len(state) == len(posted) and {k for k, v in state.items() if v} == muted:
-                break
-            assert time.monotonic() < deadline, state
-            time.sleep(0.5)
+            return {(a["labels"]["model"], a["labels"]["alertname"], a["labels"]["layer"]):
+                    bool(a["status"]["inhibitedBy"]) for a in got}
+
+        wait_until(state, until=lambda s: len(s) == len(posted) and {k for k, v in s.items() if v} == muted,
+                   timeout=20, what="Alertmanager's inhibitions", interval=0.5)
     finally:
         am.stop()

@@ -8,11 +8,12 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 import moescope
+from helpers import wait_until
+from tmux_screen import screen
 from moescope.config import Cache, Canary, Config, Metrics, Mitigations, Traces
 from moescope.errors import BadInput, ConfigError
 from moescope.runtime import traffic
@@ -109,17 +110,15 @@ def test_demo_at_a_terminal_shows_the_live_view_then_the_summary():
            "echo EXITED $?; sleep 30")
     subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
 
-    def screen():
-        return subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
-
     try:
-        seen_view, text = False, ""
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and "EXITED" not in text:
-            text = screen()
-            seen_view = seen_view or ("excess CV" in text and " ok" in text)
-            time.sleep(0.3)
-        assert seen_view, text
+        views = []  # every screen seen until the command exits: the live view must be among them
+
+        def shown():
+            views.append(screen(tmux, session))
+            return views[-1]
+
+        text = wait_until(shown, until=lambda t: "EXITED" in t, timeout=240, what="the demo exiting in tmux")
+        assert any("excess CV" in v and " ok" in v for v in views), text
         assert "EXITED 0" in text and "served 24/24 requests" in text, text
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)

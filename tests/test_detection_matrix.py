@@ -18,13 +18,12 @@ import json
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-import subprocess
-import sys
 import time
 import pytest
 
 import moescope
 import pipeline
+from helpers import run_cli, wait_until
 from moescope.alerts import rules
 from moescope.runtime import loader
 
@@ -147,13 +146,11 @@ def _one_at_shape(base, scenario, model):
     store = base / scenario / "traces.sqlite"
 
     def during(prom):  # Prometheus' view, then diagnose on the store and the same Prometheus
-        deadline = time.monotonic() + 90
-        while True:  # a fast alert can come before the first request finished into the store
-            run = subprocess.run([sys.executable, "-m", "moescope", "diagnose", "--traces", str(store),
-                                  "--prometheus", prom.url, "--json"], capture_output=True, text=True, timeout=240)
-            if run.returncode != 2 or "no routed requests" not in run.stderr or time.monotonic() > deadline:
-                break
-            time.sleep(5)
+        # a fast alert can come before the first request finished into the store
+        run = wait_until(lambda: run_cli("diagnose", "--traces", store, "--prometheus", prom.url, "--json",
+                                         timeout=240),
+                         until=lambda r: r.returncode != 2 or "no routed requests" not in r.stderr, timeout=90,
+                         what="a request in the store for diagnose", interval=5)
         try:
             findings = json.loads(run.stdout)["findings"]
         except (ValueError, KeyError):

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 import torch
 
+from helpers import wait_until
 from moescope.parallel.expert_parallel import ExpertParallel
 
 
@@ -125,12 +125,11 @@ def test_a_rank_that_dies_has_its_own_last_words_reported_by_the_launcher(tmp_pa
          "400", "--timeout", "5", "--metrics-port", str(port), "--traces", "none"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        ranks = {}
-        while len(ranks) < 2 or not _stepped(port + 1):  # rank 1 serving: group joined, steps taken (not a
-            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"  # fixed sleep:
-            ranks = _children(launcher.pid)  # on loaded cores 6 s once killed it before the group had formed)
-            time.sleep(0.2)
+        # rank 1 serving: group joined, steps taken (not a fixed sleep: on loaded cores 6 s once killed it before
+        # the group had formed)
+        ranks = wait_until(lambda: _children(launcher.pid), until=lambda r: len(r) == 2 and _stepped(port + 1),
+                           timeout=240, what="both ranks started, rank 1 stepping", interval=0.2,
+                           alive=lambda: launcher.poll() is None)
         os.kill(ranks[1], signal.SIGKILL)
         _, err = launcher.communicate(timeout=120)
     finally:
@@ -175,18 +174,13 @@ def test_sigterm_to_the_launcher_ends_its_ranks_too(tmp_path):
          "--metrics-port", "0", "--traces", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks = {}
     try:
-        deadline = time.monotonic() + 120
-        while len(ranks) < 2:
-            assert time.monotonic() < deadline and launcher.poll() is None, "ranks did not start"
-            ranks = _children(launcher.pid)
-            time.sleep(0.2)
+        ranks = wait_until(lambda: _children(launcher.pid), until=lambda r: len(r) == 2, timeout=120,
+                           what="both ranks started", interval=0.2, alive=lambda: launcher.poll() is None)
         launcher.send_signal(signal.SIGTERM)
         launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:
             launcher.kill()
     assert launcher.returncode == 128 + signal.SIGTERM
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [r for r, pid in ranks.items() if _alive(pid)], "ranks outlived their launcher"
+    wait_until(lambda: [r for r, pid in ranks.items() if _alive(pid)], until=lambda alive: not alive, timeout=10,
+               what="no rank outliving its launcher", interval=0.1)

@@ -15,6 +15,7 @@ from moescope.errors import BadInput
 from moescope.parallel import placement
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer, Segment
+from helpers import wait_until
 from servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -141,16 +142,9 @@ def test_a_dead_or_hung_rank_stops_the_others_with_an_error_naming_it(tmp_path, 
             [sys.executable, "-m", "moescope", "demo", "--requests", "400", "--rate", "0", "--metrics-port", "-1",
              "--timeout", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
-        deadline = time.monotonic() + 120
-        while True:  # wait until both ranks are serving
-            try:
-                steps = [int(store.get(f"moescope/hb/{r}").decode().split()[0]) for r in range(2)]
-                if min(steps) >= 3:
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "ranks did not start"
-            time.sleep(0.2)
+        wait_until(lambda: [int(store.get(f"moescope/hb/{r}").decode().split()[0]) for r in range(2)],
+                   until=lambda steps: min(steps) >= 3, timeout=120, what="both ranks serving (heartbeat steps)",
+                   interval=0.2, ignore=(Exception,), alive=lambda: all(p.poll() is None for p in procs))
         procs[1].send_signal(sig)
         t_kill = time.monotonic()
         err = procs[0].communicate(timeout=60)[1]

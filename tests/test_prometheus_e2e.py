@@ -3,10 +3,10 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 
+from helpers import wait_until
 from servers import Prometheus, free_port
 
 pytestmark = pytest.mark.integration
@@ -24,13 +24,9 @@ def test_prometheus_reads_back_the_runtime_total(tmp_path):
         runtime_total = sum(sum(c) for c in summary["expert_load"].values())
         assert runtime_total > 0
         # The demo has exited: read the last scraped values (max over the last minute per series).
-        deadline = time.monotonic() + 20
-        while True:
-            got = prom.scalar('sum(max_over_time(moescope_expert_tokens_total{model="tiny-demo"}[1m]))')
-            if got == runtime_total or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert got == runtime_total
+        wait_until(lambda: prom.scalar('sum(max_over_time(moescope_expert_tokens_total{model="tiny-demo"}[1m]))'),
+                   until=lambda got: got == runtime_total, timeout=20, what=f"{runtime_total} slots in Prometheus",
+                   interval=0.5)
         tokens = prom.scalar('sum(max_over_time(moescope_router_tokens_total[1m]))')
         assert tokens * 2 == runtime_total  # top-2, no capacity limit: every routed token has 2 slots
         # Histograms and the ratio gauges arrived too.

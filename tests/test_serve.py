@@ -22,6 +22,7 @@ import pytest
 
 from conftest import in_ci
 from moescope.traces import store
+from helpers import wait_until
 from servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -43,16 +44,12 @@ class Serve:
             [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port",
              str(self.metrics_port), "--traces", str(self.traces), "--canary-interval", "0", *args],
             stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240  # deepseek-v3-shape builds its balanced init once (~30 s, then cached)
-        while True:
-            try:
-                urllib.request.urlopen(self.url + "/health", timeout=2).read()
-                return
-            except OSError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("serve did not start:\n" + self.log()) from None
-                time.sleep(0.2)
+        try:  # deepseek-v3-shape builds its balanced routers once (then cached)
+            wait_until(lambda: urllib.request.urlopen(self.url + "/health", timeout=2).read(), timeout=240,
+                       what="serve answering /health", interval=0.2, alive=lambda: self.proc.poll() is None)
+        except AssertionError:
+            self.stop()
+            raise RuntimeError("serve did not start:\n" + self.log()) from None
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -61,13 +58,7 @@ class Serve:
         return httpx.get(self.url + "/health", timeout=10).json()
 
     def wait_health(self, pred, timeout: float = 20.0) -> dict:
-        deadline = time.monotonic() + timeout
-        while True:
-            h = self.health()
-            if pred(h):
-                return h
-            assert time.monotonic() < deadline, h
-            time.sleep(0.05)
+        return wait_until(self.health, until=pred, timeout=timeout, what="a /health state", interval=0.05)
 
     def stop(self) -> int:
         if self.proc.poll() is None:
@@ -88,18 +79,14 @@ class Serve:
 
     def stored(self, rid: str, timeout: float = 10.0) -> dict:
         """The request's trace document, once the recorder committed it (it commits every 0.5 s)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.traces.exists():
-                conn = store.open_store(self.traces)
-                try:
-                    return store.load_request(conn, rid)
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                finally:
-                    conn.close()
-            time.sleep(0.1)
+        def load():
+            conn = store.open_store(self.traces)
+            try:
+                return store.load_request(conn, rid)
+            finally:
+                conn.close()
+
+        return wait_until(load, timeout=timeout, what=f"{rid} in the trace store", interval=0.1, ignore=(Exception,))
 
 
 def _n_output(doc: dict) -> int:

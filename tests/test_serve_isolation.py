@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from conftest import in_ci
+from helpers import wait_until
 from moescope.runtime.engine import Engine, StepFailed
 from test_serve import MODEL, Serve
 
@@ -222,10 +223,8 @@ def test_the_loop_keeps_nothing_per_answered_request(model):
         jobs = [Job(f"m{i}", Params("completion", f"p {i}", 0, 3, 0.0, None, (), None, False, False), now())
                 for i in range(40)]
         assert all(loop.offer(j) == "ok" for j in jobs)
-        deadline = time.monotonic() + 120
-        while not all(j.stream.ended for j in jobs):
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_until(lambda: sum(j.stream.ended for j in jobs), until=lambda n: n == len(jobs), timeout=120,
+                   what="every stream ended", interval=0.05)
         time.sleep(0.2)  # the loop's turn after the last step
         assert [j.stream.record.n_output for j in jobs] == [3] * 40 and loop.served == 40
         assert engine.finished == [] and loop.running == 0 and not loop._ids and len(loop.admission) == 0
@@ -247,10 +246,7 @@ def test_steps_failing_three_turns_in_a_row_make_the_loop_unhealthy(model):
     def run(rid: str) -> Job:
         job = Job(rid, Params("completion", "x", 0, 2, 0.0, None, (), None, False, False), now())
         assert loop.offer(job) == "ok"
-        deadline = time.monotonic() + 60
-        while not job.stream.ended:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda: job.stream.ended, timeout=60, what=f"{rid}'s stream ended", interval=0.02)
         return job
 
     try:

@@ -16,6 +16,7 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as parse_openmetrics
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import wait_until
 from moescope.metrics import catalogue
 from test_serve import MODEL, Serve
 
@@ -198,13 +199,13 @@ def test_vllm_dashboard_queries_answer_through_the_documented_relabel(server, tm
     prom = Prometheus(tmp_path, [f"127.0.0.1:{server.port}"], metric_relabel=list(VLLM_RELABEL))
     try:
         client = server.client()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # traffic across several scrapes: rates need two samples
+        def traffic_scraped():  # traffic across several scrapes: rates need two samples
             client.completions.create(model=MODEL, prompt="relabel", max_tokens=6)
-            if prom.scalar(f'count(vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}) '
-                           f'and on() (count_over_time(vllm:generation_tokens_total{{model_name="{MODEL}"}}[30s]) '
-                           '> 4)'):
-                break
+            return prom.scalar(f'count(vllm:e2e_request_latency_seconds_count{{model_name="{MODEL}"}}) '
+                               f'and on() (count_over_time(vllm:generation_tokens_total{{model_name="{MODEL}"}}[30s]) '
+                               '> 4)')
+
+        wait_until(traffic_scraped, timeout=60, what="the renamed series over several scrapes", interval=0)
         missing = [q for q in VLLM_QUERIES if not prom.query(q.replace("$m", MODEL))]
         assert not missing, missing
         assert not prom.query('{__name__=~"moescope_serve_.+"}')  # every serving series was renamed

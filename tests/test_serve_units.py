@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import wait_until
 from moescope.runtime import tokenizer
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
@@ -231,9 +232,9 @@ def test_serving_metrics_count_every_token_when_the_event_loop_lags(tiny_cfg):
             metrics.admitted(j)
             assert loop.offer(j) == "ok"
         loop.start(metrics.waker(asyncio.get_running_loop()))
-        deadline = time.monotonic() + 60
-        while loop.served < len(jobs) and time.monotonic() < deadline:
-            time.sleep(0.05)  # blocks the event loop: the wake-ups queue up behind it
+        # time.sleep inside: blocks the event loop, so the wake-ups queue up behind it
+        wait_until(lambda: loop.served, until=lambda n: n >= len(jobs), timeout=60, what="both jobs served",
+                   interval=0.05)
         records = [await j.stream.done() for j in jobs]
         loop.close()
         return metrics, records

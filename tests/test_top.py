@@ -7,8 +7,8 @@ import sys
 import time
 
 import pytest
+from helpers import popen_cli, wait_until
 from metrics_util import parse, series
-from helpers import moescope_popen, wait_until
 from servers import free_port, wait_http
 from tmux_screen import wait_screen
 from top_scale import (COLLAPSED, DEAD, DEAD_LAYER, HOT_EXPERT, HOT_LAYER, HOT_ONE, SKEWED, ScaleExporter,
@@ -19,7 +19,7 @@ from moescope.tui.top_data import Poller, _fmt, scrape
 
 
 def _demo(port, *args):
-    return moescope_popen("demo", "--no-tui", "--metrics-port", port, "--traces", "none", "--canary-interval", "0",
+    return popen_cli("demo", "--no-tui", "--metrics-port", port, "--traces", "none", "--canary-interval", "0",
                           *args)
 
 
@@ -174,20 +174,12 @@ def test_tmux_80x24_screen_shows_tiles_heatmap_and_quits():
         cmd = f"{sys.executable} -m moescope top 127.0.0.1:{port} --interval 0.5; echo EXITED; sleep 30"
         subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
 
-        def screen():
-            return subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
-                                  text=True).stdout
-
-        def rows_shown():
-            text = screen()
-            return text if "L3 " in text and "excess CV 0." in text else None
-
-        text = wait_until(rows_shown, timeout=60, what="top's rows on the tmux screen", interval=0.5)
+        text = wait_screen(tmux, session, lambda text: "L3 " in text and "excess CV 0." in text)
         assert f"127.0.0.1:{port} ok" in text and "excess CV 0." in text and "3 layers x 8 experts" in text, text
         assert all(f"L{la} " in text for la in (1, 2, 3)) and "quit" in text, text  # rows and key help fit
         assert all(len(line) <= 80 for line in text.splitlines())
         subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
-        wait_until(lambda: "EXITED" in screen(), timeout=20, what="top exiting on q")
+        wait_screen(tmux, session, "EXITED", timeout=20)
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
         demo.kill()

@@ -12,6 +12,7 @@ import pytest
 
 import moescope
 from helpers import Recording
+from tmux_screen import wait_screen
 from moescope.cli import main
 from moescope.errors import BadInput
 from moescope.runtime import traffic
@@ -128,23 +129,11 @@ def test_tmux_screen_reads_as_a_person_would(tiny_cfg, tmp_path):
     cmd = f"{sys.executable} -m moescope trace {rid} --traces {path}; echo EXITED; sleep 30"
     subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
     try:
-        deadline = time.monotonic() + 60
-        screen = ""
-        while time.monotonic() < deadline:
-            screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
-                                    text=True).stdout
-            if rid in screen and "quit" in screen:
-                break
-            time.sleep(0.5)
+        screen = wait_screen(tmux, session, lambda text: rid in text and "quit" in text)
         assert rid in screen and "prompt:" in screen and "next anomaly" in screen, screen
         assert all(len(line) <= 80 for line in screen.splitlines())
         subprocess.run([tmux, "send-keys", "-t", session, "q"], check=True)
-        deadline = time.monotonic() + 20
-        while "EXITED" not in screen and time.monotonic() < deadline:
-            time.sleep(0.3)
-            screen = subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True,
-                                    text=True).stdout
-        assert "EXITED" in screen
+        wait_screen(tmux, session, "EXITED", timeout=20)
     finally:
         subprocess.run([tmux, "kill-session", "-t", session], capture_output=True)
 

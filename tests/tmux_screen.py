@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import subprocess
-import time
+from collections.abc import Callable
+
+from helpers import wait_until
 
 
 def screen(tmux: str, session: str) -> str:
@@ -11,12 +13,8 @@ def screen(tmux: str, session: str) -> str:
     return subprocess.run([tmux, "capture-pane", "-p", "-t", session], capture_output=True, text=True).stdout
 
 
-def wait_screen(tmux: str, session: str, needle: str, timeout: float = 60.0) -> str:
-    """The pane's text once ``needle`` is on it; fails with the last screen after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    text = screen(tmux, session)
-    while needle not in text and time.monotonic() < deadline:
-        time.sleep(0.3)
-        text = screen(tmux, session)
-    assert needle in text, text
-    return text
+def wait_screen(tmux: str, session: str, needle: str | Callable[[str], bool], timeout: float = 60.0) -> str:
+    """The pane's text once ``needle`` is on it (or once ``needle(text)`` holds); fails with the last screen
+    after ``timeout`` seconds."""
+    until = needle if callable(needle) else (lambda text: needle in text)
+    return wait_until(lambda: screen(tmux, session), until=until, timeout=timeout, what=f"{needle!r} on the screen")
