@@ -4,12 +4,12 @@ Alertmanager (the repo's routing and inhibitions) -> a webhook. Shared by the en
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 
 import yaml
 
+from helpers import popen_cli
 from conftest import ROOT
 from moescope.alerts import rules
 from servers import Alertmanager, Prometheus, Webhook, free_port, wait_http
@@ -51,9 +51,9 @@ def run(tmp_path, scenario: str, watch_s: float, *, stop_when=None, demo_args=()
     am = Alertmanager(tmp_path, ROOT / "collectors" / "alertmanager" / "alertmanager.yml", hook.port)
     port = free_port(2 if "slow-rank" in scenario else 1)  # 2 ranks: rank r serves metrics on port + r
     log = open(tmp_path / "demo.log", "wb")
-    demo = subprocess.Popen([sys.executable, "-m", "moescope", "demo", "--no-tui", "--model", model, "--scenario",
-                             scenario, "--duration", str(watch_s + 60), "--rate", str(rate), "--metrics-port",
-                             str(port), "--traces", str(traces), *demo_args], stdout=log, stderr=subprocess.STDOUT)
+    demo = popen_cli("demo", "--no-tui", "--model", model, "--scenario", scenario, "--duration", str(watch_s + 60),
+                     "--rate", str(rate), "--metrics-port", str(port), "--traces", str(traces), *demo_args, stdout=log,
+                     stderr=subprocess.STDOUT)
     prom = None
     try:
         targets = [f"127.0.0.1:{port}"]

@@ -1,12 +1,11 @@
 """End to end: demo scenario -> exporter -> real Prometheus (rules) -> real Alertmanager -> webhook."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
 import pipeline
+from helpers import run_cli
 from conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -16,8 +15,7 @@ def test_collapse_reaches_the_webhook_with_its_runbook(tmp_path):
     traces = tmp_path / "traces.sqlite"
 
     def diagnose(prom):  # `moescope diagnose --prometheus` reads the same alert back from the real server
-        run = subprocess.run([sys.executable, "-m", "moescope", "diagnose", "--traces", str(traces), "--prometheus",
-                              prom.url, "--json"], capture_output=True, text=True, timeout=120)
+        run = run_cli("diagnose", "--traces", str(traces), "--prometheus", prom.url, "--json", timeout=120)
         return run.returncode, json.loads(run.stdout)
 
     result = pipeline.run(tmp_path, "collapse", 90, demo_args=["--traces", str(traces)], during=diagnose,

@@ -1,9 +1,8 @@
 import json
-import subprocess
-import sys
 
 import pytest
 
+from helpers import run_cli
 from moescope.cli import main
 from moescope.runtime import weights
 
@@ -52,8 +51,7 @@ def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
 def test_console_entry_points_bad_config(tmp_path):
     bad = tmp_path / "k.yaml"
     bad.write_text("preset: tiny-demo\ntop_k: 9\n")
-    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--model", str(bad)], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_cli("demo", "--model", str(bad), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "moescope: error: top_k (9) must be <= n_experts (8)"
 
@@ -80,8 +78,7 @@ def test_check_determinism_passes_healthy_and_fails_jitter(capsys):
 def test_group_config_that_cannot_split_experts_is_one_line(tmp_path):
     bad = tmp_path / "g.yaml"
     bad.write_text("n_experts: 256\ntop_k: 8\nn_group: 3\n")
-    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--model", str(bad)], capture_output=True,
-                          text=True, timeout=120)
+    proc = run_cli("demo", "--model", str(bad), timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip() == "moescope: error: n_experts (256) must be divisible by n_group (3)"
 

@@ -5,7 +5,6 @@ baseline and a hot expert)."""
 import json
 import re
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +16,7 @@ from moescope.alerts import rules
 from moescope.cli import main
 from moescope.dashboards import build
 from moescope.metrics import catalogue
-from helpers import wait_until
+from helpers import popen_cli, wait_until
 from servers import Prometheus, free_port
 
 DASH = ROOT / "dashboards"
@@ -111,23 +110,18 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port + i}" for i in range(4)])
     serve = None
     try:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "16", "--rate", "0",
-             "--world-size", "2", "--cache-size", "4", "--capacity-factor", "1.0", "--metrics-port", str(port),
-             "--rebalance-steps", "10",  # EPLB in the loop: its panels
-             "--linger", "30", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = popen_cli("demo", "--no-tui", "--requests", "16", "--rate", "0", "--world-size", "2", "--cache-size",
+                         "4", "--capacity-factor", "1.0", "--metrics-port", str(port), "--rebalance-steps", "10",
+                         "--linger", "30", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         # A single-process demo beside it: the canary (flip ratio) and drift series (expert parallel runs
         # have no canary yet), and a hot expert (expert 3 of layer 1) for the hot-expert panels.
-        single = subprocess.Popen(
-            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "12", "--rate", "0",
-             "--metrics-port", str(port + 2), "--baseline", str(baseline), "--canary-interval", "0.2",
-             "--scenario", "hot=1:3:4",
-             "--linger", "30", "--traces", "none"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        single = popen_cli("demo", "--no-tui", "--requests", "12", "--rate", "0", "--metrics-port", str(port + 2),
+                           "--baseline", str(baseline), "--canary-interval", "0.2", "--scenario", "hot=1:3:4",
+                           "--linger", "30", "--traces", "none", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # The serving row: a real `moescope serve` (its API port's /metrics), answering streamed requests.
-        serve = subprocess.Popen(
-            [sys.executable, "-m", "moescope", "serve", "--port", str(port + 3), "--metrics-port", "-1", "--traces",
-             "none", "--canary-interval", "0", "--max-batch", "2"], stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL)
+        serve = popen_cli("serve", "--port", str(port + 3), "--metrics-port", "-1", "--traces", "none",
+                          "--canary-interval", "0", "--max-batch", "2", stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
         clients = threading.Thread(target=_serve_traffic, args=(f"http://127.0.0.1:{port + 3}", 120), daemon=True)
         clients.start()
 

@@ -5,12 +5,11 @@ imbalance fault (0.4-0.6 excess CV) waits for a baseline without one, and with a
 traffic it is the drift the rules name (imbalance unless drifted), with the imbalanced layers as evidence."""
 
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from helpers import run_cli
 from moescope import thresholds
 from moescope.cli import main
 from moescope.runtime import faults
@@ -31,9 +30,8 @@ def stores(tmp_path_factory):
         # arrivals) a run once left 8 s to judge: "too short", no finding
         n = {"switch-jitter": "24", "leak": "720"}.get(scenario, "48")
         # a process per run, as a deployment has: the memory check reads the process' resident memory
-        run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--json", "--rate", "40",
-                              "--requests", n, "--scenario", scenario, "--metrics-port", "-1", "--traces", str(path)],
-                             capture_output=True, text=True, timeout=300)
+        run = run_cli("demo", "--no-tui", "--json", "--rate", "40", "--requests", n, "--scenario", scenario,
+                      "--metrics-port", "-1", "--traces", str(path), timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         return scenario, (path, json.loads(run.stdout))
 

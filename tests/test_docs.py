@@ -10,6 +10,7 @@ import sys
 import pytest
 import yaml
 
+from helpers import run_cli
 from conftest import ROOT
 from moescope.metrics import catalogue
 
@@ -155,8 +156,7 @@ def _tour() -> list[list[str]]:
 
 
 def _run(argv, cwd, env, timeout=300):
-    return subprocess.run([sys.executable, "-m", "moescope", *argv], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return run_cli(*argv, cwd=cwd, env=env, timeout=timeout)
 
 
 @pytest.mark.slow

@@ -5,12 +5,11 @@ ranks, every routed slot is counted exactly once."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import yaml
 
+from helpers import run_cli
 import moescope
 from metrics_util import by_label, parse
 from moescope.alerts import rules
@@ -36,11 +35,9 @@ def test_the_fleet_sum_in_prometheus_counts_every_token_once(tmp_path):
     rules_file.write_text(yaml.safe_dump(rules.rules_document(), sort_keys=False))
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], rule_files=[str(rules_file)])
     try:
-        demo = subprocess.run(
-            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--requests", "9",
-             "--rate", "0", "--metrics-port", str(port), "--traces", "none", "--linger", "4", "--json",
-             "--metrics-window", "3600",  # the window gauges hold the whole run, however slow the machine
-             "--placement", str(_replicated(tmp_path))], capture_output=True, text=True, timeout=300)
+        demo = run_cli("demo", "--no-tui", "--world-size", "2", "--requests", "9", "--rate", "0", "--metrics-port",
+                       str(port), "--traces", "none", "--linger", "4", "--json", "--metrics-window", "3600",
+                       "--placement", str(_replicated(tmp_path)), timeout=300)
         assert demo.returncode == 0, demo.stderr[-2000:]
         s = json.loads(demo.stdout)
         wait_http(prom.url + "/-/ready")

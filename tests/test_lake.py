@@ -4,8 +4,6 @@ readers as the SQLite store. The reference is the SQLite store fed the same step
 import json
 import os
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from helpers import run_cli
 import moescope
 from conftest import in_ci
 from moescope.cli import main
@@ -221,19 +220,17 @@ def test_a_killed_writer_leaves_every_closed_file_readable(tmp_path):
 def test_demo_into_a_lake_directory(tmp_path):
     dl = tmp_path / "lake"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--requests", "24", "--rate", "0", "--traces",
-                          f"{dl}/", "--metrics-port", "0"], capture_output=True, text=True, timeout=300, env=env)
+    run = run_cli("demo", "--requests", "24", "--rate", "0", "--traces", f"{dl}/", "--metrics-port", "0", timeout=300,
+                  env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     assert list(dl.rglob("*.parquet"))
     n = duckdb.sql(f"select count(distinct request_id) from {DATASET.format(dl)}").fetchall()[0][0]
     assert n == 24
-    listed = subprocess.run([sys.executable, "-m", "moescope", "requests", "--json"], capture_output=True,
-                            text=True, env={**env, "MOESCOPE_TRACES": str(dl)})
+    listed = run_cli("requests", "--json", env={**env, "MOESCOPE_TRACES": str(dl)})
     rows = json.loads(listed.stdout)
     assert len(rows) == 24
     rid = rows[0]["request_id"]
-    doc = json.loads(subprocess.run([sys.executable, "-m", "moescope", "trace", rid, "--traces", str(dl), "--json"],
-                                    capture_output=True, text=True, env=env).stdout)
+    doc = json.loads(run_cli("trace", rid, "--traces", str(dl), "--json", env=env).stdout)
     assert doc["request_id"] == rid and len(doc["tokens"]) == rows[0]["prompt_tokens"] + rows[0]["output_tokens"]
 
 
@@ -242,9 +239,8 @@ def test_every_expert_parallel_rank_writes_its_own_requests_into_the_lake(tmp_pa
     """Data-parallel attention: each rank serves its own requests; into a lake each writes them in its own
     replica partition, so every request the fleet served is found (a SQLite store stays rank 0's alone)."""
     dl = tmp_path / "lake"
-    run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--requests",
-                          "6", "--rate", "0", "--json", "--metrics-port", "-1", "--traces", f"{dl}/"],
-                         capture_output=True, text=True, timeout=300)
+    run = run_cli("demo", "--no-tui", "--world-size", "2", "--requests", "6", "--rate", "0", "--json",
+                  "--metrics-port", "-1", "--traces", f"{dl}/", timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     ranks = json.loads(run.stdout)["ranks"]
     served = sum(r["completed"] for r in ranks)
@@ -255,8 +251,7 @@ def test_every_expert_parallel_rank_writes_its_own_requests_into_the_lake(tmp_pa
     by_rank = dict(conn.execute("SELECT rank, count(*) FROM requests GROUP BY rank").fetchall())
     assert by_rank == {0: ranks[0]["completed"], 1: ranks[1]["completed"]} and sum(by_rank.values()) == served
     rid = conn.execute("SELECT request_id FROM requests WHERE rank = 1 LIMIT 1").fetchone()[0]
-    doc = json.loads(subprocess.run([sys.executable, "-m", "moescope", "trace", rid, "--traces", str(dl), "--json"],
-                                    capture_output=True, text=True).stdout)
+    doc = json.loads(run_cli("trace", rid, "--traces", str(dl), "--json").stdout)
     assert doc["request_id"] == rid
 
 
@@ -272,8 +267,7 @@ def test_serve_then_trace_reads_a_request_from_the_lake_while_serving(tmp_path):
         rid = r.headers["x-request-id"]
         doc = s.stored(rid)  # polled while the server runs: a tick file, not the shutdown, made it readable
         assert s.proc.poll() is None and doc["request_id"] == rid
-        run = subprocess.run([sys.executable, "-m", "moescope", "trace", rid, "--traces", str(tmp_path / "lake"),
-                              "--plain"], capture_output=True, text=True, timeout=120)
+        run = run_cli("trace", rid, "--traces", str(tmp_path / "lake"), "--plain", timeout=120)
         assert run.returncode == 0 and rid in run.stdout
         assert sum(t["phase"] == "decode" for t in doc["tokens"]) == r.json()["usage"]["completion_tokens"]
     finally:

@@ -15,7 +15,7 @@ import pytest
 
 import torch
 
-from helpers import wait_until
+from helpers import popen_cli, wait_until
 from moescope.parallel.expert_parallel import ExpertParallel
 
 
@@ -120,10 +120,9 @@ def test_a_rank_that_dies_has_its_own_last_words_reported_by_the_launcher(tmp_pa
     from servers import free_port
 
     port = free_port(2)
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--rate", "0", "--requests",
-         "400", "--timeout", "5", "--metrics-port", str(port), "--traces", "none"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = popen_cli("demo", "--no-tui", "--world-size", "2", "--rate", "0", "--requests", "400", "--timeout", "5",
+                         "--metrics-port", str(port), "--traces", "none", stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
     try:
         # rank 1 serving: group joined, steps taken (not a fixed sleep: on loaded cores 6 s once killed it before
         # the group had formed)
@@ -169,9 +168,8 @@ def _alive(pid: int) -> bool:
 @pytest.mark.integration
 def test_sigterm_to_the_launcher_ends_its_ranks_too(tmp_path):
     """A supervisor stops `demo --world-size 2` with SIGTERM: no rank is left running as an orphan."""
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "moescope", "demo", "--no-tui", "--world-size", "2", "--duration", "120",
-         "--metrics-port", "0", "--traces", "none"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = popen_cli("demo", "--no-tui", "--world-size", "2", "--duration", "120", "--metrics-port", "0",
+                         "--traces", "none", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ranks = {}
     try:
         ranks = wait_until(lambda: _children(launcher.pid), until=lambda r: len(r) == 2, timeout=120,

@@ -4,14 +4,13 @@ match the trace store's requests one for one."""
 
 import http.server
 import json
-import subprocess
-import sys
 import threading
 
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (  # the `otel` extra: a test dependency
     ExportTraceServiceRequest, ExportTraceServiceResponse)
 
+from helpers import run_cli
 from moescope.traces import store
 from servers import free_port
 
@@ -69,10 +68,8 @@ def test_demo_exports_one_span_tree_per_stored_request(tmp_path):
     rx = Receiver()
     path = tmp_path / "t.sqlite"
     try:
-        proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "5", "--rate", "0",
-                               "--metrics-port", "-1", "--traces", str(path), "--json",
-                               "--otlp-endpoint", f"http://127.0.0.1:{rx.port}"],
-                              capture_output=True, text=True, timeout=300)
+        proc = run_cli("demo", "--no-tui", "--requests", "5", "--rate", "0", "--metrics-port", "-1", "--traces",
+                       str(path), "--json", "--otlp-endpoint", f"http://127.0.0.1:{rx.port}", timeout=300)
         assert proc.returncode == 0, proc.stderr
     finally:
         rx.stop()
@@ -107,8 +104,7 @@ def test_bad_otlp_endpoints_are_one_line_errors(tmp_path, args, msg):
     args = [a.replace("{port}", str(free_port())) for a in args]
     if "--traces" not in args:
         args += ["--traces", str(tmp_path / "t.sqlite")]
-    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "2", "--rate", "0",
-                           "--metrics-port", "-1", *args], capture_output=True, text=True, timeout=120)
+    proc = run_cli("demo", "--no-tui", "--requests", "2", "--rate", "0", "--metrics-port", "-1", *args, timeout=120)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and msg in lines[0], proc.stderr

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -15,7 +14,7 @@ from moescope.errors import BadInput
 from moescope.parallel import placement
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer, Segment
-from helpers import wait_until
+from helpers import popen_cli, run_cli, wait_until
 from servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -106,8 +105,7 @@ def test_placement_layouts_and_validation(tmp_path):
 
 
 def _demo(*args, timeout=240):
-    proc = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--rate", "0", "--metrics-port",
-                           "-1", "--json", *args], capture_output=True, text=True, timeout=timeout)
+    proc = run_cli("demo", "--no-tui", "--rate", "0", "--metrics-port", "-1", "--json", *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -138,9 +136,8 @@ def test_a_dead_or_hung_rank_stops_the_others_with_an_error_naming_it(tmp_path, 
     procs = []
     for r in range(2):
         env = {**os.environ, "RANK": str(r), "WORLD_SIZE": "2", "MOESCOPE_STORE": f"127.0.0.1:{store.port}"}
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "moescope", "demo", "--requests", "400", "--rate", "0", "--metrics-port", "-1",
-             "--timeout", "5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(popen_cli("demo", "--requests", "400", "--rate", "0", "--metrics-port", "-1", "--timeout", "5",
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
         wait_until(lambda: [int(store.get(f"moescope/hb/{r}").decode().split()[0]) for r in range(2)],
                    until=lambda steps: min(steps) >= 3, timeout=120, what="both ranks serving (heartbeat steps)",

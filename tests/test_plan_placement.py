@@ -4,13 +4,12 @@ YAML the runtime accepts; on skewed load it predicts a lower max/mean per rank t
 feed it, cache-sim and report."""
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import run_cli
 from moescope.analysis import profile
 from moescope.parallel import planner as placement_plan
 from moescope.cli import main
@@ -67,10 +66,9 @@ def test_planned_placement_measures_better_than_round_robin_in_a_2_rank_demo(tmp
     placement_mod.load(yaml_path, n_experts=8, world_size=2, moe_layers=[1, 2, 3])  # the runtime accepts it
 
     def measured(spec):
-        run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--json", "--rate", "0",
-                              "--requests", "24", "--scenario", "imbalance", "--world-size", "2", "--placement",
-                              spec, "--metrics-port", "-1", "--traces", "none"],
-                             capture_output=True, text=True, timeout=300)
+        run = run_cli("demo", "--no-tui", "--json", "--rate", "0", "--requests", "24", "--scenario", "imbalance",
+                      "--world-size", "2", "--placement", spec, "--metrics-port", "-1", "--traces", "none",
+                      timeout=300)
         assert run.returncode == 0, run.stderr[-2000:]
         rows = [r["dispatch_received_bytes"] for r in json.loads(run.stdout)["ranks"]]
         return max(rows) / (sum(rows) / len(rows))

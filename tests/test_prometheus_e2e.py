@@ -1,12 +1,10 @@
 """A real Prometheus scrapes `moescope demo` and reads back what the runtime counted."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import wait_until
+from helpers import run_cli, wait_until
 from servers import Prometheus, free_port
 
 pytestmark = pytest.mark.integration
@@ -16,9 +14,8 @@ def test_prometheus_reads_back_the_runtime_total(tmp_path):
     port = free_port()
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
     try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "moescope", "demo", "--no-tui", "--requests", "12", "--rate", "0",
-             "--metrics-port", str(port), "--linger", "4", "--json"], capture_output=True, text=True, timeout=300)
+        proc = run_cli("demo", "--no-tui", "--requests", "12", "--rate", "0", "--metrics-port", str(port), "--linger",
+                       "4", "--json", timeout=300)
         assert proc.returncode == 0, proc.stderr
         summary = json.loads(proc.stdout)
         runtime_total = sum(sum(c) for c in summary["expert_load"].values())

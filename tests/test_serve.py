@@ -22,7 +22,7 @@ import pytest
 
 from conftest import in_ci
 from moescope.traces import store
-from helpers import wait_until
+from helpers import popen_cli, run_cli, wait_until
 from servers import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -40,10 +40,9 @@ class Serve:
         self.traces = traces or tmp / f"{name}.sqlite"  # (an existing directory: a trace lake)
         self.log_path = tmp / f"{name}.log"
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moescope", "serve", "--port", str(self.port), "--metrics-port",
-             str(self.metrics_port), "--traces", str(self.traces), "--canary-interval", "0", *args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = popen_cli("serve", "--port", str(self.port), "--metrics-port", str(self.metrics_port), "--traces",
+                              str(self.traces), "--canary-interval", "0", *args, stdout=self._log,
+                              stderr=subprocess.STDOUT)
         try:  # deepseek-v3-shape builds its balanced routers once (then cached)
             wait_until(lambda: urllib.request.urlopen(self.url + "/health", timeout=2).read(), timeout=240,
                        what="serve answering /health", interval=0.2, alive=lambda: self.proc.poll() is None)
@@ -94,7 +93,7 @@ def _n_output(doc: dict) -> int:
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "moescope", *args], capture_output=True, text=True, timeout=120)
+    return run_cli(*args, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from helpers import run_cli
 from moescope import stats
 from moescope.cli import summary
 from moescope.thresholds import DEFAULT
@@ -115,17 +116,14 @@ def test_the_demo_summary_judges_the_run_per_request_as_diagnose_does_from_its_s
     requests read back from its trace store, judged by diagnose's function, give the same excess CV per layer."""
     import json
     import sqlite3
-    import subprocess
-    import sys
 
     from moescope.analysis import baseline as bl
     from moescope.analysis.diagnose import judge_requests
     from moescope.traces.store import iter_routed
 
     store = tmp_path / "t.sqlite"
-    run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--requests", "16", "--rate", "0", "--json",
-                          "--metrics-port", "-1", "--traces", str(store)], capture_output=True, text=True,
-                         timeout=600)
+    run = run_cli("demo", "--requests", "16", "--rate", "0", "--json", "--metrics-port", "-1", "--traces", str(store),
+                  timeout=600)
     assert run.returncode == 0, run.stderr[-2000:]
     out = json.loads(run.stdout)
     assert out["judged"]["draws"] == "per request" and out["judged"]["requests"] == 16

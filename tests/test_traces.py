@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import moescope
-from helpers import Recording
+from helpers import Recording, run_cli
 from tmux_screen import wait_screen
 from moescope.cli import main
 from moescope.errors import BadInput
@@ -345,10 +345,8 @@ def test_a_request_that_ended_on_nan_keeps_its_routing(tmp_path):
     path = tmp_path / "nan.sqlite"
     # deepseek-v3-shape: its NaN reaches the logits after a few decode steps (tiny-demo's at the prefill, where
     # no output token is routed either way)
-    run = subprocess.run([sys.executable, "-m", "moescope", "demo", "--no-tui", "--json", "--model",
-                          "deepseek-v3-shape", "--requests", "6", "--rate", "0", "--scenario", "nan",
-                          "--metrics-port", "-1", "--traces", str(path)],
-                         capture_output=True, text=True, timeout=300)
+    run = run_cli("demo", "--no-tui", "--json", "--model", "deepseek-v3-shape", "--requests", "6", "--rate", "0",
+                  "--scenario", "nan", "--metrics-port", "-1", "--traces", str(path), timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     conn = store.open_store(path)
     rows = conn.execute("SELECT request_id, n_prompt, n_output, finish_reason, ids IS NOT NULL FROM requests")\
@@ -359,6 +357,5 @@ def test_a_request_that_ended_on_nan_keeps_its_routing(tmp_path):
     for rid, n_prompt, n_output, _, _ in errored:
         assert routed[rid].ids.shape[0] == n_prompt + n_output
         assert not np.isfinite(routed[rid].entropy[-1]).all()  # the forward that gave the NaN is the last row
-    doc = json.loads(subprocess.run([sys.executable, "-m", "moescope", "diagnose", "--json", "--traces", str(path)],
-                                    capture_output=True, text=True, timeout=300).stdout)
+    doc = json.loads(run_cli("diagnose", "--json", "--traces", str(path), timeout=300).stdout)
     assert any(f["cause"] == "nonfinite" for f in doc["findings"])
