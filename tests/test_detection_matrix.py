@@ -16,9 +16,9 @@ factor); on the healthy row it names nothing.
 
 import json
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 
-import time
 import pytest
 
 import moescope

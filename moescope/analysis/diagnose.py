@@ -639,29 +639,34 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     pts = sorted((st["t"], st["rss"], st.get("kv")) for st in w.steps if st.get("t") and st.get("rss"))
     if len(pts) < 30:
         return []
-    pts = pts[len(pts) // 5:]  # skip start-up (allocator and caches warming)
+    # The working set: the running requests' KV caches fill as they decode (a busy engine holds more at once).
+    # Some of that memory comes back when they end; some the allocator keeps, up to the largest working set so far
+    # (RSS steps up at each new peak of the tokens held and stays). A leak is what grows beyond both.
+    kv = np.array([p[2] if p[2] is not None else np.nan for p in pts], dtype=float)
+    peak = np.fmax.accumulate(kv)
+    start = len(pts) // 5  # skip start-up (allocator and caches warming); the peak counts it
+    pts, kv, peak = pts[start:], kv[start:], peak[start:]
     ts = np.array([p[0] for p in pts])
     rss = np.array([p[1] for p in pts], dtype=float)
     if ts[-1] - ts[0] < MEMORY_MIN_SPAN_S:  # a process' first seconds grow and shrink: too short to call a trend
         return [Finding("leak", "info", f"Memory: {ts[-1] - ts[0]:.0f} s of steps, too short to judge a trend "
                         f"(needs {MEMORY_MIN_SPAN_S:.0f} s)", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
-    # The working set: the running requests' KV caches fill as they decode (a busy engine holds more at once).
-    # That memory comes back when they end; a leak is what grows beyond it. With the tokens held at each step
-    # (stores written since the steps carry "kv"), the trend is fitted on time and the tokens held together
-    # (rss ~ a + b t + c kv) and judged on what time alone explains, rss - c kv.
-    kv = np.array([p[2] if p[2] is not None else np.nan for p in pts], dtype=float)
+    # With the tokens held at each step (stores written since the steps carry "kv"), the trend is fitted on time,
+    # the tokens held and their running peak together (rss ~ a + b t + c kv + d peak) and judged on what time
+    # alone explains, rss - c kv - d peak.
     per_kv_token = None
     if np.isfinite(kv).all() and kv.std() > 0:
         t_rel = ts - ts[0]
-        x = np.column_stack([np.ones_like(t_rel), kv])
+        working = [col for col in (kv, peak) if col.std() > 0]
+        x = np.column_stack([np.ones_like(t_rel), *working])
         t_alone = t_rel - x @ np.linalg.lstsq(x, t_rel, rcond=None)[0]  # time, less what the working set follows
         if t_alone.std() < t.memory_time_apart * t_rel.std():  # memory rose with the tokens held: time
             # cannot be told apart from them
-            return [Finding("leak", "info", "Memory: the working set (KV-cache tokens held) grew with time; "
-                            "not judged as a trend", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
+            return [Finding("leak", "info", "Memory: the working set (KV-cache tokens held, and their peak) grew "
+                            "with time; not judged as a trend", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
         coef = np.linalg.lstsq(np.column_stack([x, t_rel]), rss, rcond=None)[0]
         per_kv_token = float(coef[1])
-        rss = rss - per_kv_token * (kv - kv[0])
+        rss = rss - sum(c * (col - col[0]) for c, col in zip(coef[1:-1], working))
     slope, _ = np.polyfit(ts - ts[0], rss, 1)
     r = float(np.corrcoef(ts, rss)[0, 1]) if rss.std() > 0 else 0.0
     per_step = (rss[-1] - rss[0]) / max(1, len(rss) - 1)
