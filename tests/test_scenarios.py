@@ -113,6 +113,8 @@ def test_hot_share_rises_with_the_bias_and_a_factor_is_calibrated(capsys):
 
 def test_fault_magnitudes_reach_the_engine(capsys):
     assert moescope.Config(scenarios=("drop=0.8",)).model_overrides() == {"capacity_factor": 0.8}
+    assert moescope.Config(scenarios=("leak=512",)).engine_settings() == {"leak_bytes": 512 * 1024}
+    assert moescope.Config(scenarios=("leak",)).engine_settings() == {"leak_bytes": 256 * 1024}
     mild = sum(_demo(capsys, "--requests", "6", "--scenario", "drop=2")["tokens_dropped"].values())
     harsh = sum(_demo(capsys, "--requests", "6", "--scenario", "drop=0.5")["tokens_dropped"].values())
     assert harsh > mild
@@ -131,6 +133,7 @@ def test_fault_magnitudes_reach_the_engine(capsys):
     ("hot=a:0:2", "integers"),
     ("drop=abc", "not a number"),
     ("drop=0", "must be > 0"),
+    ("leak=-1", "must be > 0"),
     ("nan=3", "takes no magnitude"),
 ])
 def test_bad_fault_sizes_are_bad_input(capsys, spec, says):

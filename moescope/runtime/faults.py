@@ -23,6 +23,7 @@ Magnitudes: ``NAME=VALUE`` sets a fault's size (what ``benchmarks/detection.py``
 - ``imbalance=S``: the graded bias scaled by S (default 1: 0.8 on expert 0 down to 0 on the last);
 - ``jitter=SD``: the logit noise's standard deviation (default 0.04);
 - ``drop=CF``: the capacity factor (default 0.5; smaller drops more);
+- ``leak=KIB``: the KiB the engine retains per step (default 256);
 - ``hot=LAYER:EXPERT:BIAS`` or ``hot=LAYER:EXPERT:Fx``: a logit bias of BIAS on EXPERT of MoE layer LAYER (the
   layer label metrics use), or the bias that gives the expert F times its fair share (k/E of the slots) on
   calibration traffic (``hot_bias``: measured on held-out prompts, bisected). ``hot`` alone: the middle MoE
@@ -79,7 +80,7 @@ DEMO_SETTINGS = {
 SCENARIOS = ("healthy", *ROUTER_SCENARIOS, *LAYER_SCENARIOS, "nan", *DEMO_SETTINGS)
 # Scenarios that take a magnitude (NAME=VALUE) and the range a value must be in (low, high; open at low).
 MAGNITUDES = {"collapse": (0.0, math.inf), "imbalance": (0.0, math.inf), "jitter": (0.0, math.inf),
-              "drop": (0.0, math.inf)}
+              "drop": (0.0, math.inf), "leak": (0.0, math.inf)}
 COLLAPSE_BIAS, IMBALANCE_SLOPE, JITTER_STD = 8.0, 0.8, 0.04
 # ``hot`` without a factor: 5x the fair share, or where a model cannot give one expert that much (every token
 # choosing it is E/k times the fair share), three quarters of the way there.
@@ -295,4 +296,6 @@ def demo_settings(names: list[str]) -> dict:
         out.update(DEMO_SETTINGS.get(f.name, {}))
         if f.name == "drop" and f.value is not None:
             out["capacity_factor"] = f.value
+        if f.name == "leak" and f.value is not None:
+            out["leak_bytes"] = int(f.value * 1024)
     return out
