@@ -17,9 +17,20 @@ def pytest_configure(config):
                                                           "traces.sqlite"))
 
 
+# Modules that run alone (the second phase of .ci/pytest; the rest run two at a time under pytest-xdist): each runs
+# several demos and real servers at once, sized for two cores, and judges detection or timing that a test beside
+# it would starve (the matrix rows, the twenty 2-rank runs, diagnose's scenario demos, slow-rank attribution, the
+# alert delivered within its `for`).
+SERIAL = {"test_detection_matrix", "test_lockstep_end", "test_diagnose", "test_parallel", "test_alerting_e2e"}
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    serial = pytest.mark.serial
+    for item in items:
+        if item.module.__name__.rpartition(".")[2] in SERIAL:
+            item.add_marker(serial)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

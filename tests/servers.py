@@ -37,7 +37,11 @@ def require(binary: str, package: str) -> str:
 # become the source port of some outgoing connection (a scrape, a poll) or a gloo pair's listener, and the
 # server then fails with "Address already in use" (seen in CI, 4 scenarios at a time). Never the same port twice
 # in one test run.
-_PORTS = itertools.count(20000 + (os.getpid() * 97) % 8000)
+# Under pytest-xdist each worker draws from its own block of the range, so two workers never hand out the same port.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_SPAN = 12000 // _WORKERS
+_BLOCK = 20000 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) * _SPAN
+_PORTS = itertools.count(_BLOCK + (os.getpid() * 97) % (_SPAN // 2))
 _PORTS_LOCK = threading.Lock()
 
 
@@ -46,7 +50,7 @@ def free_port(count: int = 1) -> int:
     with _PORTS_LOCK:
         while True:
             base = next(_PORTS)
-            if base + count > 32000:
+            if base + count > _BLOCK + _SPAN:
                 raise RuntimeError("tests ran out of ports below the ephemeral range")
             if all(_bindable(p) for p in range(base, base + count)):
                 for _ in range(count - 1):
