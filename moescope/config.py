@@ -25,6 +25,7 @@ from moescope.errors import ConfigError
 
 if TYPE_CHECKING:
     from moescope.analysis.baseline import Profile
+    from moescope.runtime.faults import ScenarioSettings
 
 CACHE_POLICIES = ("lru", "lfu", "static", "none")
 CACHE_TIERS = ("memory", "disk")
@@ -145,7 +146,7 @@ class Config:
             raise ConfigError(f"router impl must be one of {', '.join(ROUTER_IMPLS)}, got {self.router_impl!r}")
 
     @property
-    def settings(self) -> dict:
+    def settings(self) -> ScenarioSettings:
         """What the scenarios ask of the runtime around the model (``runtime.faults.DEMO_SETTINGS``)."""
         from moescope.runtime import faults
 
@@ -154,8 +155,9 @@ class Config:
     def resolved(self) -> "Config":
         """This config with the scenarios' cache settings folded in (a scenario wins over a flag)."""
         s = self.settings
-        keys = {"cache_size": "size", "cache_policy": "policy", "cache_tier": "tier", "disk_delay_s": "disk_delay_s"}
-        changes = {keys[k]: v for k, v in s.items() if k in keys}
+        changes = {name: v for name, v in (("size", s.cache_size), ("policy", s.cache_policy),
+                                            ("tier", s.cache_tier), ("disk_delay_s", s.disk_delay_s))
+                   if v is not None}
         if not changes:
             return self
         return dataclasses.replace(self, cache=dataclasses.replace(self.cache or Cache(), **changes))
@@ -163,9 +165,10 @@ class Config:
     def model_overrides(self, capacity_factor: float | None = None) -> dict:
         """Model-config overrides to build the model with: ``capacity_factor`` (a flag), unless a scenario
         sets one (``drop``)."""
-        cf = self.settings.get("capacity_factor", capacity_factor)
+        cf = self.settings.capacity_factor if self.settings.capacity_factor is not None else capacity_factor
         return {} if cf is None else {"capacity_factor": cf}
 
     def engine_settings(self) -> dict:
         """What the scenarios change in the engine itself (``leak_bytes``: memory retained per step)."""
-        return {k: v for k, v in self.settings.items() if k == "leak_bytes"}
+        leak = self.settings.leak_bytes
+        return {} if leak is None else {"leak_bytes": leak}

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import click
 
-from moescope.cli.options import echo, emit_json, json_option, read_store, traces_option
+from moescope.cli.options import echo, emit_json, import_option, json_option, read_store, traces_option
 
 
 @click.command("cache-sim")
 @click.argument("routing_log", type=click.Path(dir_okay=False), required=False)
 @traces_option(help="Trace store (SQLite) to replay when neither a routing log nor --import is given.")
-@click.option("--import", "import_path", type=click.Path(dir_okay=False), default=None,
-              help="Replay an SGLang expert-distribution dump (.pt, per-pass mode) or a Megatron-style "
-                   "tokens-per-expert JSONL: each pass/iteration is one forward.")
+@import_option("Replay (each pass or iteration is one forward; SGLang's per-pass mode)")
 @click.option("--target", type=click.FloatRange(0, 1), default=0.9, show_default=True,
               help="Hit rate the recommended size must reach.")
 @json_option

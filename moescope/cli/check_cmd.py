@@ -6,6 +6,7 @@ from dataclasses import asdict
 
 import click
 
+from moescope.cli.config_options import ModelSource, model_source_options
 from moescope.cli.options import echo, emit_json, json_option
 from moescope.errors import CheckFailed
 
@@ -13,21 +14,6 @@ from moescope.errors import CheckFailed
 @click.group("check")
 def check() -> None:
     """Checks to run before going live (exit 1 when they find a problem)."""
-
-
-def _model_options(fn):
-    """The options every check shares: which model, which weights, where."""
-    for option in reversed((click.option("--model", "model_spec", default="tiny-demo", show_default=True),
-                            click.option("--weights", default="auto", show_default=True),
-                            click.option("--device", default="auto", show_default=True))):
-        fn = option(fn)
-    return fn
-
-
-def _load(model_spec: str, weights: str, device: str):
-    from moescope.runtime import loader
-
-    return loader.build_model(model_spec, weights=None if weights == "random" else weights, device=device)
 
 
 def _flip_rates(report) -> str:
@@ -39,7 +25,7 @@ def _verdict(report, threshold: float, passed: bool) -> str:
 
 
 @check.command("determinism")
-@_model_options
+@model_source_options
 @click.option("--scenario", default="healthy", show_default=True, help="Fault scenario(s) to check under.")
 @click.option("--runs", type=click.IntRange(min=2), default=5, show_default=True)
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=8, show_default=True,
@@ -47,13 +33,13 @@ def _verdict(report, threshold: float, passed: bool) -> str:
 @click.option("--threshold", type=click.FloatRange(min=0), default=0.0, show_default=True,
               help="Largest flip rate per layer that still passes.")
 @json_option
-def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshold, as_json) -> None:
+def determinism(source: ModelSource, scenario, runs, n_prompts, threshold, as_json) -> None:
     """Route the same inputs RUNS times; report the flip rate per layer and the tokens that flipped."""
     from moescope.analysis.determinism import check as run_check
     from moescope.runtime import faults
     from moescope.runtime.canary import default_prompts
 
-    model = _load(model_spec, weights, device)
+    model = source.load()
     faults.apply(model, faults.parse(scenario))
     report = run_check(model, default_prompts(n_prompts), runs=runs)
     passed = report.worst <= threshold
@@ -70,7 +56,7 @@ def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshol
 
 
 @check.command("quantization")
-@_model_options
+@model_source_options
 @click.option("--quantize", "variant", type=click.Choice(["experts", "experts+router"]), default="experts",
               show_default=True, help="What gets int8 weights.")
 @click.option("--prompts", "n_prompts", type=click.IntRange(min=1), default=32, show_default=True,
@@ -78,13 +64,13 @@ def determinism(model_spec, weights, device, scenario, runs, n_prompts, threshol
 @click.option("--threshold", type=click.FloatRange(min=0), default=0.005, show_default=True,
               help="Largest flip rate per layer that still passes.")
 @json_option
-def quantization(model_spec, weights, device, variant, n_prompts, threshold, as_json) -> None:
+def quantization(source: ModelSource, variant, n_prompts, threshold, as_json) -> None:
     """Route the same inputs at full precision and with int8 weights; report flips, non-finite logits and
     output agreement. Exit 1 when a layer's flip rate exceeds the threshold."""
     from moescope.analysis.quantization import compare
     from moescope.runtime.canary import default_prompts
 
-    model = _load(model_spec, weights, device)
+    model = source.load()
     report = compare(model, default_prompts(n_prompts), variant)
     passed = report.worst <= threshold and not any(report.nonfinite_logits.values())
     if as_json:

@@ -1,29 +1,88 @@
 """The flags that map onto ``moescope.Config`` (and the model it instruments), shared by every command that
-serves: ``demo`` and ``serve`` take these decorators and call ``config_from_options``; nothing else builds
-the pipeline. Parameter names are the contract (``o["cache_size"]`` ...)."""
+serves: ``demo`` and ``serve`` take these option groups and call ``build_config``; nothing else builds the
+pipeline. Each group reaches the command as one frozen object (``ModelOptions``, ``InstrumentOptions``), parsed
+once by click; the field names are the option's parameter names."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import click
 
-from moescope.cli.options import traces_option
+from moescope.cli.options import option_group, traces_option
 from moescope.errors import BadInput
 
-
-def _stack(*options):
-    def deco(fn):
-        for option in reversed(options):
-            fn = option(fn)
-        return fn
-    return deco
-
-
-model_options = _stack(
+# The options that say which model, shared by every command that loads one (``check`` takes only these).
+MODEL_SOURCE = (
     click.option("--model", "model_spec", default="tiny-demo", show_default=True,
                  help="Preset name, .json/.yaml config, or .safetensors weights file."),
     click.option("--weights", default="auto", show_default=True,
                  help="safetensors file, 'auto' (bundled demo weights for tiny-demo) or 'random'."),
     click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N."),
+)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """``--model --weights --device``."""
+
+    model_spec: str
+    weights: str
+    device: str
+
+    def load(self, **overrides):
+        """The model these options name (``weights random``: a seeded random init)."""
+        from moescope.runtime import loader
+
+        return loader.build_model(self.model_spec, weights=None if self.weights == "random" else self.weights,
+                                  device=self.device, **overrides)
+
+
+@dataclass(frozen=True)
+class ModelOptions(ModelSource):
+    """The model and how the engine runs it: ``ModelSource`` and ``--dtype --capacity-factor --max-batch
+    --seed``."""
+
+    dtype: str
+    capacity_factor: float | None
+    max_batch: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class InstrumentOptions:
+    """What observes the model (metrics, traces, OTLP, routing log), the expert cache, faults, canary, baseline
+    and mitigations: the flags ``build_config`` maps onto a ``moescope.Config``."""
+
+    metrics_port: int
+    metrics_addr: str
+    traces_path: str
+    otlp_endpoint: str | None
+    trace_sample: float
+    record_routing: str | None
+    cache_size: int | None
+    cache_policy: str | None
+    cache_tier: str | None
+    cache_prefetch: int
+    cache_file: str | None
+    scenario: str
+    canary_interval: float
+    canary_steps: int | None
+    baseline_path: str | None
+    metrics_window: float
+    load_bound: float | None
+    smoothing_margin: float | None
+    router_impl: str
+
+    @property
+    def scenarios(self) -> tuple[str, ...]:
+        return tuple(s.strip() for s in self.scenario.split(",") if s.strip())
+
+
+model_source_options = option_group(ModelSource, "source", *MODEL_SOURCE)
+
+model_options = option_group(
+    ModelOptions, "model", *MODEL_SOURCE,
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
                  show_default=True),
     click.option("--capacity-factor", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -32,7 +91,8 @@ model_options = _stack(
     click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling."),
 )
 
-instrument_options = _stack(
+instrument_options = option_group(
+    InstrumentOptions, "instrument",
     click.option("--metrics-port", type=click.IntRange(min=-1, max=65535), default=9400, show_default=True,
                  help="Serve Prometheus metrics on this port (0: any free port; -1: no exporter)."),
     click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Exporter bind address."),
@@ -87,48 +147,43 @@ instrument_options = _stack(
 LOCKSTEP_CANARY_STEPS = 32  # expert-parallel ranks: the canary forward is a collective, run at the same step
 
 
-def config_from_options(o: dict, *, rank: int = 0, world: int = 1, observers=(), baseline=None):
-    """The ``moescope.Config`` the parsed options ``o`` describe, for ``rank`` of ``world`` expert-parallel
-    ranks (each rank exports its own routing on metrics port + rank; into a trace lake every rank writes its own
-    requests, in its own ``replica=`` partition; a SQLite store is rank 0's alone, one writer per file). ``baseline``:
-    a drift reference computed by the caller, used when no ``--baseline`` file is given."""
+def build_config(i: InstrumentOptions, model: ModelOptions, *, rank: int = 0, world: int = 1, observers=(),
+                 baseline=None):
+    """The ``moescope.Config`` the options describe, for ``rank`` of ``world`` expert-parallel ranks (each rank
+    exports its own routing on metrics port + rank; into a trace lake every rank writes its own requests, in its
+    own ``replica=`` partition; a SQLite store is rank 0's alone, one writer per file). ``baseline``: a drift
+    reference computed by the caller, used when no ``--baseline`` file is given."""
     from moescope.config import Cache, Canary, Config, Metrics, Mitigations, Traces
     from moescope.metrics.state import EXPERT_SERIES_BUDGET
-
-    traces_path = o.get("traces_path")
-    if o.get("otlp_endpoint") and traces_path == "none":
-        raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
-    port = o["metrics_port"]
-    traces = None
     from moescope.traces import lake
 
-    if traces_path != "none" and (rank == 0 or lake.is_lake(traces_path)):
-        traces = Traces(traces_path, sample=o["trace_sample"], seed=o["seed"], otlp_endpoint=o.get("otlp_endpoint"))
+    if i.otlp_endpoint and i.traces_path == "none":
+        raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
+    port = i.metrics_port
+    traces = None
+    if i.traces_path != "none" and (rank == 0 or lake.is_lake(i.traces_path)):
+        traces = Traces(i.traces_path, sample=i.trace_sample, seed=model.seed, otlp_endpoint=i.otlp_endpoint)
     cache = None
-    if o["cache_size"] is not None or o["cache_policy"] or o["cache_tier"] or o["cache_prefetch"]:
-        cache = Cache(size=o["cache_size"], policy=o["cache_policy"] or "lru", tier=o["cache_tier"] or "memory",
-                      prefetch=o["cache_prefetch"], file=o["cache_file"], calibration_seed=o["seed"])
+    if i.cache_size is not None or i.cache_policy or i.cache_tier or i.cache_prefetch:
+        cache = Cache(size=i.cache_size, policy=i.cache_policy or "lru", tier=i.cache_tier or "memory",
+                      prefetch=i.cache_prefetch, file=i.cache_file, calibration_seed=model.seed)
     canary = None
-    if o["canary_interval"] > 0:
-        steps = o.get("canary_steps") or (LOCKSTEP_CANARY_STEPS if world > 1 else None)
-        canary = Canary(interval_s=o["canary_interval"], every_steps=steps)
+    if i.canary_interval > 0:
+        steps = i.canary_steps or (LOCKSTEP_CANARY_STEPS if world > 1 else None)
+        canary = Canary(interval_s=i.canary_interval, every_steps=steps)
     mitigations = None
-    if o["load_bound"] is not None or o["smoothing_margin"] is not None:
-        mitigations = Mitigations(load_bound=o["load_bound"], smoothing_margin=o["smoothing_margin"])
+    if i.load_bound is not None or i.smoothing_margin is not None:
+        mitigations = Mitigations(load_bound=i.load_bound, smoothing_margin=i.smoothing_margin)
     return Config(
-        metrics=Metrics(port=None if port < 0 else port + (rank if port > 0 else 0), addr=o["metrics_addr"],
-                        rank=rank, baseline=o["baseline_path"] or baseline,
+        metrics=Metrics(port=None if port < 0 else port + (rank if port > 0 else 0), addr=i.metrics_addr,
+                        rank=rank, baseline=i.baseline_path or baseline,
                         # W ranks share one process's per-expert series budget: the fleet's stays within it
                         expert_series_budget=None if world == 1 else EXPERT_SERIES_BUDGET // world,
-                        window_s=o.get("metrics_window") or 60.0),
-        traces=traces, routing_log=o.get("record_routing") if rank == 0 else None, cache=cache, canary=canary,
-        mitigations=mitigations, scenarios=tuple(s.strip() for s in o["scenario"].split(",") if s.strip()),
-        router_impl=o["router_impl"], observers=tuple(observers))
+                        window_s=i.metrics_window),
+        traces=traces, routing_log=i.record_routing if rank == 0 else None, cache=cache, canary=canary,
+        mitigations=mitigations, scenarios=i.scenarios, router_impl=i.router_impl, observers=tuple(observers))
 
 
-def build_model(o: dict, config):
+def build_model(model: ModelOptions, config):
     """The model the options name, with the scenarios' model overrides (``drop``: a capacity limit)."""
-    from moescope.runtime import loader
-
-    return loader.build_model(o["model_spec"], weights=None if o["weights"] == "random" else o["weights"],
-                              device=o["device"], dtype=o["dtype"], **config.model_overrides(o["capacity_factor"]))
+    return model.load(dtype=model.dtype, **config.model_overrides(model.capacity_factor))

@@ -12,146 +12,183 @@ import os
 import sys
 import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import click
 
 from moescope import stats
-from moescope.cli.config_options import build_model, config_from_options, instrument_options, model_options
-from moescope.cli.options import emit_json, json_option
+from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
+                                         instrument_options, model_options)
+from moescope.cli.options import emit_json, json_option, option_group
 from moescope.cli.summary import build as _summary, print_human as _print_human
 from moescope.errors import BadInput
 
 
+@dataclass(frozen=True)
+class DemoOptions:
+    """The workload and the run: the flags ``demo`` has beside the model and the instrumentation."""
+
+    n_requests: int | None
+    duration: float | None
+    rate: float
+    temperature: float
+    drift_after: float | None
+    linger: float
+    save_baseline: str | None
+    decode_mode: str
+    world_size: int
+    placement_spec: str
+    rebalance_steps: int | None
+    rebalance_slots: int | None
+    rebalance_below: float | None
+    slow_rank: int | None
+    delay_ms: float
+    timeout: float
+    no_tui: bool
+    as_json: bool
+
+
+demo_options = option_group(
+    DemoOptions, "run",
+    click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None,
+                 help="Requests to serve (default 32, or unlimited with --duration)."),
+    click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="Stop after this many seconds."),
+    click.option("--rate", type=click.FloatRange(min=0), default=20.0, show_default=True,
+                 help="Arrival rate in requests/s (0: all at once)."),
+    click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                 help="Sampling temperature (0: greedy)."),
+    click.option("--drift-after", type=click.FloatRange(min=0), default=None,
+                 help="Drift scenario: seconds of traffic before the domain mix shifts [half the run]."),
+    click.option("--linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
+                 help="Keep serving metrics this many seconds after the workload (for scrapers)."),
+    click.option("--save-baseline", type=click.Path(dir_okay=False), default=None,
+                 help="Write this run's expert load per layer as a baseline file."),
+    click.option("--decode", "decode_mode", type=click.Choice(["eager", "static", "graph"]), default="eager",
+                 show_default=True,
+                 help="Decode step: the model's own forward; a fixed-shape step with routing counted inside it "
+                      "(static); or that step captured as a CUDA graph (graph, CUDA only). Needs every expert "
+                      "resident: no --cache-size, --world-size, mitigations."),
+    click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
+                      "(data-parallel attention), the experts sharded over them."),
+    click.option("--placement", "placement_spec", default="round-robin", show_default=True,
+                 help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts)."),
+    click.option("--rebalance-steps", type=click.IntRange(min=1), default=None,
+                 help="EPLB in the loop (--world-size > 1): every N steps plan a placement from the fleet's live "
+                      "counts and move the experts' weights between ranks while serving."),
+    click.option("--rebalance-slots", type=click.IntRange(min=1), default=None,
+                 help="Experts per rank the rebalancer places (spare slots replicate hot experts) [the starting "
+                      "placement's most per rank]."),
+    click.option("--rebalance-below", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
+                 help="Rearrange only when the measured balancedness (mean rank / busiest rank) since the last time "
+                      "is below this [always]."),
+    click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation."),
+    click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
+                 help="The slow rank's delay before each dispatch exchange."),
+    click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                 help="Seconds a rank waits for its peers before stopping with an error naming them."),
+    click.option("--no-tui", is_flag=True, help="Plain output only. Without it, a terminal shows the live view "
+                 "(`moescope top` of this run's exporter) while the workload runs, then the summary."),
+    json_option,
+)
+
+
 @click.command()
 @model_options
-@click.option("--requests", "n_requests", type=click.IntRange(min=1), default=None,
-              help="Requests to serve (default 32, or unlimited with --duration).")
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="Stop after this many seconds.")
-@click.option("--rate", type=click.FloatRange(min=0), default=20.0, show_default=True,
-              help="Arrival rate in requests/s (0: all at once).")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Sampling temperature (0: greedy).")
-@click.option("--drift-after", type=click.FloatRange(min=0), default=None,
-              help="Drift scenario: seconds of traffic before the domain mix shifts [half the run].")
 @instrument_options
-@click.option("--linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
-              help="Keep serving metrics this many seconds after the workload (for scrapers).")
-@click.option("--save-baseline", type=click.Path(dir_okay=False), default=None,
-              help="Write this run's expert load per layer as a baseline file.")
-@click.option("--decode", "decode_mode", type=click.Choice(["eager", "static", "graph"]), default="eager",
-              show_default=True,
-              help="Decode step: the model's own forward; a fixed-shape step with routing counted inside it "
-                   "(static); or that step captured as a CUDA graph (graph, CUDA only). Needs every expert "
-                   "resident: no --cache-size, --world-size, mitigations.")
-@click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
-                   "(data-parallel attention), the experts sharded over them.")
-@click.option("--placement", "placement_spec", default="round-robin", show_default=True,
-              help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts).")
-@click.option("--rebalance-steps", type=click.IntRange(min=1), default=None,
-              help="EPLB in the loop (--world-size > 1): every N steps plan a placement from the fleet's live "
-                   "counts and move the experts' weights between ranks while serving.")
-@click.option("--rebalance-slots", type=click.IntRange(min=1), default=None,
-              help="Experts per rank the rebalancer places (spare slots replicate hot experts) [the starting "
-                   "placement's most per rank].")
-@click.option("--rebalance-below", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
-              help="Rearrange only when the measured balancedness (mean rank / busiest rank) since the last time "
-                   "is below this [always].")
-@click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation.")
-@click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
-              help="The slow rank's delay before each dispatch exchange.")
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-              help="Seconds a rank waits for its peers before stopping with an error naming them.")
-@click.option("--no-tui", is_flag=True, help="Plain output only. Without it, a terminal shows the live view "
-              "(`moescope top` of this run's exporter) while the workload runs, then the summary.")
-@json_option
-def demo(**o) -> int | None:
+@demo_options
+def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -> int | None:
     """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
     from moescope.cli import demo_parallel
     from moescope.parallel.launch import env_rank
     from moescope.parallel.spawn import write_summary
 
-    settings = config_from_options(o).settings  # the scenarios' real settings override the flags
-    world_size = max(o["world_size"], settings.get("world_size", 1))
-    slow_rank, delay_ms = settings.get("slow_rank", o["slow_rank"]), settings.get("delay_ms", o["delay_ms"])
-    if o["decode_mode"] != "eager" and o["record_routing"]:
-        raise BadInput(f"--record-routing logs every forward's routing, which --decode {o['decode_mode']} steps do "
-                       "not hand to hooks: use --decode eager")
-    if o["decode_mode"] != "eager" and world_size > 1:
-        raise BadInput(f"--decode {o['decode_mode']} serves on one process: it cannot hold expert parallelism "
-                       f"(--world-size {world_size})")
     rank_env = env_rank()
-    if world_size == 1 and rank_env is None and o["rebalance_steps"]:
+    rank, world = rank_env or (0, 1)
+    # The one Config of this process (its rank's; a launcher's is rank 0's, for validation). The scenarios'
+    # settings override the flags.
+    config = build_config(instrument, model, rank=rank, world=world)
+    settings = config.settings
+    world_size = max(run.world_size, settings.world_size or 1)
+    slow_rank = settings.slow_rank if settings.slow_rank is not None else run.slow_rank
+    delay_ms = settings.delay_ms if settings.delay_ms is not None else run.delay_ms
+    if run.decode_mode != "eager" and instrument.record_routing:
+        raise BadInput(f"--record-routing logs every forward's routing, which --decode {run.decode_mode} steps do "
+                       "not hand to hooks: use --decode eager")
+    if run.decode_mode != "eager" and world_size > 1:
+        raise BadInput(f"--decode {run.decode_mode} serves on one process: it cannot hold expert parallelism "
+                       f"(--world-size {world_size})")
+    if world_size == 1 and rank_env is None and run.rebalance_steps:
         raise BadInput("--rebalance-steps rearranges experts between ranks: it needs --world-size > 1")
-    if not o["rebalance_steps"] and (o["rebalance_slots"] is not None or o["rebalance_below"] is not None):
+    if not run.rebalance_steps and (run.rebalance_slots is not None or run.rebalance_below is not None):
         raise BadInput("--rebalance-slots and --rebalance-below shape the rearrangements --rebalance-steps N "
                        "makes: give it too")
     if world_size > 1 and rank_env is None:
         from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
 
-        if resolve_device(o["device"]).type != "cpu":
+        if resolve_device(model.device).type != "cpu":
             raise BadInput(f"--world-size {world_size} runs its ranks over gloo on CPU; CUDA ranks (NCCL) are not "
                            "built yet: add --device cpu")
-        model = build_model(o, config_from_options(o))  # validates the model and placement before spawning
-        if o["rebalance_slots"] is not None and o["rebalance_slots"] * world_size < model.cfg.n_experts:
-            raise BadInput(f"--rebalance-slots {o['rebalance_slots']}: {world_size} ranks x "
-                           f"{o['rebalance_slots']} slots cannot hold {model.cfg.n_experts} experts (need "
-                           f">= {-(-model.cfg.n_experts // world_size)})")
-        return demo_parallel.launch(click.get_current_context(), world_size, o["placement_spec"], slow_rank,
-                                    o["timeout"], model, o["as_json"])
-    rank, world = rank_env or (0, 1)
-    model = build_model(o, config_from_options(o))
-    reqs, n_requests, rate = _workload(o, settings, world)
+        net = build_model(model, config)  # validates the model and placement before spawning
+        if run.rebalance_slots is not None and run.rebalance_slots * world_size < net.cfg.n_experts:
+            raise BadInput(f"--rebalance-slots {run.rebalance_slots}: {world_size} ranks x "
+                           f"{run.rebalance_slots} slots cannot hold {net.cfg.n_experts} experts (need "
+                           f">= {-(-net.cfg.n_experts // world_size)})")
+        return demo_parallel.launch(click.get_current_context(), world_size, run.placement_spec, slow_rank,
+                                    run.timeout, net, run.as_json)
+    net = build_model(model, config)
+    reqs, n_requests, rate = _workload(run, model.seed, settings.traffic_shift, world)
     reqs = reqs[rank::world]  # data-parallel attention: request i is served by rank i mod W
-    baseline = None
-    if settings.get("traffic_shift") and not o["baseline_path"]:  # drift needs a known-good reference
+    if settings.traffic_shift and not instrument.baseline_path:  # drift needs a known-good reference
         from moescope.analysis.baseline import calibration_profile
 
-        baseline = calibration_profile(model, o["seed"], 64)
+        config = build_config(instrument, model, rank=rank, world=world,
+                              baseline=calibration_profile(net, model.seed, 64))
         click.echo("drift baseline: a calibration pass over 64 held-out requests of the normal mix", err=True)
     run_started = time.time()
     with ExitStack() as stack:
+        import dataclasses
+
         import moescope
 
         a2a = lockstep = stop = None
         if world > 1:  # join the group first: the rank's observers go into the instrumentation
             stop = demo_parallel.StopOnSignal()
-            a2a, monitor, lockstep = demo_parallel.setup_rank(stack, model, rank, world, o["placement_spec"],
-                                                              slow_rank, delay_ms, o["timeout"])
-            lockstep.rebalancer = demo_parallel.rebalancer(o)
-        config = config_from_options(o, rank=rank, world=world, baseline=baseline,
-                                     observers=(a2a, monitor) if world > 1 else ())
-        inst = stack.enter_context(moescope.instrument(model, config))
-        engine = inst.engine(max_batch=o["max_batch"], seed=o["seed"], decode=o["decode_mode"], lockstep=lockstep)
+            a2a, monitor, lockstep = demo_parallel.setup_rank(stack, net, rank, world, run.placement_spec,
+                                                              slow_rank, delay_ms, run.timeout)
+            lockstep.rebalancer = demo_parallel.rebalancer(run)
+            config = dataclasses.replace(config, observers=(a2a, monitor))
+        inst = stack.enter_context(moescope.instrument(net, config))
+        engine = inst.engine(max_batch=model.max_batch, seed=model.seed, decode=run.decode_mode, lockstep=lockstep)
         for line in inst.notices + ([f"metrics: {inst.exporter.url}"] if inst.exporter else []):
             click.echo(line, err=True)
-        run = dict(realtime=rate > 0, deadline_s=o["duration"], temperature=o["temperature"],
-                   id_prefix=os.environ.get("MOESCOPE_RUN_ID", f"ep{o['seed']}-") if world > 1 else None)
+        serving = dict(realtime=rate > 0, deadline_s=run.duration, temperature=run.temperature,
+                       id_prefix=os.environ.get("MOESCOPE_RUN_ID", f"ep{model.seed}-") if world > 1 else None)
         start = time.perf_counter()
-        if _wants_tui(o, world, inst):
+        if _wants_tui(run, world, inst):
             from moescope.cli.demo_live import serve_with_live_view
 
-            records = serve_with_live_view(engine, reqs, run, inst.exporter.url)
+            records = serve_with_live_view(engine, reqs, serving, inst.exporter.url)
         else:
             if stop is not None:
                 stop.engine = engine
-            records = _serve(engine, reqs, run)
+            records = _serve(engine, reqs, serving)
             if stop is not None:
                 stop.engine = None
-        summary = _summarise(inst, records, time.perf_counter() - start, model,
-                             n_requests if o["duration"] is None else len(records))
+        summary = _summarise(inst, records, time.perf_counter() - start, net,
+                             n_requests if run.duration is None else len(records))
         if a2a is not None:
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep)
-        if o["linger"]:
-            time.sleep(o["linger"])
-    if o["save_baseline"] and rank == 0:  # (rank 0's share of the requests: it holds the traces)
-        _save_baseline(o["save_baseline"], summary, model.cfg.name, run_started)
+        if run.linger:
+            time.sleep(run.linger)
+    if run.save_baseline and rank == 0:  # (rank 0's share of the requests: it holds the traces)
+        _save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
     if world > 1 and write_summary(summary):
         return None
-    if o["record_routing"]:
-        summary["routing_log"] = str(o["record_routing"])
-    if o["as_json"]:
+    if instrument.record_routing:
+        summary["routing_log"] = str(instrument.record_routing)
+    if run.as_json:
         emit_json(summary)
     else:
         _print_human(summary)
@@ -183,32 +220,31 @@ def _save_baseline(path: str, summary: dict, model_name: str, run_started: float
     bl.save(path, profile)
 
 
-def _workload(o: dict, settings: dict, world: int):
+def _workload(run: DemoOptions, seed: int, shift: dict | None, world: int):
     """(requests, how many, arrival rate): expert-parallel ranks queue all their requests at once (arrivals by
-    wall clock would only add idle forwards)."""
+    wall clock would only add idle forwards). ``shift``: the drift scenario's domain mix after the shift."""
     from moescope.runtime import traffic
 
-    rate = 0.0 if world > 1 else o["rate"]
-    n = o["n_requests"]
+    rate = 0.0 if world > 1 else run.rate
+    n = run.n_requests
     if n is None:  # (from the asked rate: a --duration run must not run dry; each of W ranks serves 1/W of them)
-        n = 32 if o["duration"] is None else max(64, int(o["rate"] * o["duration"] * 2) + 16) * world
-    shift = settings.get("traffic_shift")
+        n = 32 if run.duration is None else max(64, int(run.rate * run.duration * 2) + 16) * world
     shift_after = None
     if shift:
-        shift_after = n // 2 if o["drift_after"] is None or rate == 0 else int(rate * o["drift_after"])
-    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=o["seed"], shift_after=shift_after,
+        shift_after = n // 2 if run.drift_after is None or rate == 0 else int(rate * run.drift_after)
+    reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed, shift_after=shift_after,
                                                   shifted_domains=shift), n)
     return reqs, n, rate
 
 
-def _wants_tui(o: dict, world: int, inst) -> bool:
+def _wants_tui(run: DemoOptions, world: int, inst) -> bool:
     """The live view: a person at a terminal, one process, and an exporter to watch."""
-    return not (o["no_tui"] or o["as_json"]) and world == 1 and inst.exporter is not None and sys.stdout.isatty()
+    return not (run.no_tui or run.as_json) and world == 1 and inst.exporter is not None and sys.stdout.isatty()
 
 
-def _serve(engine, reqs, run: dict) -> list:
+def _serve(engine, reqs, serving: dict) -> list:
     try:
-        return engine.run(reqs, **run)
+        return engine.run(reqs, **serving)
     except KeyboardInterrupt:  # keep what was served: summarise it
         return engine.finished
 

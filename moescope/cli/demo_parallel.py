@@ -166,13 +166,13 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
     return AllToAllStats(world_size), monitor, ep
 
 
-def rebalancer(o: dict):
-    """The demo's ``parallel.eplb.Rebalancer`` from its options, or None."""
+def rebalancer(run):
+    """The demo's ``parallel.eplb.Rebalancer`` from its options (``DemoOptions``), or None."""
     from moescope.parallel.eplb import Rebalancer
 
-    if not o["rebalance_steps"]:
+    if not run.rebalance_steps:
         return None
-    return Rebalancer(o["rebalance_steps"], o["rebalance_slots"], o["rebalance_below"])
+    return Rebalancer(run.rebalance_steps, run.rebalance_slots, run.rebalance_below)
 
 
 def rebalance_report(ep) -> list[dict]:

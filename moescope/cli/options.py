@@ -1,7 +1,8 @@
 """The CLI contract every command shares: its options, its output rules, its exit paths.
 
 - Options: ``traces_option`` (``--traces PATH``, else ``$MOESCOPE_TRACES``, else the default store),
-  ``since_option`` (``--since`` parsed to unix seconds), ``json_option`` (``--json``).
+  ``since_option`` (``--since`` parsed to unix seconds), ``json_option`` (``--json``); ``option_group`` hands a
+  command its options as one frozen dataclass (``cli/config_options.py``: the model, the instrumentation).
 - Output: ``emit_json`` is the one JSON rule: ``json.dumps`` with ASCII escapes, so every string (control
   characters and bidi overrides included) is escaped by JSON itself and a parser gets the original text back;
   the same in every command. ``echo`` is for terminals: text goes through ``sanitize`` first.
@@ -12,7 +13,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import functools
 import json
 import re
 import time
@@ -43,6 +46,33 @@ def traces_option(*, allow_none: bool = False, help: str = "Trace store (SQLite)
     return click.option("--traces", "traces_path", type=click.Path(), default=default_traces,
                         show_default="~/.local/share/moescope/traces.sqlite", envvar=TRACES_ENV,
                         show_envvar=True, help=help + suffix)
+
+
+def import_option(use: str):
+    """``--import PATH`` into ``import_path``: a peer's expert-load dump (an SGLang expert-distribution dump, .pt,
+    or a Megatron-style tokens-per-expert JSONL); ``use`` says what the command does with it."""
+    return click.option("--import", "import_path", type=click.Path(dir_okay=False), default=None,
+                        help=f"{use} an SGLang expert-distribution dump (.pt) or a Megatron-style tokens-per-expert "
+                             "JSONL.")
+
+
+def option_group(cls, name: str, *options):
+    """Click ``options`` whose parsed values reach the command as one frozen ``cls`` object, the keyword ``name``
+    (each option's parameter name is a field of ``cls``; a field without its option, or an option without its
+    field, fails the first call). Commands take typed objects, never a dict of strings."""
+    fields = tuple(f.name for f in dataclasses.fields(cls))
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def command(*args, **kw):
+            kw[name] = cls(**{f: kw.pop(f) for f in fields})
+            return fn(*args, **kw)
+
+        for option in reversed(options):
+            command = option(command)
+        return command
+
+    return deco
 
 
 def parse_since(text: str) -> float:

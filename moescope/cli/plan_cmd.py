@@ -7,16 +7,11 @@ from pathlib import Path
 
 import click
 
-from moescope.cli.options import echo, emit_json, json_option, since_option, traces_option
-
-IMPORT_OPTION = click.option("--import", "import_path", type=click.Path(dir_okay=False), default=None,
-                             help="Read load from an SGLang expert-distribution dump (.pt) or a Megatron-style "
-                                  "tokens-per-expert JSONL instead of the trace store.")
-
+from moescope.cli.options import echo, emit_json, import_option, json_option, since_option, traces_option
 
 @click.command("plan-placement")
 @traces_option()
-@IMPORT_OPTION
+@import_option("Read the load (instead of the trace store) from")
 @since_option
 @click.option("--ranks", type=click.IntRange(min=1), required=True, help="Expert-parallel ranks.")
 @click.option("--slots", type=click.IntRange(min=1), default=None,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import click
 
 from moescope.cli.layer_select import layers_option
-from moescope.cli.options import echo, emit_json, json_option, since_option, traces_option
-from moescope.cli.plan_cmd import IMPORT_OPTION
+from moescope.cli.options import echo, emit_json, import_option, json_option, since_option, traces_option
 
 
 @click.command("report")
 @traces_option()
-@IMPORT_OPTION
+@import_option("Report (instead of the trace store) on")
 @since_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="moescope-report", show_default=True)
 @layers_option("Also draw per-layer figures (expert x step, expert x domain) for these layers: 'all' or ids and "

@@ -11,30 +11,31 @@ from contextlib import ExitStack
 
 import click
 
-from moescope.cli.config_options import instrument_options, model_options
+from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
+                                         instrument_options, model_options)
 from moescope.errors import BadInput
 
 # Scenarios that need the demo's synthetic traffic or several ranks: a server has neither.
 DEMO_ONLY_SETTINGS = {"traffic_shift": "drift", "world_size": "slow-rank"}
 
 
-def assemble(stack: ExitStack, o: dict):
-    """Model, instrumentation and engine from the parsed options ``o``, through the one assembly point
-    (``config_from_options`` -> ``moescope.instrument``); everything it opens is closed by ``stack``.
-    Returns (engine, instrumentation, recorder or None)."""
+def assemble(stack: ExitStack, model: ModelOptions, instrument: InstrumentOptions):
+    """Model, instrumentation and engine from the parsed options, through the one assembly point (``build_config``
+    -> ``moescope.instrument``); everything it opens is closed by ``stack``. Returns (engine, instrumentation,
+    recorder or None)."""
     import moescope
-    from moescope.cli.config_options import build_model, config_from_options
 
-    config = config_from_options(o)
+    config = build_config(instrument, model)
+    asked = config.settings.asked()
     for key, name in DEMO_ONLY_SETTINGS.items():
-        if key in config.settings:
+        if key in asked:
             raise BadInput(f"--scenario {name} needs the demo's synthetic traffic or several ranks; run it with "
                            "`moescope demo --scenario " + name + "`")
-    model = build_model(o, config)
-    inst = stack.enter_context(moescope.instrument(model, config))
+    net = build_model(model, config)
+    inst = stack.enter_context(moescope.instrument(net, config))
     for line in inst.notices:
         click.echo(line, err=True)
-    return inst.engine(max_batch=o["max_batch"], seed=o["seed"]), inst, inst.recorder
+    return inst.engine(max_batch=model.max_batch, seed=model.seed), inst, inst.recorder
 
 
 @click.command("serve")
@@ -58,7 +59,7 @@ def assemble(stack: ExitStack, o: dict):
 @model_options
 @instrument_options
 def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout, log_level, access_log,
-          debug_endpoints, **o) -> int:
+          debug_endpoints, model: ModelOptions, instrument: InstrumentOptions) -> int:
     """Serve the OpenAI completions and chat completions API on the reference MoE runtime.
 
     Each response's id (and x-request-id header) opens in `moescope trace ID`.
@@ -81,7 +82,7 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
 
     with ExitStack() as stack:
         stack.callback(sock.close)
-        engine, inst, recorder = assemble(stack, o)
+        engine, inst, recorder = assemble(stack, model, instrument)
         loop = EngineLoop(engine, max_queue=max_queue, request_timeout_s=request_timeout or None)
         stack.callback(loop.close)  # first out: cancels what is left, before the recorder flushes
         cfg = engine.model.cfg

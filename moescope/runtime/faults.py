@@ -32,6 +32,7 @@ Magnitudes: ``NAME=VALUE`` sets a fault's size (what ``benchmarks/detection.py``
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -288,8 +289,30 @@ def apply(model, names: list[str]) -> list[Fault]:
     return resolved
 
 
-def demo_settings(names: list[str]) -> dict:
-    """The demo settings the scenarios ask for, merged (later scenarios win on conflicts)."""
+@dataclass(frozen=True)
+class ScenarioSettings:
+    """What the scenarios ask of the runtime around the model (``DEMO_SETTINGS``, merged); None: not asked, the
+    flag or default stands. ``Config.resolved`` folds the cache's into the config, ``Config.model_overrides`` the
+    capacity factor, ``Config.engine_settings`` the leak; the demo reads the ranks and the traffic shift."""
+
+    cache_size: int | None = None
+    cache_policy: str | None = None
+    cache_tier: str | None = None
+    disk_delay_s: tuple[float, float] | None = None
+    world_size: int | None = None
+    slow_rank: int | None = None
+    delay_ms: float | None = None
+    capacity_factor: float | None = None
+    traffic_shift: dict[str, float] | None = None
+    leak_bytes: int | None = None
+
+    def asked(self) -> dict:
+        """The settings a scenario asked for, by name."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def demo_settings(names: list[str]) -> ScenarioSettings:
+    """The settings the scenarios ask for, merged (later scenarios win on conflicts)."""
     out: dict = {}
     for n in names:
         f = spec(n)
@@ -298,4 +321,4 @@ def demo_settings(names: list[str]) -> dict:
             out["capacity_factor"] = f.value
         if f.name == "leak" and f.value is not None:
             out["leak_bytes"] = int(f.value * 1024)
-    return out
+    return ScenarioSettings(**out)
