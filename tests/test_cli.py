@@ -93,3 +93,31 @@ def test_triton_router_request_on_a_sigmoid_model_is_a_notice(capsys):
     assert notice.startswith("note: the Triton router implements softmax top-k only") and "\n" not in notice
     assert all(m.router.impl == "triton" and not m.router.kernel_supported for m in model.moe_layers())
     assert MoETransformer(PRESETS["qwen3-moe-shape"].replace(n_layers=2)).set_router_impl("triton") is None
+
+
+def test_option_groups_hand_a_command_frozen_typed_objects():
+    """The model and instrumentation flags reach a command as one frozen object each, parsed once by click (the
+    dataclass's fields are the options' parameter names: a field without its option fails here)."""
+    import dataclasses
+
+    import click
+    from click.testing import CliRunner
+
+    from moescope.cli.config_options import InstrumentOptions, ModelOptions, instrument_options, model_options
+
+    seen = {}
+
+    @click.command()
+    @model_options
+    @instrument_options
+    def cmd(model, instrument):
+        seen.update(model=model, instrument=instrument)
+
+    result = CliRunner().invoke(cmd, ["--model", "deepseek-v3-shape", "--seed", "3", "--cache-size", "4",
+                                      "--scenario", "hot, drop=0.8"], standalone_mode=False)
+    assert result.exception is None, result.output
+    assert seen["model"] == ModelOptions("deepseek-v3-shape", "auto", "auto", "float32", None, 16, 3)
+    assert isinstance(seen["instrument"], InstrumentOptions) and seen["instrument"].cache_size == 4
+    assert seen["instrument"].scenarios == ("hot", "drop=0.8")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        seen["model"].seed = 1
