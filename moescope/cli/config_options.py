@@ -4,10 +4,13 @@ the pipeline. Parameter names are the contract (``o["cache_size"]`` ...)."""
 
 from __future__ import annotations
 
+import functools
+
 import click
 
 from moescope.cli.options import traces_option
 from moescope.errors import BadInput
+from moescope.runtime import routers_cache
 
 
 def _stack(*options):
@@ -16,6 +19,20 @@ def _stack(*options):
             fn = option(fn)
         return fn
     return deco
+
+
+def _weights(o: dict) -> str | None:
+    return None if o["weights"] == "random" else o["weights"]
+
+
+def _announcing(command):
+    """The command, first saying on stderr how its model will be built where that takes a while (a production
+    shape's balanced routers): before the command's body imports torch, so progress shows within a second."""
+    @functools.wraps(command)
+    def announced(**o):
+        routers_cache.announce(o["model_spec"], _weights(o))
+        return command(**o)
+    return announced
 
 
 model_options = _stack(
@@ -30,6 +47,7 @@ model_options = _stack(
                  help="Per-expert capacity factor (drops slots beyond it); default: no capacity limit."),
     click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling."),
+    _announcing,  # innermost: wraps the command's body itself
 )
 
 instrument_options = _stack(
@@ -130,5 +148,5 @@ def build_model(o: dict, config):
     """The model the options name, with the scenarios' model overrides (``drop``: a capacity limit)."""
     from moescope.runtime import loader
 
-    return loader.build_model(o["model_spec"], weights=None if o["weights"] == "random" else o["weights"],
-                              device=o["device"], dtype=o["dtype"], **config.model_overrides(o["capacity_factor"]))
+    return loader.build_model(o["model_spec"], weights=_weights(o), device=o["device"], dtype=o["dtype"],
+                              **config.model_overrides(o["capacity_factor"]))
