@@ -24,6 +24,8 @@ import threading
 import time
 import urllib.request
 
+import _results
+
 import moescope
 from moescope.runtime import loader, traffic
 from moescope.runtime.engine import Engine
@@ -107,7 +109,7 @@ def writers(rounds: int) -> dict:
     reg.register(Big())
     w = FamilyWriter(MODEL, "0")
     times = {"prometheus_client": [], "fast": []}
-    for _ in range(rounds):
+    for _ in _results.track(range(rounds), "scrape: prometheus_client and the fast writer, interleaved rounds"):
         t = time.perf_counter()
         generate_latest(reg)
         times["prometheus_client"].append(time.perf_counter() - t)

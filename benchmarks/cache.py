@@ -21,14 +21,13 @@ sweep's rows at that size are checked equal to the per-size simulation.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _results import save
+import _results
 
 import numpy as np
 import torch
@@ -41,7 +40,6 @@ from moescope.runtime.config import MoEConfig
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 
-HERE = Path(__file__).resolve().parent
 CFG = MoEConfig(name="cache-bench", hidden_size=512, n_layers=3, n_heads=8, n_experts=8, top_k=2,
                 ffn_size=1408, max_seq_len=256)
 # --quick: a 16x smaller expert and short outputs (a smoke run of the script, seconds even on a busy CI machine)
@@ -76,7 +74,7 @@ def bench_sim(rounds: int, n_layers: int, n_steps: int, out: Path) -> None:
     n_experts, seqs = sim_lookups(n_layers, n_steps)
     size = n_experts // 4
     sweep_s, naive_s = [], []
-    for r in range(rounds):
+    for r in _results.track(range(rounds), "cache-sim: the sweep and the per-size simulation, interleaved rounds"):
         for which in (("sweep", "naive") if r % 2 == 0 else ("naive", "sweep")):
             t0 = time.perf_counter()
             if which == "sweep":
@@ -96,32 +94,28 @@ def bench_sim(rounds: int, n_layers: int, n_steps: int, out: Path) -> None:
           f"{rounds} interleaved rounds")
     print(f"  sweep, all {n_experts} sizes x 4 policies: {sweep:.2f} s; per-size simulation, one size (E/4) x 4 "
           f"policies: {one:.2f} s (x {n_experts} sizes ~ {one * n_experts:.0f} s); equal at size {size}")
-    save({"n_layers": n_layers, "n_experts": n_experts, "top_k": 8, "steps": n_steps, "lookups": lookups,
-          "rounds": rounds, "sweep_all_sizes_s": sweep, "per_size_one_size_s": one, "compared_size": size,
-          "per_size_all_sizes_estimate_s": one * n_experts, "speedup_vs_per_size_all_sizes": one * n_experts / sweep,
-          "sweep_s": sweep_s, "per_size_s": naive_s}, out)
+    _results.save({"n_layers": n_layers, "n_experts": n_experts, "top_k": 8, "steps": n_steps, "lookups": lookups,
+                   "rounds": rounds, "sweep_all_sizes_s": sweep, "per_size_one_size_s": one, "compared_size": size,
+                   "per_size_all_sizes_estimate_s": one * n_experts,
+                   "speedup_vs_per_size_all_sizes": one * n_experts / sweep, "sweep_s": sweep_s,
+                   "per_size_s": naive_s}, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=3)
+    ap = _results.parser(__doc__, quick="one round of 3 short requests on a smaller model (CI keeps the script "
+                         "working)", rounds=3)
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=4)
-    ap.add_argument("--quick", action="store_true",
-                    help="one round of 3 short requests on a smaller model (CI keeps the script working)")
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--only", choices=("serve", "sim"), default=None, help="run one section (default: both)")
     ap.add_argument("--sim-rounds", type=int, default=7)
     ap.add_argument("--sim-layers", type=int, default=58)
     ap.add_argument("--sim-steps", type=int, default=120)
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, "cache")
     if args.quick:
-        args.rounds, args.requests = 1, 3
+        args.requests = 3
         args.sim_rounds, args.sim_layers, args.sim_steps = 1, 4, 20
-    args.out = args.out or HERE / "results" / ("cache-quick.json" if args.quick else "cache.json")
     if args.only != "serve":
-        bench_sim(args.sim_rounds, args.sim_layers, args.sim_steps,
-                  HERE / "results" / ("cache-sim-quick.json" if args.quick else "cache-sim.json"))
+        bench_sim(args.sim_rounds, args.sim_layers, args.sim_steps, _results.path("cache-sim", args.quick))
     if args.only == "sim":
         return 0
 
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     reference = None
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "experts.safetensors"
-        for r in range(args.rounds):
+        for r in _results.track(range(args.rounds), "cache: every cache size and tier, interleaved rounds"):
             for v in (variants if r % 2 == 0 else variants[::-1]):
                 label, size, tier = v
                 cache = None
@@ -184,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{label:>6} {row['tier']:>7} {tok_s:8.1f} {row['vs_all']:6.2f}x {row['token_p50_s'] * 1e3:8.1f} "
               f"{row['token_p99_s'] * 1e3:8.1f} {row['hit_rate']:9.3f} {lp50} {lp99}")
     print("outputs identical to the all-resident run in every variant")
-    save({"config": cfg.to_dict(), "rounds": args.rounds, "requests": args.requests,
-                                    "max_batch": args.max_batch, "rows": rows}, args.out)
+    _results.save({"config": cfg.to_dict(), "rounds": args.rounds, "requests": args.requests,
+                   "max_batch": args.max_batch, "rows": rows}, args.out)
     return 0
 
 

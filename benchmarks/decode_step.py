@@ -17,7 +17,6 @@ and ``--quick`` scales the shapes down 16x (a smoke run of the script itself).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import save  # noqa: E402
+import _results  # noqa: E402
 
 import moescope  # noqa: E402
 from moescope.capture.observer import NOOP  # noqa: E402
@@ -135,19 +134,17 @@ def measure(model: MoETransformer, batch: int, rounds: int, steps: int) -> dict:
             "graph_speedup": med["eager_bare"] / med["graph_bare"]}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = _results.parser(__doc__, quick="fewer rounds; on CPU, one round, shapes scaled down 16x", rounds=7)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="fewer rounds; on CPU, one round, shapes scaled down 16x")
     ap.add_argument("--batch", type=int, nargs="+", default=None, help="[1 32; --quick on CPU: 1 4]")
-    ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    cuda = args.device.startswith("cuda")
     # --quick on CPU is a smoke run of the script (CI): one round of 3 steps; on CUDA a short measurement
-    rounds = args.rounds or ((3 if cuda else 1) if args.quick else 7)
+    args = _results.parse(ap, argv, lambda a: "decode_step" if a.device.startswith("cuda") else "decode_step-cpu",
+                          quick_rounds=lambda a: 3 if a.device.startswith("cuda") else 1)
+    cuda = args.device.startswith("cuda")
+    rounds = args.rounds
     steps = args.steps or ((5 if cuda else 3) if args.quick else 30)
     batches = args.batch or ([1, 4] if args.quick and not cuda else [1, 32])
     scale = 16 if args.quick and not cuda else 1
@@ -157,21 +154,21 @@ def main() -> None:
           f"{'CUDA graph' if cuda else 'no graph on CPU: fixed-shape step uncaptured'}")
     print(f"{'shape':<18} {'B':>3} {'eager us':>9} {'+capture':>9} {'ratio':>6} {'graph us':>9} {'+counters':>9} "
           f"{'ratio':>6} {'graph/eager':>11}")
-    for name in args.shapes:
-        model = build(name, args.device, dtype, scale)
-        for batch in batches:
-            r = {"shape": name, **measure(model, batch, rounds, steps)}
-            rows.append(r)
-            print(f"{name:<18} {batch:>3} {r['eager_bare_s'] * 1e6:>9.0f} {r['eager_instrumented_s'] * 1e6:>9.0f} "
-                  f"{r['eager_ratio']:>6.3f} {r['graph_bare_s'] * 1e6:>9.0f} {r['graph_instrumented_s'] * 1e6:>9.0f} "
-                  f"{r['graph_ratio']:>6.3f} {1 / r['graph_speedup']:>11.2f}")
-        del model
-        if cuda:
-            torch.cuda.empty_cache()
-    here = Path(__file__).resolve().parent / "results"
-    out = args.out or here / f"decode_step{'' if cuda else '-cpu'}{'-quick' if args.quick else ''}.json"
-    save({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-          "dtype": str(dtype), "scale": scale, "rounds": rounds, "steps": steps, "rows": rows}, out)
+    model, built = None, None
+    for name, batch in _results.track([(name, batch) for name in args.shapes for batch in batches],
+                                      "decode step: each shape and batch, the variants interleaved"):
+        if built != name:
+            model = None  # the last shape's memory back before the next one is built
+            if cuda:
+                torch.cuda.empty_cache()
+            model, built = build(name, args.device, dtype, scale), name
+        r = {"shape": name, **measure(model, batch, rounds, steps)}
+        rows.append(r)
+        print(f"{name:<18} {batch:>3} {r['eager_bare_s'] * 1e6:>9.0f} {r['eager_instrumented_s'] * 1e6:>9.0f} "
+              f"{r['eager_ratio']:>6.3f} {r['graph_bare_s'] * 1e6:>9.0f} {r['graph_instrumented_s'] * 1e6:>9.0f} "
+              f"{r['graph_ratio']:>6.3f} {1 / r['graph_speedup']:>11.2f}")
+    _results.save({"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+                   "dtype": str(dtype), "scale": scale, "rounds": rounds, "steps": steps, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ docs/alerts.md ("Detection power") quotes the full run.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -40,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # the matrix's alerting path: tests/pipeline.py, tests/servers.py
-from _results import save  # noqa: E402
+import _results  # noqa: E402
 from pipeline import SHAPE_HOT_WATCH_S, SHAPE_HOT_WINDOW_S  # noqa: E402
 
 # Settings per shape. The shapes serve ~35 tokens/s on 2 shared cores: thin traffic (a request every 2 s), 2 s
@@ -274,17 +273,15 @@ def prebuild(shapes: list[str], out: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny-demo only, one magnitude per fault (~2 min; CI)")
+    ap = _results.parser(__doc__, quick="tiny-demo only, one magnitude per fault (~2 min; CI)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--faults", default=",".join(SWEEP))
     ap.add_argument("--healthy-s", type=float, default=300.0, help="seconds of healthy traffic per run")
     ap.add_argument("--parallel", type=int, default=3, help="demos at once")
-    ap.add_argument("--out", default=None, help="results file")
     ap.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
     ap.add_argument("--markdown", metavar="RESULTS", default=None,
                     help="print the docs' tables from a results file and exit (no run)")
-    args = ap.parse_args()
+    args = _results.parse(ap, None, "detection")
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())), end="")
         return
@@ -312,13 +309,20 @@ def main() -> None:
     # Full runs: the healthy runs first (false alarms on their own, not beside fault runs), then the sweeps.
     # Quick: all at once (one tiny-demo each).
     parallel = len(jobs) + len(shapes) if args.quick else max(1, args.parallel)
-    with ThreadPoolExecutor(parallel) as pool:
-        healthy_futures = [pool.submit(healthy, work, s, healthy_s, baseline) for s in shapes]
+    with ThreadPoolExecutor(parallel) as pool, _results.progress(
+            f"detection: {len(shapes)} healthy runs, then {len(jobs)} fault sweeps, {parallel} at once",
+            len(shapes) + len(jobs)) as advance:
+        def submit(*job):
+            future = pool.submit(*job)
+            future.add_done_callback(lambda _: advance())
+            return future
+
+        healthy_futures = [submit(healthy, work, s, healthy_s, baseline) for s in shapes]
         if not args.quick:
             for f in healthy_futures:
                 f.result()
             print(f"healthy done at {time.time() - t0:.0f} s", flush=True)
-        sweep_futures = [pool.submit(sweep, work, s, f, sweeps[f], watch[s], chain) for s, f in jobs]
+        sweep_futures = [submit(sweep, work, s, f, sweeps[f], watch[s], chain) for s, f in jobs]
         healthy_rows = dict(zip(shapes, (f.result() for f in healthy_futures)))
         swept = [f.result() for f in sweep_futures]
     results = {s: {"model": f"acme-{s} (preset {s})", **SHAPES[s], "healthy": healthy_rows[s], "faults": {}}
@@ -337,8 +341,7 @@ def main() -> None:
         "wall_s": None, "shapes": results,
     }
     report["wall_s"] = round(time.time() - t0, 1)
-    name = "detection-quick.json" if args.quick else "detection.json"
-    save(report, Path(args.out) if args.out else ROOT / "benchmarks" / "results" / name)
+    _results.save(report, args.out)
     print(json.dumps(summary(report), indent=1))
 
 

@@ -16,16 +16,13 @@ what balance buys on real accelerators.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
-from _results import save
-
-HERE = Path(__file__).resolve().parent
+import _results
 
 
 def demo(requests: int, extra: list[str]) -> dict:
@@ -82,25 +79,21 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=7)
+    ap = _results.parser(__doc__, quick="1 round, 12 requests (CI keeps the script working)", rounds=7)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--every", type=int, default=40, help="--rebalance-steps")
     ap.add_argument("--slots", type=int, default=5, help="--rebalance-slots (tiny-demo: 8 experts, 4 per rank)")
-    ap.add_argument("--quick", action="store_true", help="1 round, 12 requests (CI keeps the script working)")
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--markdown", metavar="RESULTS", default=None,
                     help="print the docs' table from a results file and exit (no run)")
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, "eplb")
     if args.markdown:
         print(markdown(json.loads(Path(args.markdown).read_text())), end="")
         return 0
     if args.quick:
-        args.rounds, args.requests, args.every = 1, 12, 10
-    args.out = args.out or HERE / "results" / ("eplb-quick.json" if args.quick else "eplb.json")
+        args.requests, args.every = 12, 10
     configs = {"static": [], "eplb": ["--rebalance-steps", str(args.every), "--rebalance-slots", str(args.slots)]}
     rows: dict[str, list[dict]] = {name: [] for name in configs}
-    for i in range(args.rounds):
+    for i in _results.track(range(args.rounds), "eplb: static and EPLB runs, interleaved rounds"):
         order = list(configs) if i % 2 == 0 else list(reversed(configs))  # alternate: drift hits both alike
         for name in order:
             rows[name].append(figures(demo(args.requests, configs[name])))
@@ -121,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{eplb['rebalances']} rearrangements per run",
         f"  throughput: static {static['tokens_per_s']} tok/s, EPLB {eplb['tokens_per_s']} tok/s "
         f"(x{report['throughput_ratio_eplb_over_static']})"]))
-    save(report, args.out)
+    _results.save(report, args.out)
     return 0
 
 

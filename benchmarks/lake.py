@@ -21,7 +21,6 @@ Figures from a shared 2-core machine are noisy: compare medians and ratios.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -33,7 +32,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
-from _results import save
+import _results
 
 import moescope
 from moescope.runtime import loader, traffic
@@ -41,7 +40,6 @@ from moescope.runtime.engine import Engine
 from moescope.traces import lake, store
 from moescope.traces.recorder import TraceRecorder
 
-HERE = Path(__file__).resolve().parent
 COLUMNS = [name for name, _ in lake._COLUMNS]
 INSERT = f"INSERT INTO requests ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
 
@@ -123,9 +121,9 @@ def queries(stores: dict[str, str], ids: dict[str, list[str]], rounds: int, now:
         times.setdefault(query, {}).setdefault(name, []).append(dt)
         check.setdefault(query, {})[name] = out
 
-    for _ in range(rounds):
+    for r in _results.track(range(rounds), "lake: each query on SQLite and the lake, interleaved rounds"):
         picks = {m: rng.choice(v) for m, v in ids.items()}
-        for name in (list(stores) if _ % 2 == 0 else list(stores)[::-1]):  # alternate the order per round
+        for name in (list(stores) if r % 2 == 0 else list(stores)[::-1]):  # alternate the order per round
             for model, rid in picks.items():
                 run(f"trace_{model}", name, lambda c, rid=rid: len(store.load_request(c, rid)["tokens"]))
             run("requests_since_1h", name,
@@ -177,20 +175,17 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 replicas, few requests, one round (CI)")
-    ap.add_argument("--rounds", type=int, default=7)
+    ap = _results.parser(__doc__, quick="2 replicas, few requests, one round (CI)", rounds=7)
     ap.add_argument("--replicas", type=int, default=10)
-    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
                     help="print the docs' table from a results file and exit")
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, "lake")
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
-    rounds, replicas = (1, 2) if args.quick else (args.rounds, args.replicas)
+    rounds, replicas = args.rounds, 2 if args.quick else args.replicas
     tiny_n, ds_n, ds_tokens = (50, 2, 24) if args.quick else (2000, 20, 240)
-    out = args.out or HERE / "results" / ("lake-quick.json" if args.quick else "lake.json")
+    out = args.out
     report: dict = {"machine": "shared 2-core CPU machine (other jobs running): figures are noisy",
                     "quick": args.quick, "replicas": replicas}
     now = time.time()
@@ -215,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         glob = str(tmp / "fleet" / "replica-*")
         report["queries"] = queries({"sqlite": str(tmp / "all.sqlite"), "lake": glob}, ids, rounds, now)
         report["cli_trace_json_fleet"] = cli_trace(glob, ids["deepseek-v3-shape"][-1], 1 if args.quick else 5)
-    save(report, out)
+    _results.save(report, out)
     return 0
 
 

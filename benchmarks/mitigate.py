@@ -11,14 +11,13 @@ canary runs, per layer), and output tokens identical on the healthy model.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import save  # noqa: E402
+import _results  # noqa: E402
 
 import moescope  # noqa: E402
 from moescope import stats  # noqa: E402
@@ -60,12 +59,11 @@ def canary_flips(scenario: str, mitigation: Mitigation | None, runs: int = 11) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="16 requests, 3 canary runs (CI keeps the script working)")
-    args = ap.parse_args(argv)
+    ap = _results.parser(__doc__, quick="16 requests, 3 canary runs (CI keeps the script working)")
+    args = _results.parse(ap, argv, "mitigate")
     n, runs = (16, 3) if args.quick else (96, 11)
     report: dict = {"load_aware": {}, "smoothing": {}, "requests": n, "canary_runs": runs}
-    for scenario in ("healthy", "imbalance", "collapse"):
+    for scenario in _results.track(("healthy", "imbalance", "collapse"), "mitigate: load-aware routing off and on"):
         cv_off, out_off, _ = serve(scenario, None, n)
         cv_on, out_on, rerouted = serve(scenario, Mitigation(load_bound=0.85), n)
         report["load_aware"][scenario] = {"cv_off": cv_off, "cv_on": cv_on, "rerouted_slots": rerouted,
@@ -73,15 +71,19 @@ def main(argv: list[str] | None = None) -> None:
         print(f"load-aware {scenario:9s} CV max {max(cv_off.values()):.3f} -> {max(cv_on.values()):.3f}  "
               f"({max(cv_on.values()) / max(cv_off.values()):.2f}x), tokens identical "
               f"{report['load_aware'][scenario]['tokens_identical']:.1%}")
-    off = canary_flips("jitter", None, runs)
-    on = canary_flips("jitter", Mitigation(smoothing_margin=0.02), runs)
-    _, h_off, _ = serve("healthy", None, n)
-    _, h_on, _ = serve("healthy", Mitigation(smoothing_margin=0.02), n)
+    with _results.progress("mitigate: smoothing off and on (canary, healthy serving)", 4) as advance:
+        off = canary_flips("jitter", None, runs)
+        advance()
+        on = canary_flips("jitter", Mitigation(smoothing_margin=0.02), runs)
+        advance()
+        _, h_off, _ = serve("healthy", None, n)
+        advance()
+        _, h_on, _ = serve("healthy", Mitigation(smoothing_margin=0.02), n)
     report["smoothing"] = {"margin": 0.02, "jitter_flip_off": off, "jitter_flip_on": on,
                            "healthy_tokens_identical": agreement(h_off, h_on)}
     print(f"smoothing jitter flip rate max {max(off.values()):.2%} -> {max(on.values()):.2%}; healthy tokens "
           f"identical {report['smoothing']['healthy_tokens_identical']:.1%}")
-    save(report, Path(__file__).parent / "results" / ("mitigate-quick.json" if args.quick else "mitigate.json"))
+    _results.save(report, args.out)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ deepseek-v3-shape at 16 (58 MoE layers x 256 experts; ``--quick`` skips it).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from _results import save
+import _results
 
 import torch
 
@@ -39,7 +38,6 @@ from moescope.runtime.engine import Engine, StepRecord
 from moescope.runtime.model import Segment
 from moescope.traces.recorder import TraceRecorder
 
-HERE = Path(__file__).resolve().parent
 VARIANTS = ("bare", "metrics", "metrics+traces")
 
 
@@ -109,7 +107,8 @@ def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: in
     reqs = traffic.generate(traffic.TrafficConfig(seed=0, output_tokens_median=24), n_requests)
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     extra: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for r in range(rounds + 1):  # round 0 warms up (and builds the store)
+    for r in _results.track(range(rounds + 1), f"overhead: {name} at {concurrency}, a warm-up and {rounds} rounds"):
+        # round 0 warms up (and builds the store)
         for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
             res = _serve(model, reqs, v, tmp / f"{name}-{concurrency}-{r}-{v}.sqlite", concurrency)
             if r:
@@ -137,13 +136,9 @@ def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=9)
-    ap.add_argument("--quick", action="store_true", help="tiny-demo only, 1 round (CI keeps the script working)")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    rounds = 1 if args.quick else args.rounds
-    out = args.out or HERE / "results" / ("overhead-quick.json" if args.quick else "overhead.json")
+    ap = _results.parser(__doc__, quick="tiny-demo only, 1 round (CI keeps the script working)", rounds=9)
+    args = _results.parse(ap, argv, "overhead")
+    rounds, out = args.rounds, args.out
     workloads = [("tiny-demo", 1, 8), ("tiny-demo", 16, 48)]
     if not args.quick:
         workloads.append(("deepseek-v3-shape", 16, 16))
@@ -161,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>18} {conc:>4} {row['bare_s']:>7.3f} | {m['ratio']:>6.3f}x {m['cpu_ratio']:>5.3f}x "
                   f"{m['hook_share_of_step']:>6.2%} | {t['ratio']:>6.3f}x {t['cpu_ratio']:>5.3f}x "
                   f"{t['hook_share_of_step']:>6.2%} {t['drain_s']:>7.3f} {t['stored']:>6} {t['dropped']:>7}")
-    save(report, out)
+    _results.save(report, out)
     return 0
 
 

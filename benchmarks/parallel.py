@@ -11,15 +11,12 @@ view, not a speed-up.
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from _results import save
+import _results
 
-HERE = Path(__file__).resolve().parent
 
 
 def run(world: int, requests: int) -> dict:
@@ -32,19 +29,16 @@ def run(world: int, requests: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _results.parser(__doc__, quick="4 requests (CI keeps the script working)")
     ap.add_argument("--requests", type=int, default=24)
     ap.add_argument("--worlds", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--quick", action="store_true", help="4 requests (CI keeps the script working)")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, "parallel")
     if args.quick:
         args.requests = 4
-    args.out = args.out or HERE / "results" / ("parallel-quick.json" if args.quick else "parallel.json")
     rows = []
     print(f"expert parallel demo (tiny-demo, gloo on loopback, {args.requests} requests, greedy)")
     print(f"{'world':>5} {'rank':>4} {'tokens/s':>9} {'all-to-all s':>13} {'share of run':>13} {'wall s':>7}")
-    for w in args.worlds:
+    for w in _results.track(args.worlds, "parallel: one demo per world size"):
         s = run(w, args.requests)
         ranks = s.get("ranks") or [{"rank": 0, "tokens_per_s": s["tokens_per_s"], "all_to_all_s": 0.0,
                                     "all_to_all_share": 0.0}]
@@ -52,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"world_size": w, **r, "wall_s": s["wall_s"]})
             print(f"{w:>5} {r['rank']:>4} {r['tokens_per_s']:>9.1f} {r['all_to_all_s']:>13.3f} "
                   f"{r['all_to_all_share']:>12.1%} {s['wall_s']:>7.2f}")
-    save(rows, args.out)
+    _results.save(rows, args.out)
     return 0
 
 

@@ -14,7 +14,6 @@ interpreter (TRITON_INTERPRET=1) and wall-clock timing: a check that the script 
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ if INTERPRETED:
     os.environ["TRITON_INTERPRET"] = "1"
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _results import save  # noqa: E402
+import _results  # noqa: E402
 
 from moescope.kernels.router_triton import RouterCounters  # noqa: E402
 from moescope.runtime.router import route, route_kernel  # noqa: E402
@@ -57,16 +56,15 @@ def _time(fn, reps: int = 50) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    ap = _results.parser(__doc__, quick="fewer sizes; without CUDA, small sizes under Triton's interpreter")
+    args = _results.parse(ap, None, "router_kernel")
     if not torch.cuda.is_available() and not args.quick:
         sys.exit("router_kernel.py needs a CUDA device (without one, --quick runs it under Triton's interpreter)")
     device = "cpu" if INTERPRETED else "cuda"
     tokens = (1, 64) if INTERPRETED else (1, 256, 16384) if args.quick else (1, 16, 256, 2048, 16384)
     rows = []
     print(f"{'T':>6} {'E':>4} {'k':>2} {'torch us':>9} {'kernel us':>9} {'ratio':>6}")
-    for T in tokens:
+    for T in _results.track(tokens, "router kernel: each token count"):
         for E in ((8, 64) if INTERPRETED else (8, 64, 256)):
             for k in (2, 8):
                 if k > E:
@@ -79,9 +77,8 @@ def main() -> None:
                              "kernel_over_torch": t_kernel / t_torch})
                 print(f"{T:>6} {E:>4} {k:>2} {t_torch * 1e6:>9.1f} {t_kernel * 1e6:>9.1f} "
                       f"{t_kernel / t_torch:>6.2f}")
-    name = "router_kernel-quick.json" if args.quick else "router_kernel.json"
-    save({"device": "cpu (Triton interpreter)" if INTERPRETED else torch.cuda.get_device_name(),
-          "torch": torch.__version__, "rows": rows}, Path(__file__).parent / "results" / name)
+    _results.save({"device": "cpu (Triton interpreter)" if INTERPRETED else torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "rows": rows}, args.out)
 
 
 if __name__ == "__main__":

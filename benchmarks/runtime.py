@@ -17,18 +17,15 @@
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from _results import save
+import _results
 
 import torch
 
-HERE = Path(__file__).resolve().parent
 
 
 def build_pair(hidden: int, ffn: int, n_experts: int, top_k: int, seed: int = 0):
@@ -90,7 +87,7 @@ def run(tokens: list[int], rounds: int, hidden=1024, ffn=2816, n_experts=8, top_
     results = []
     with torch.inference_mode():
         bw = copy_bandwidth()
-        for n in tokens:
+        for n in _results.track(tokens, "runtime: ours and HF's MoE block at each token count, interleaved rounds"):
             x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(n))
             ref, got = hf_forward(hf, x), ours(x)[0]
             max_diff = (ref - got).abs().max().item()
@@ -131,7 +128,7 @@ def grouped_vs_loop(rounds: int, tokens=(16, 512), shapes=GROUPED_SHAPES) -> lis
     from moescope.runtime.experts import Experts
 
     out = []
-    for n_exp, hidden, ffn, k in shapes:
+    for n_exp, hidden, ffn, k in _results.track(shapes, "runtime: grouped_mm and the loop at each shape"):
         experts = Experts(n_exp, hidden, ffn)
         with torch.no_grad():
             for p in experts.parameters():
@@ -184,7 +181,7 @@ def serving(rounds: int, n_requests: int = 8, quick: bool = False) -> list[dict]
 
     for v in variants:
         serve(*v)  # warm-up (and the same tokens every round: greedy, seeded)
-    for r in range(rounds):
+    for r in _results.track(range(rounds), "runtime: serving each model, interleaved rounds"):
         for v in (variants if r % 2 == 0 else variants[::-1]):
             seconds, tokens[v] = serve(*v)
             times[v].append(seconds)
@@ -201,17 +198,12 @@ def serving(rounds: int, n_requests: int = 8, quick: bool = False) -> list[dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _results.parser(__doc__, quick="one small round of each (CI: the benchmark still runs)", rounds=15)
     ap.add_argument("--sections", nargs="+", choices=["hf", "grouped", "serving"], default=["hf", "grouped", "serving"])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 256, 2048])
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--quick", action="store_true", help="one small round of each (CI: the benchmark still runs)")
-    ap.add_argument("--out", type=Path, default=HERE / "results" / "runtime.json")
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, "runtime")
     if args.quick:
-        args.tokens, args.rounds = [1, 16], 1
-        if args.out == HERE / "results" / "runtime.json":
-            args.out = HERE / "results" / "runtime-quick.json"
+        args.tokens = [1, 16]
     report = {}
     if "hf" in args.sections:
         report = run(args.tokens, args.rounds, **({"hidden": 128, "ffn": 256} if args.quick else {}))
@@ -234,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{s['tokens_per_s']:>8.1f} {s['ratio_to_tiny_demo']:>10.3f}x")
     report["machine"] = {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
                          "python": platform.python_version()}
-    save(report, args.out)
+    _results.save(report, args.out)
     return 0
 
 

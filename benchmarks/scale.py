@@ -19,7 +19,6 @@ Figures from a shared 2-core machine are noisy: compare medians and ratios, not 
 
 from __future__ import annotations
 
-import argparse
 import json
 import socket
 import statistics
@@ -30,7 +29,7 @@ import time
 from pathlib import Path
 
 import _scrape
-from _results import save
+import _results
 from overhead import run_workload
 
 import moescope
@@ -38,7 +37,6 @@ from moescope.runtime import loader, traffic
 from moescope.runtime.engine import Engine
 from moescope.traces.recorder import TraceRecorder
 
-HERE = Path(__file__).resolve().parent
 MODEL = _scrape.MODEL
 
 
@@ -98,14 +96,10 @@ def views(store: Path, out: Path, n: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="one round, short requests, few scrapes (CI)")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
-    rounds = 1 if args.quick else args.rounds
+    ap = _results.parser(__doc__, quick="one round, short requests, few scrapes (CI)", rounds=7)
+    args = _results.parse(ap, argv, "scale")
+    rounds, out = args.rounds, args.out
     n_serve, n_store, out_tokens, n_view = (4, 2, 24, 1) if args.quick else (16, 8, 240, 3)
-    out = args.out or HERE / "results" / ("scale-quick.json" if args.quick else "scale.json")
     model = loader.build_model(MODEL)  # --weights auto: the balanced init (built once, then cached)
     report = {"model": MODEL, "machine": "shared 2-core CPU machine (other jobs running): figures are noisy",
               "quick": args.quick}
@@ -115,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         report["store"] = build_store(model, tmp / "store.sqlite", n_store, out_tokens)
         report["views"] = views(tmp / "store.sqlite", tmp / "report", n_view)
     report["scrape"] = _scrape.measure(args.quick, _free_pair())
-    save(report, out)
+    _results.save(report, out)
     return 0
 
 

@@ -31,7 +31,6 @@ slope per 1,000 requests after ``--soak-warmup`` (least squares) and the growth 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -46,9 +45,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from _results import save
+import _results
 
-HERE = Path(__file__).resolve().parent
 VARIANTS = {"capture_on": [], "capture_off": ["--metrics-port", "-1", "--traces", "none"]}
 
 
@@ -253,7 +251,7 @@ async def soak_load(servers: dict, model: str, clients: int, seconds: float, war
 def soak(args) -> int:
     """``--soak SECONDS``: both servers (capture on and off) side by side, each under ``--soak-clients``
     streaming clients; reports the RSS slope per 1,000 requests after ``--soak-warmup`` seconds."""
-    out = args.out or HERE / "results" / "serve-soak.json"
+    out = args.out
     max_tokens = args.max_tokens or 32
     with tempfile.TemporaryDirectory(prefix="moescope-bench-soak-") as tmp:
         servers = {v: start(args.model, extra, Path(tmp), v, args.max_batch) for v, extra in VARIANTS.items()
@@ -297,7 +295,7 @@ def soak(args) -> int:
               + (f"{slope:+.1f} KB per 1,000 requests, {growth:+.2f}% after warm-up" if slope is not None else "n/a"))
     import torch
 
-    save({"mode": "soak", "model": args.model, "max_batch": args.max_batch, "max_tokens": max_tokens,
+    _results.save({"mode": "soak", "model": args.model, "max_batch": args.max_batch, "max_tokens": max_tokens,
           "clients_per_server": args.soak_clients, "seconds": args.soak, "warmup_s": args.soak_warmup,
           "cpus": os.cpu_count(), "torch": torch.__version__, "results": res}, out)
     return 0
@@ -410,11 +408,11 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _interleaved(servers: dict, rounds: int, points: list, run_one) -> dict:
+def _interleaved(servers: dict, rounds: int, points: list, run_one, what: str) -> dict:
     """``run_one(round, point, variant, proc, url)`` for every round, point and server, the servers' order
-    alternating between rounds; {(variant, point): [results per round]}."""
+    alternating between rounds; {(variant, point): [results per round]}. ``what``: the progress line's words."""
     runs: dict = {(v, p): [] for v in VARIANTS for p in points}
-    for r in range(rounds):
+    for r in _results.track(range(rounds), f"serve: {what}, capture on and off, interleaved rounds"):
         order = list(VARIANTS) if r % 2 == 0 else list(VARIANTS)[::-1]
         for p in points:
             for v in order:
@@ -444,7 +442,7 @@ def bench_model(model: str, args, tmp: Path) -> dict:
                   f"{res['server_cpu_ms_per_token'] or 0:.2f} ms/token  errors {res['errors']}", flush=True)
             return res
 
-        runs = _interleaved(servers, rounds, concurrency, closed)
+        runs = _interleaved(servers, rounds, concurrency, closed, f"{model} closed loop")
         rows = summarise(runs, concurrency)
         saturation = max(row["capture_off"]["tokens_per_s"] for row in rows) / max_tokens  # requests/s
         multiples = args.open_load or ([2.0] if quick else [0.5, 1.0, 2.0])
@@ -457,7 +455,7 @@ def bench_model(model: str, args, tmp: Path) -> dict:
                   f"{res['goodput_tokens_per_s']:.1f} tok/s", flush=True)
             return res
 
-        oruns = _interleaved(servers, open_rounds, multiples, opened)
+        oruns = _interleaved(servers, open_rounds, multiples, opened, f"{model} open loop")
     finally:
         for proc, _ in servers.values():
             proc.send_signal(signal.SIGTERM)
@@ -471,9 +469,8 @@ def bench_model(model: str, args, tmp: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="tiny-demo, one small round at 1 and 8 clients and 3 s open loop at 2x (CI: the script runs)")
+    ap = _results.parser(__doc__, quick="tiny-demo, one small round at 1 and 8 clients and 3 s open loop at 2x (CI: "
+                         "the script runs)")
     ap.add_argument("--models", nargs="+", default=None, help="[tiny-demo deepseek-v3-shape; --quick: tiny-demo]")
     ap.add_argument("--rounds", type=int, default=None, help="closed-loop rounds [tiny-demo 5, else 3; --quick: 1]")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None, help="[1 8 32; --quick: 1 8]")
@@ -485,8 +482,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="open-loop rates as multiples of saturation [0.5 1 2; --quick: 2]")
     ap.add_argument("--open-s", type=float, default=None, help="open-loop seconds [tiny-demo 15, else 20; --quick 3]")
     ap.add_argument("--open-rounds", type=int, default=None, help="[2; --quick: 1]")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="[benchmarks/results/serve.json; --quick: serve-quick.json]")
     ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
                     help="print the docs' tables from a results file and exit")
     ap.add_argument("--soak", type=float, default=None, metavar="SECONDS",
@@ -496,7 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--soak-variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
                     help="which servers the soak runs [both]")
     ap.add_argument("--soak-warmup", type=float, default=60.0, help="seconds before the slope is fitted [60]")
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, lambda a: "serve-soak" if a.soak else "serve")
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
@@ -504,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         args.model = (args.models or ["tiny-demo"])[0]
         return soak(args)
     models = args.models or (["tiny-demo"] if args.quick else ["tiny-demo", "deepseek-v3-shape"])
-    out = args.out or HERE / "results" / ("serve-quick.json" if args.quick else "serve.json")
+    out = args.out
     import torch
 
     report = {"cpus": os.cpu_count(), "torch": torch.__version__, "models": {},
@@ -514,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
             report["models"][model] = bench_model(model, args, Path(tmp))
     print()
     print(markdown(report), end="")
-    save(report, out)
+    _results.save(report, out)
     return 0
 
 

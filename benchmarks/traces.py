@@ -10,7 +10,6 @@ Then `moescope trace ID --json` and `moescope requests` run as subprocesses agai
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _results import save
+import _results
 
 import torch
 
@@ -28,7 +27,6 @@ from moescope.runtime.router import route
 from moescope.traces import store
 from moescope.traces.writer import TraceWriter
 
-HERE = Path(__file__).resolve().parent
 LAYERS, EXPERTS, TOP_K, PER_REQUEST = (1, 2, 3), 8, 2, 100
 
 
@@ -66,17 +64,16 @@ def wall(cmd: list[str], repeats: int = 3) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = _results.parser(__doc__, quick="a 20,000-token store (CI keeps the script working)")
     ap.add_argument("--tokens", type=int, default=1_000_000)
-    ap.add_argument("--quick", action="store_true", help="a 20,000-token store (CI keeps the script working)")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args(argv)
+    args = _results.parse(ap, argv, "traces")
     if args.quick:
         args.tokens = 20_000
-    args.out = args.out or HERE / "results" / ("traces-quick.json" if args.quick else "traces.json")
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, _results.progress("traces: write a store, then read it back "
+                                                                 "(in process, 2 commands, start-up)", 4) as advance:
         path = Path(tmp) / "traces.sqlite"
         report = fill(path, args.tokens)
+        advance()
         conn = store.open_store(path)
         conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         size = path.stat().st_size
@@ -88,8 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         report["load_request_in_process_s"] = time.perf_counter() - t
         moescope = [sys.executable, "-m", "moescope"]
         report["trace_json_cli_s"] = wall([*moescope, "trace", rid, "--traces", str(path), "--json"])
+        advance()
         report["requests_cli_s"] = wall([*moescope, "requests", "--traces", str(path)])
+        advance()
         report["startup_cli_s"] = wall([*moescope, "--version"])
+        advance()
     print(f"trace store: {report['tokens']:,} tokens x {len(LAYERS)} layers, top-{TOP_K}")
     print(f"  writer: {report['token_layer_records_per_s']:,.0f} token-layer records/s "
           f"({report['write_s']:.1f} s for the store)")
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(in-process query {report['load_request_in_process_s'] * 1e3:.1f} ms; CLI start-up alone "
           f"{report['startup_cli_s']:.2f} s)")
     print(f"  moescope requests: {report['requests_cli_s']:.2f} s wall")
-    save(report, args.out)
+    _results.save(report, args.out)
     return 0
 
 

@@ -20,6 +20,12 @@ def _off() -> bool:
     return os.environ.get("MOESCOPE_PROGRESS", "1") == "0"
 
 
+def note(line: str) -> None:
+    """One progress line on stderr (``moescope: line``), terminal or not, unless progress is off."""
+    if not _off():
+        print(f"moescope: {line}", file=sys.stderr, flush=True)
+
+
 @contextmanager
 def progress(description: str, total: int, lines: bool = True) -> Iterator[Callable[[int], None]]:
     """Yields ``advance(n=1)``; shows ``description`` with a bar of ``total`` steps and the time left.
@@ -30,15 +36,15 @@ def progress(description: str, total: int, lines: bool = True) -> Iterator[Calla
         return
     started = time.monotonic()
     if not sys.stderr.isatty():
-        print(f"moescope: {description} ...", file=sys.stderr, flush=True)
+        note(f"{description} ...")
         yield lambda n=1: None
-        print(f"moescope: {description}: done in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+        note(f"{description}: done in {time.monotonic() - started:.0f} s")
         return
     try:  # rich comes with the tui extra (textual); without it, the plain lines
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     except ImportError:
-        print(f"moescope: {description} ...", file=sys.stderr, flush=True)
+        note(f"{description} ...")
         yield lambda n=1: None
         return
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),

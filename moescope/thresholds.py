@@ -137,9 +137,6 @@ class Thresholds:
             return False
         return jsd_bits - noise_bits > self.drift_bits
 
-    def activation_low(self, observed: float, expected: float) -> bool:
-        return expected > 0 and observed / expected < self.activation_floor
-
     def rank_overloaded(self, max_over_mean: float | None) -> bool:
         return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean
 

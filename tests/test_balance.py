@@ -2,12 +2,14 @@
 judged on other traffic than it was calibrated on; cached, deterministic; faults still bite on top of it."""
 
 import math
+import os
 
 import pytest
 import torch
+from helpers import run_cli_ok
 
 from moescope import stats
-from moescope.runtime import balance, faults, loader, tokenizer, traffic
+from moescope.runtime import balance, faults, loader, routers_cache, tokenizer, traffic
 from moescope.runtime.config import PRESETS
 from moescope.runtime.model import MoETransformer, Segment
 
@@ -41,19 +43,67 @@ def balanced(cache_dir):
     return model
 
 
-def test_balanced_init_is_far_more_balanced_than_random_on_other_traffic(balanced):
-    raw, tuned = MoETransformer(SHAPE).eval(), balanced
-    raw_load, n_tokens = _served_load(raw)
-    tuned_load, _ = _served_load(tuned)
-    floor = math.sqrt((SHAPE.n_experts - 1) / (n_tokens * SHAPE.top_k))  # multinomial sampling noise
-    raw_cv = [stats.load_cv(v) for v in raw_load.values()]
-    tuned_cv = [stats.load_cv(v) for v in tuned_load.values()]
-    assert min(raw_cv) > 0.8  # a random router favours a few experts for every token
-    assert max(tuned_cv) < 0.5 and max(tuned_cv) < min(raw_cv) / 2
-    assert min(tuned_cv) > floor  # what is left is structural, never below sampling noise
-    assert max(stats.dead_experts(v) for v in tuned_load.values()) <= 2
+def _assert_balanced(model, below: float = 0.5) -> list[float]:
+    """The balance bar on served traffic: every layer's load CV under ``below`` and above the sampling noise
+    floor (what is left is structural), at most 2 dead experts, the correction bias at work. Returns the CVs."""
+    cfg = model.cfg
+    load, n_tokens = _served_load(model)
+    floor = math.sqrt((cfg.n_experts - 1) / (n_tokens * cfg.top_k))  # multinomial sampling noise
+    cv = [stats.load_cv(v) for v in load.values()]
+    assert max(cv) < below and min(cv) > floor, (min(cv), max(cv), floor)
+    assert max(stats.dead_experts(v) for v in load.values()) <= 2
     # the correction bias does the balancing it does in DeepSeek-V3: non-zero after calibration
-    assert all(float(m.router.e_score_correction_bias.abs().max()) > 0.01 for m in tuned.moe_layers())
+    assert all(float(m.router.e_score_correction_bias.abs().max()) > 0.01 for m in model.moe_layers())
+    return cv
+
+
+def test_balanced_init_is_far_more_balanced_than_random_on_other_traffic(balanced):
+    raw_load, _ = _served_load(MoETransformer(SHAPE).eval())
+    raw_cv = [stats.load_cv(v) for v in raw_load.values()]
+    assert min(raw_cv) > 0.8  # a random router favours a few experts for every token
+    _assert_balanced(balanced, below=min(0.5, min(raw_cv) / 2))
+
+
+def test_the_shipped_deepseek_v3_shape_routers_load_without_calibrating_and_hold_the_bar(tmp_path, monkeypatch,
+                                                                                         capfd):
+    """A first run at deepseek-v3-shape loads the routers shipped in the package (no calibration, nothing
+    cached) and they pass the balance bar at the full shape. Fails after a BALANCE_VERSION bump until the file
+    is regenerated (`python -m moescope.runtime.balance`)."""
+    monkeypatch.setenv("MOESCOPE_CACHE", str(tmp_path))
+    cfg = PRESETS["deepseek-v3-shape"]
+    shipped = routers_cache.found(cfg, cfg.seed)
+    assert [p.parent for p in shipped] == [routers_cache.SHIPPED] and shipped[0].stat().st_size < 2_000_000
+    model = MoETransformer(cfg).eval()
+    model.blocks[5].ffn.router.weight.data.zero_()  # only the file can restore it without a calibration
+    capfd.readouterr()
+    routers_cache.announce("deepseek-v3-shape", "auto")
+    balance.balanced_init(model, seed=cfg.seed)
+    err = capfd.readouterr().err
+    assert "its balanced routers shipped with moescope" in err and "first build" not in err and "balancing" not in err
+    assert not (tmp_path / "balanced-routers").exists()
+    _assert_balanced(model)
+    routers_cache.announce("qwen3-moe-shape", "auto")  # neither shipped nor cached here
+    assert "building qwen3-moe-shape (48 layers x 128 experts): first build" in capfd.readouterr().err
+
+
+def test_a_first_build_says_so_before_importing_torch_and_a_second_loads_the_cache(tmp_path):
+    """The first progress line of a first build comes before torch's import (seconds on a loaded machine), then
+    the calibration's own start and done lines; the next run of the shape says nothing of it."""
+    spec = tmp_path / "ds3.yaml"
+    spec.write_text("preset: deepseek-v3-shape\nname: ds-first\nn_layers: 3\ndense_layers: [0]\n")
+    env = {**os.environ, "MOESCOPE_CACHE": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"}
+    args = ("demo", "--model", spec, "--requests", "2", "--rate", "0")
+    err = run_cli_ok(*args, env=env).stderr.splitlines()
+    first = next(i for i, line in enumerate(err) if line.startswith("moescope: building ds-first (3 layers x 256 "
+                                                                       "experts): first build of its shape"))
+    # -X importtime's line for torch (indented under whichever module imported it)
+    torch_import = next(i for i, line in enumerate(err) if line.startswith("import time:")
+                        and line.rsplit("|", 1)[1].strip() == "torch")
+    assert first < torch_import
+    assert any("balancing ds-first's routers" in line and "done in" in line for line in err[torch_import:])
+    again = run_cli_ok(*args, env={**env, "PYTHONPROFILEIMPORTTIME": ""}).stderr
+    assert "building ds-first (3 layers x 256 experts; its balanced routers cached in" in again
+    assert "first build" not in again and "balancing" not in again
 
 
 def test_balanced_init_is_cached_and_deterministic(cache_dir, balanced):

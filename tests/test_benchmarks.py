@@ -41,3 +41,29 @@ def test_benchmark_runs_in_quick_mode(path, tmp_path):
                if p.stat().st_mtime >= started - 1]
     assert written, f"{path.name} --quick wrote no results/{path.stem}*-quick*.json"
     assert all(p.stat().st_size > 2 for p in written)
+
+
+def test_the_results_helper_resolves_quick_out_and_rounds(capfd, monkeypatch):
+    """benchmarks/_results.py, the one place the benchmarks' --quick / --out / --rounds logic lives: a quick run
+    never writes the file the docs quote; --rounds wins over both defaults; progress lines off a terminal."""
+    monkeypatch.delenv("MOESCOPE_PROGRESS", raising=False)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import _results
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    def parse(*argv, **kw):
+        return _results.parse(_results.parser("x", quick="q", rounds=7), list(argv), "bench", **kw)
+
+    full, quick, chosen = parse(), parse("--quick"), parse("--quick", "--rounds", "3", "--out", "o.json")
+    assert (full.out, full.rounds) == (ROOT / "benchmarks" / "results" / "bench.json", 7)
+    assert (quick.out, quick.rounds) == (ROOT / "benchmarks" / "results" / "bench-quick.json", 1)
+    assert (str(chosen.out), chosen.rounds) == ("o.json", 3)
+    by_args = parse("--quick", quick_rounds=lambda a: 2 if a.quick else 9)
+    assert by_args.rounds == 2
+    assert list(_results.track(range(3), "three steps")) == [0, 1, 2]
+    err = capfd.readouterr().err
+    assert "moescope: three steps ..." in err and "moescope: three steps: done in" in err
+    # every benchmark takes its command line from the helper (no argparse of its own)
+    assert [p.name for p in BENCHMARKS if "_results.parser(" not in p.read_text()] == []

@@ -55,6 +55,11 @@ def test_tables_equal_a_recomputation_from_the_store(drift_store, tmp_path, caps
     assert "domain mix explains" in summary and "**numbers**" in summary  # the drift scenario's shift
     for png in out.glob("*.png"):
         assert png.stat().st_size > 5000
+    # long work shows progress: off a terminal, a start and a done line per stage, on stderr only
+    err = capsys.readouterr().err
+    for stage in (f"report: reading {drift_store}", "report: counting"):
+        assert f"moescope: {stage}" in err and err.count(stage) == 2, err
+    assert err.count(": done in ") == 2
 
 
 def _heatmap_pixels(tmp_path, counts, name):

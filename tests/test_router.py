@@ -94,6 +94,9 @@ def test_routing_rules_match_float64_reference(scoring, n_experts, k, n_group, t
     torch.testing.assert_close(d.margin.double(), margin, atol=2e-6, rtol=0)
     if n_group > 1:  # every chosen expert lies in one of the token's topk_group groups
         assert all(len({e // (n_experts // n_group) for e in row}) <= topk_group for row in d.ids.tolist())
+    # the selection alone (what calibration's balancing rounds count): the same experts in the same order
+    key = rule.scores(logits, 1.0) + (0 if bias is None else bias)
+    assert torch.equal(rule.choose(key, k), ids)
 
 
 def test_correction_bias_steers_selection_not_weights():

@@ -118,11 +118,6 @@ class Profile:
                 cv[j] = lp.structural_cv
         return BaselineRows(has, share, load, cv)
 
-    def structural_cvs(self, layers: Iterable[int]) -> np.ndarray:
-        """[L] structural CVs for ``layers`` in that order (NaN for a layer the baseline lacks)."""
-        return np.array([self.layers[la].structural_cv if la in self.layers else math.nan for la in layers],
-                        dtype=np.float64)
-
 
 # -- building -----------------------------------------------------------------------------------------------
 

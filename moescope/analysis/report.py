@@ -22,6 +22,7 @@ import numpy as np
 from moescope import stats
 from moescope.analysis import report_figures as figures
 from moescope.analysis import routing_counts as rc
+from moescope.progress import progress
 
 TOP_PAIRS = 50
 KINDS = ("domain", "tenant", "phase")
@@ -158,18 +159,23 @@ def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
 
     from moescope.analysis.diagnose import judge_requests
 
-    prof = profile_mod.load(None, import_path)
+    with progress(f"report: reading {import_path}", 1):
+        prof = profile_mod.load(None, import_path)
     layers = prof.layers
     n_pass = max(len(prof.passes[layer]) for layer in layers)
     per_pass = np.zeros((n_pass, len(layers), prof.n_experts))  # a recorder's pass is the draw (no requests)
     for i, layer in enumerate(layers):
         per_pass[: len(prof.passes[layer]), i] = prof.passes[layer]
-    j = judge_requests(per_pass, layers, 1)  # top-k unknown: the top share is per slot here
-    summary, files = _load_files(out, prof.load(), prof.model, prof.source, j)
-    for layer in _figure_layers(wanted, prof.layers):
-        figures.layer_heatmap(prof.passes[layer].T, out / f"heatmap_layer{layer}.png",
-                              f"layer {layer}: expert load per pass", "pass (forward / recorder pass / iteration)")
-        files.append(f"heatmap_layer{layer}.png")
+    figure_layers = _figure_layers(wanted, prof.layers)
+    with progress(f"report: tables and {1 + len(figure_layers)} figures", 1 + len(figure_layers)) as advance:
+        j = judge_requests(per_pass, layers, 1)  # top-k unknown: the top share is per slot here
+        summary, files = _load_files(out, prof.load(), prof.model, prof.source, j)
+        advance()
+        for layer in figure_layers:
+            figures.layer_heatmap(prof.passes[layer].T, out / f"heatmap_layer{layer}.png",
+                                  f"layer {layer}: expert load per pass", "pass (forward / recorder pass / iteration)")
+            files.append(f"heatmap_layer{layer}.png")
+            advance()
     return summary, files
 
 
@@ -177,11 +183,21 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[di
     from moescope.analysis.diagnose import load_window
     from moescope.traces import store
 
-    conn = store.open_store(traces_path)
-    try:
-        w = load_window(conn, since=since, limit=100000, corrupt=corrupt)
-    finally:
-        conn.close()
+    with progress(f"report: reading {traces_path}", 1):
+        conn = store.open_store(traces_path)
+        try:
+            w = load_window(conn, since=since, limit=100000, corrupt=corrupt)
+        finally:
+            conn.close()
+    n_rows = sum(len(r) for r in w.routing)
+    # the steps: each chunk counted (at most this many), the tables with the overview, each layer's two figures
+    n_figures = 1 + 2 * len(_figure_layers(wanted, w.layers))
+    with progress(f"report: counting {n_rows} routed tokens, writing tables and {n_figures} figures",
+                  -(-n_rows // rc.CHUNK_ROWS) + n_figures) as advance:
+        return _store_files(out, w, wanted, advance)
+
+
+def _store_files(out: Path, w, wanted, advance) -> tuple[dict, list]:
     n_exp, n_layers = w.n_experts, len(w.layers)
     figure_layers = _figure_layers(wanted, w.layers)
     sel = [w.layers.index(layer) for layer in figure_layers]
@@ -214,10 +230,12 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[di
         co += rc.pairs(ch.ids, n_exp)
         if sel:
             passes += rc.count(ch.ids[:, sel], n_exp, ch.groups["step"], max(1, n_steps))
+        advance()
     from moescope.analysis.diagnose import window_judgement
 
     j = window_judgement(w)
     summary, files = _load_files(out, dict(zip(w.layers, load)), w.model, "trace store", j)
+    advance()
     for k in KINDS:
         _long_table(by[k].sum(0), w.layers, names[k], k).to_csv(out / f"load_by_{k}.csv", index=False)
         files.append(f"load_by_{k}.csv")
@@ -241,6 +259,7 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[di
         figures.layer_heatmap(by["domain"].sum(0)[:, sel[j]].T, out / f"domains_layer{layer}.png",
                               f"layer {layer}: expert load per domain", "domain", names["domain"])
         files += [f"heatmap_layer{layer}.png", f"domains_layer{layer}.png"]
+        advance(2)
     attributions = {k: attribute_drift(by[k], names[k], k) for k in KINDS}
     summary["drift_attribution"] = {layer: {k: attributions[k][j] for k in KINDS} for j, layer in enumerate(w.layers)}
     summary["requests"] = len(w.ids)

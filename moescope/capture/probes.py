@@ -1,4 +1,4 @@
-"""Device-side accumulators fed by ``on_routing``; read once per step (or at the end), never per token.
+"""Device-side accumulators fed by ``on_routing``; read once at the end (``snapshot``), never per token.
 
 ``scatter_add_`` into a fixed-size counter is used instead of ``torch.bincount``: on CUDA, bincount
 without a known output size reads the max id back to the host, which would be a sync per layer.
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 
 
 class ExpertLoadProbe(Observer):
-    """Slots per expert per MoE layer, summed over every forward since the last ``reset``.
+    """Slots per expert per MoE layer, summed over every forward it sees.
 
-    Dropped slots are counted in an extra bucket (index E) so ``snapshot`` can report them apart.
+    Dropped slots land in an extra bucket (index E, the sentinel of ``active_ids``) that ``snapshot`` leaves out.
     """
 
     def __init__(self) -> None:
@@ -40,14 +40,3 @@ class ExpertLoadProbe(Observer):
         layers = sorted(self._counts)
         stacked = torch.stack([self._counts[layer] for layer in layers]).cpu()  # one copy for all layers
         return {layer: row[:-1].tolist() for layer, row in zip(layers, stacked)}
-
-    def dropped(self) -> dict[int, int]:
-        layers = sorted(self._counts)
-        if not layers:
-            return {}
-        stacked = torch.stack([self._counts[layer][-1] for layer in layers]).cpu()
-        return dict(zip(layers, stacked.tolist()))
-
-    def reset(self) -> None:
-        for counts in self._counts.values():
-            counts.zero_()

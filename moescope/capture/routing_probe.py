@@ -16,8 +16,9 @@ Where they cannot (no segments, as from an instrumented HF model; a row count th
 step's forward is one draw of its own, complete at once (key None). Decisions routed before any ``on_step``
 was ever seen (a model driven without an engine) are split into forwards where a layer repeats.
 
-Once steps are reported, a flush takes the decisions of finished steps only: a scrape that lands inside a
-forward leaves that forward's first layers pending until its ``on_step`` (``flush(final=True)`` takes all).
+Once steps are reported, a flush takes the decisions of finished steps only: a flush that lands inside a
+forward (a read of an instrumented HF model, whose reads flush) leaves that forward's first layers pending
+until its ``on_step`` (``flush(final=True)`` takes all).
 Decisions are immutable after their forward, so holding references until the flush is safe; at most
 ``max_pending`` steps are held.
 """

@@ -5,12 +5,14 @@ once by click; the field names are the option's parameter names."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import click
 
 from moescope.cli.options import option_group, traces_option
 from moescope.errors import BadInput
+from moescope.runtime import routers_cache
 
 # The options that say which model, shared by every command that loads one (``check`` takes only these).
 MODEL_SOURCE = (
@@ -34,8 +36,12 @@ class ModelSource:
         """The model these options name (``weights random``: a seeded random init)."""
         from moescope.runtime import loader
 
-        return loader.build_model(self.model_spec, weights=None if self.weights == "random" else self.weights,
-                                  device=self.device, **overrides)
+        return loader.build_model(self.model_spec, weights=self.weights_arg, device=self.device, **overrides)
+
+    @property
+    def weights_arg(self) -> str | None:
+        """``--weights`` as the loader takes it (``random``: None, a seeded random init)."""
+        return None if self.weights == "random" else self.weights
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,17 @@ class InstrumentOptions:
 
 model_source_options = option_group(ModelSource, "source", *MODEL_SOURCE)
 
-model_options = option_group(
+def _announcing(command):
+    """The command, first saying on stderr how its model will be built where that takes a while (a production
+    shape's balanced routers): before the command's body imports torch, so progress shows within a second."""
+    @functools.wraps(command)
+    def announced(*args, model: ModelOptions, **kw):
+        routers_cache.announce(model.model_spec, model.weights_arg)
+        return command(*args, model=model, **kw)
+    return announced
+
+
+_model_group = option_group(
     ModelOptions, "model", *MODEL_SOURCE,
     click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32",
                  show_default=True),
@@ -90,6 +106,12 @@ model_options = option_group(
     click.option("--max-batch", type=click.IntRange(min=1), default=16, show_default=True),
     click.option("--seed", type=int, default=0, show_default=True, help="Seeds traffic and sampling."),
 )
+
+
+def model_options(command):
+    """``ModelOptions`` as the keyword ``model``; the command announces a long model build before its body runs."""
+    return _model_group(_announcing(command))
+
 
 instrument_options = option_group(
     InstrumentOptions, "instrument",

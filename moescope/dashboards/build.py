@@ -56,10 +56,6 @@ def _q(prometheus, expr: str, legend: str = "", exemplar: bool = False):
     return q.exemplar(True) if exemplar else q
 
 
-def _and(*matchers: str) -> str:
-    return ", ".join(m for m in matchers if m)
-
-
 # -- colour steps from the thresholds object --------------------------------------------------------------
 def steps(kind: str, bar) -> list[tuple[float | None, str]]:
     """Colour steps of a bar: ``above`` (red from the bar, yellow from WARN_FRACTION of it), ``floor`` (red

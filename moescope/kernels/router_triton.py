@@ -40,10 +40,6 @@ class RouterCounters:
         return cls(torch.zeros(n_experts, dtype=torch.int32, device=device),
                    torch.zeros(3, dtype=torch.float32, device=device))
 
-    def reset(self) -> None:
-        self.slots.zero_()
-        self.sums.zero_()
-
 
 if triton is not None:
 

@@ -1,7 +1,9 @@
 """Host-side metric state: cumulative counters, classic histograms with exemplars (prometheus_client's
 ``Histogram``), and the routing window behind the ratio gauges. Fed by ``MetricsObserver``'s hooks: step and
-request hooks as they come, routing through the probe's ``StepStats`` once per ``flush_interval_s`` (and at
-every read, which flushes the probe first); read by the exporter at scrape time.
+request hooks as they come, routing through the probe's ``StepStats``, flushed on the engine's thread every
+``flush_interval_s`` and when it goes idle (``on_idle``). The exporter reads it at scrape time and never writes:
+a scrape serves the last flush (only an instrumented HF model, which has no engine, flushes on read:
+``reads_flush``).
 
 Sampling noise takes the request as the independent draw (``moescope.sampling``): the routing probe counts
 each request's slots per (layer, expert); the state sums them per in-flight request (at most

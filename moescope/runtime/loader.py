@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from moescope.errors import BadInput
+from moescope.runtime import routers_cache
 from moescope.runtime import weights as weights_io
 from moescope.runtime.config import MoEConfig, resolve
 from moescope.runtime.model import MoETransformer
@@ -66,17 +67,20 @@ def build_model(model: str = "tiny-demo", *, weights: str | None = "auto", devic
     """
     if dtype not in DTYPES:
         raise BadInput(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    if model.endswith(".safetensors"):
-        cfg: MoEConfig = weights_io.read_config(model)
+    balanced = routers_cache.to_balance(model, weights, **overrides)
+    if balanced is not None:
+        cfg: MoEConfig = balanced
+    elif model.endswith(".safetensors"):
+        cfg = weights_io.read_config(model)
         weights = model if weights == "auto" else weights
     else:
         cfg = resolve(model)
-        if weights == "auto" and cfg.name == "tiny-demo":
+        if weights == "auto":  # tiny-demo
             weights = str(weights_io.DEMO_WEIGHTS)
-    if overrides:
+    if overrides and balanced is None:
         cfg = cfg.replace(**overrides)
     net = MoETransformer(cfg)
-    if weights == "auto":
+    if balanced is not None:
         from moescope.runtime.balance import balanced_init
 
         balanced_init(net, seed=cfg.seed)
