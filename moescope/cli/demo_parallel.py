@@ -11,6 +11,24 @@ from moescope.errors import BadInput, MoescopeError
 from moescope.traces.sanitize import sanitize
 
 
+# Expert-parallel options `demo` and `serve` share: how many ranks and which experts each holds; the slow-rank
+# fault and how long a rank waits for its peers.
+RANK_OPTIONS = (
+    click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
+                      "(data-parallel attention), the experts sharded over them."),
+    click.option("--placement", "placement_spec", default="round-robin", show_default=True,
+                 help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts)."),
+)
+PEER_OPTIONS = (
+    click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation."),
+    click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
+                 help="The slow rank's delay before each dispatch exchange."),
+    click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                 help="Seconds a rank waits for its peers before stopping with an error naming them."),
+)
+
+
 class AllToAllStats(Observer):
     """Per-rank totals for the summary: all-to-all seconds per op, and the wait on each peer."""
 
@@ -38,9 +56,11 @@ def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
         value = ctx.params.get(param.name)
         if value is None or value == param.default or (param.is_flag and not value):
             continue
-        argv.append(param.opts[0])
-        if not param.is_flag:
-            argv.append(str(value))
+        if param.is_flag:
+            argv.append(param.opts[0])
+            continue
+        for v in (value if param.multiple else (value,)):
+            argv += [param.opts[0], str(v)]
     return argv
 
 
@@ -59,17 +79,7 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
                                     moe_layers=model.cfg.moe_layers)  # validate once, before spawning
     summaries, failures = run_ranks(argv_from_context(ctx, {"world_size"}), world_size, timeout)
     if failures or any(s is None for s in summaries):
-        for f in failures:
-            if f.crashed:
-                click.echo(f"moescope: {f.error}; its last stderr lines:", err=True)
-                for line in f.tail:
-                    click.echo(f"  rank {f.rank} | {sanitize(line)}", err=True)
-            else:
-                click.echo(sanitize(f.error), err=True)
-        first = failures[0] if failures else None
-        raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
-                          f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
-                          first.code if first and first.code > 0 else 1)
+        report_failures(failures, world_size)
     merged = merge_summaries(summaries, model.cfg.top_k, ctx.params.get("duration") is not None)
     merged["world_size"] = world_size
     merged["placement"] = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
@@ -85,6 +95,22 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
                    f"all-to-all {r['all_to_all_s']:.3f}s "
                    f"({r['all_to_all_share']:.1%} of the run), waited on peers "
                    + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
+
+
+def report_failures(failures, world_size: int) -> None:
+    """Each failed rank's own error (and, when it died without one, the tail of its stderr), the first to fail
+    first; then raise ``RanksFailed``."""
+    for f in failures:
+        if f.crashed:
+            click.echo(f"moescope: {f.error}; its last stderr lines:", err=True)
+            for line in f.tail:
+                click.echo(f"  rank {f.rank} | {sanitize(line)}", err=True)
+        else:
+            click.echo(sanitize(f.error), err=True)
+    first = failures[0] if failures else None
+    raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
+                      f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
+                      first.code if first and first.code > 0 else 1)
 
 
 def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dict:
