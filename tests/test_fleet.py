@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from helpers import run_cli
+from helpers import run_cli, wait_until
 import moescope
 from metrics_util import by_label, parse
 from moescope.alerts import rules
@@ -54,6 +54,21 @@ def test_the_fleet_sum_in_prometheus_counts_every_token_once(tmp_path):
         for layer in layers:  # the fleet's sum: tokens served x k, exactly, logical and physical alike
             assert routed[layer] == sum(fed)
             assert logical[layer] == physical[layer] == sum(fed) * TOP_K, layer
+        # by forward_mode: prefill routed the prompts, decode the output tokens fed back; summed over the modes
+        # (above) the old per-layer total, exactly
+        modes = _final(prom, 'moescope_router_tokens_total{layer="2"}', "forward_mode")
+        assert modes == {"prefill": sum(r["tokens"]["prompt"] for r in s["ranks"]),
+                         "decode": sum(r["tokens"]["output"] - r["completed"] for r in s["ranks"])}
+        # the recording rule sums over forward_mode too: one series per layer, the modes' rates added
+        recorded = wait_until(lambda: prom.query("model_layer:moescope_router_tokens:rate1m"),
+                              until=lambda r: {x["metric"]["layer"] for x in r} == layers, timeout=30,
+                              what="the routed-token recording rule", interval=0.5)
+        assert all("forward_mode" not in r["metric"] for r in recorded) and len(recorded) == len(layers)
+        at = float(recorded[0]["value"][0])
+        direct = {r["metric"]["layer"]: float(r["value"][1]) for r in prom.query(
+            "sum by (layer) (rate(moescope_router_tokens_total[1m]))", at=at)}
+        for r in recorded:
+            assert float(r["value"][1]) == pytest.approx(direct[r["metric"]["layer"]], rel=1e-9)
         # a replicated expert's slots split over its replicas; its logical label counts them once
         rows = {(r["metric"]["rank"], r["metric"]["expert"]): float(r["value"][1]) for r in prom.query(
             'max_over_time(moescope_expert_physical_slots_total{layer="1",expert=~"0|1"}[5m])')}
