@@ -172,13 +172,15 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
         summary = _summarise(inst, records, time.perf_counter() - start, net,
                              n_requests if run.duration is None else len(records))
         if a2a is not None:
-            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep)
+            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep, records)
         if run.linger:
             time.sleep(run.linger)
     if run.save_baseline and rank == 0:  # (rank 0's share of the requests: it holds the traces)
         _save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
     if world > 1 and write_summary(summary):
         return None
+    if "rank" in summary:  # a rank on its own (torchrun without moescope's launcher): no merge needs them
+        summary["rank"].pop("raw_latency_s", None)
     if instrument.record_routing:
         summary["routing_log"] = str(instrument.record_routing)
     if run.as_json:
