@@ -18,6 +18,17 @@ def series(parsed, name: str, **match) -> dict[frozenset, float]:
     return {labels: v for (n, labels), v in parsed.items() if n == name and want <= set(labels)}
 
 
+def sum_by_label(parsed, name: str, *keys: str, **match) -> dict:
+    """As ``by_label``, the samples summed over the labels not in ``keys`` (PromQL's ``sum by``)."""
+    out: dict = {}
+    for labels, v in series(parsed, name, **match).items():
+        d = dict(labels)
+        k = tuple(d[key] for key in keys)
+        k = k[0] if len(k) == 1 else k
+        out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def by_label(parsed, name: str, *keys: str, **match) -> dict:
     """{label values tuple (or single value): sample value} for ``name``."""
     out = {}

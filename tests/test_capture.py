@@ -9,7 +9,7 @@ import torch
 import moescope
 from conftest import in_ci
 from helpers import Recording
-from metrics_util import by_label, parse
+from metrics_util import by_label, parse, sum_by_label
 from moescope import stats
 from moescope.analysis import baseline as bl
 from moescope.capture.observer import Observer
@@ -59,14 +59,18 @@ def test_exported_counts_equal_recomputation_from_router_logits(tiny_cfg, capaci
     model = MoETransformer(tiny_cfg.replace(capacity_factor=capacity_factor)).eval()
     spy = LogitsSpy(model)
     with moescope.instrument(model, port=0, model_name="t") as inst:
-        Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=1, output_tokens_median=6), 7),
-                                       realtime=False)
+        records = Engine(model, max_batch=4).run(
+            traffic.generate(traffic.TrafficConfig(seed=1, output_tokens_median=6), 7), realtime=False)
         parsed = parse(inst.exporter.exposition().decode())
     want = spy.expected(tiny_cfg.top_k, tiny_cfg.n_experts, capacity_factor)
     got = by_label(parsed, "moescope_expert_tokens_total", "layer", "expert", model="t", rank="0")
     for layer, w in want.items():
         assert [got[(str(layer), str(e))] for e in range(tiny_cfg.n_experts)] == w["slots"]
-        assert by_label(parsed, "moescope_router_tokens_total", "layer")[str(layer)] == w["tokens"]
+        assert sum_by_label(parsed, "moescope_router_tokens_total", "layer")[str(layer)] == w["tokens"]
+        # by forward_mode: prefill routed the prompts, decode every output token fed back (all but the last)
+        modes = by_label(parsed, "moescope_router_tokens_total", "forward_mode", layer=str(layer))
+        assert modes == {"prefill": sum(len(r.prompt_tokens) for r in records),
+                         "decode": sum(r.n_output - 1 for r in records)}
         assert by_label(parsed, "moescope_tokens_dropped_total", "layer")[str(layer)] == w["dropped"]
         assert by_label(parsed, "moescope_router_nonfinite_logits_total", "layer")[str(layer)] == w["nonfinite"]
         # The window gauges are the documented formulas over the same load.

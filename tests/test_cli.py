@@ -34,6 +34,8 @@ def test_demo_json_summary(capsys):
     (["demo", "--rebalance-below", "0.9"], "give it too"),
     (["demo", "--world-size", "2", "--rebalance-steps", "5", "--rebalance-slots", "2"], "cannot hold 8 experts"),
     (["requests", "--traces", "/nonexistent-lake/"], "does not exist"),
+    (["serve", "--port", "0", "--world-size", "2", "--slow-rank", "2"], "is not a rank of world size 2"),
+    (["serve", "--port", "0", "--scenario", "drift"], "needs the demo's synthetic traffic"),
 ])
 def test_bad_input_is_one_line_exit_2(argv, needle, capsys):
     import torch

@@ -68,11 +68,10 @@ def _reference_text(st, openmetrics):
                 for e, n in enumerate(counts.tolist()):
                     f.add_metric([*base, str(layer), str(e)], n)
             yield f
-            for name in ("moescope_router_tokens_total",):
-                f = fam(name)
-                for layer in LAYERS:
-                    f.add_metric([*base, str(layer)], st.layer_counters[name][layer])
-                yield f
+            f = fam("moescope_router_tokens_total")
+            for (layer, mode), n in sorted(st.router_tokens_by_mode.items()):
+                f.add_metric([*base, str(layer), mode], n)
+            yield f
             judged = _judged(st, win)
             gauges = {
                 "moescope_expert_load_cv_ratio": lambda w: stats.load_cv(w["slots"].tolist()),

@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from helpers import run_cli
+from helpers import run_cli, wait_until
 import moescope
 from metrics_util import by_label, parse
 from moescope.alerts import rules
@@ -54,6 +54,21 @@ def test_the_fleet_sum_in_prometheus_counts_every_token_once(tmp_path):
         for layer in layers:  # the fleet's sum: tokens served x k, exactly, logical and physical alike
             assert routed[layer] == sum(fed)
             assert logical[layer] == physical[layer] == sum(fed) * TOP_K, layer
+        # by forward_mode: prefill routed the prompts, decode the output tokens fed back; summed over the modes
+        # (above) the old per-layer total, exactly
+        modes = _final(prom, 'moescope_router_tokens_total{layer="2"}', "forward_mode")
+        assert modes == {"prefill": sum(r["tokens"]["prompt"] for r in s["ranks"]),
+                         "decode": sum(r["tokens"]["output"] - r["completed"] for r in s["ranks"])}
+        # the recording rule sums over forward_mode too: one series per layer, the modes' rates added
+        recorded = wait_until(lambda: prom.query("model_layer:moescope_router_tokens:rate1m"),
+                              until=lambda r: {x["metric"]["layer"] for x in r} == layers, timeout=30,
+                              what="the routed-token recording rule", interval=0.5)
+        assert all("forward_mode" not in r["metric"] for r in recorded) and len(recorded) == len(layers)
+        at = float(recorded[0]["value"][0])
+        direct = {r["metric"]["layer"]: float(r["value"][1]) for r in prom.query(
+            "sum by (layer) (rate(moescope_router_tokens_total[1m]))", at=at)}
+        for r in recorded:
+            assert float(r["value"][1]) == pytest.approx(direct[r["metric"]["layer"]], rel=1e-9)
         # a replicated expert's slots split over its replicas; its logical label counts them once
         rows = {(r["metric"]["rank"], r["metric"]["expert"]): float(r["value"][1]) for r in prom.query(
             'max_over_time(moescope_expert_physical_slots_total{layer="1",expert=~"0|1"}[5m])')}
@@ -131,3 +146,27 @@ def test_rank_load_and_eplb_gauges_are_the_exchanges_rows(tiny_cfg):
     note = frame(parse_exposition(text), None, 1.0, {}).judged
     assert f"rank max/mean {ratio([[0, 4]]):.2f} (L2>" in note, note
     assert f"EPLB L1: measured {ratio(after):.2f} vs predicted 1.01" in note, note
+
+
+@pytest.mark.integration
+def test_the_merged_summary_has_every_ranks_latency_and_the_final_placement():
+    """`demo --world-size 2` with EPLB: the summary's latency percentiles are over both ranks' requests (not rank
+    0's), and its placement is the one serving at the end (the rearranged one), the starting one beside it."""
+    from moescope import stats
+    from moescope.parallel import placement
+
+    demo = run_cli("demo", "--no-tui", "--world-size", "2", "--requests", "12", "--rate", "0", "--scenario",
+                   "imbalance", "--rebalance-steps", "6", "--rebalance-slots", "5", "--traces", "none",
+                   "--metrics-port", "-1", "--json", timeout=300)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    s = json.loads(demo.stdout)
+    ttft = [d["ttft_s"] for d in s["requests_detail"]]  # both ranks' requests (rounded to 10 us)
+    assert len(ttft) == 12 and {d["request_id"] for d in s["requests_detail"]} == set(s["request_ids"])
+    for q in (50, 99):
+        assert s["latency_s"][f"ttft_p{q}"] == pytest.approx(stats.percentile(ttft, q), abs=2e-5)
+    assert all("raw_latency_s" not in r for r in s["ranks"])
+    moved = sum(ev["moved_experts"] for r in s["ranks"][:1] for ev in r["rebalances"])
+    assert moved > 0  # the skewed load made EPLB move experts: the final placement differs from the start
+    assert s["placement"] == s["ranks"][0]["placement"] == s["ranks"][1]["placement"] != s["placement_start"]
+    start = placement.build("round-robin", n_experts=8, world_size=2, moe_layers=(1, 2, 3))
+    assert s["placement_start"] == {str(layer): [list(x) for x in v] for layer, v in start.layers.items()}

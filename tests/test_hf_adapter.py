@@ -5,7 +5,7 @@ import torch
 
 import moescope
 from hf_models import FAMILIES, build, deepseek_v3_reference_ids
-from metrics_util import by_label, parse
+from metrics_util import by_label, parse, sum_by_label
 from moescope.errors import BadInput
 from moescope.hf.adapter import find_moe_blocks
 
@@ -58,7 +58,9 @@ def test_exported_counts_equal_recomputation(family):
         for x in seen[name]:
             counts += torch.bincount(_reference_ids(family, router, x, k, model.config).reshape(-1), minlength=n_exp)
         assert [got[(str(layer), str(e))] for e in range(n_exp)] == counts.tolist(), family
-        assert by_label(parsed, "moescope_router_tokens_total", "layer")[str(layer)] == 2 * 9 + 3
+        assert sum_by_label(parsed, "moescope_router_tokens_total", "layer")[str(layer)] == 2 * 9 + 3
+        assert by_label(parsed, "moescope_router_tokens_total", "forward_mode", layer=str(layer), model=family) == \
+            {"prefill": 2 * 9, "decode": 3}  # the adapter's steps: two 9-token prompts, then 3 decode tokens
     steps = by_label(parsed, "moescope_steps_total", "phase")
     assert steps == {"prefill": 1.0, "decode": 1.0}
 

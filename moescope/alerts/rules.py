@@ -249,7 +249,7 @@ RECORDING = (
     ("model_layer_expert:moescope_expert_tokens:rate1m",
      "sum without (instance, rank) (rate(moescope_expert_tokens_total[1m]))"),
     ("model_layer:moescope_router_tokens:rate1m",
-     "sum without (instance, rank) (rate(moescope_router_tokens_total[1m]))"),
+     "sum without (instance, rank, forward_mode) (rate(moescope_router_tokens_total[1m]))"),
     # the fleet's per-rank load, measured (TensorRT-LLM's max/mean): each rank's physical rows (an instance is one
     # rank of one replica), the busiest over the mean
     ("model_layer:moescope_rank_load_max_over_mean:ratio1m",

@@ -53,6 +53,9 @@ class LayerStats:
     router_s: float | None = None
     experts_s: float | None = None
     rerouted: dict | None = None  # mitigation ("load", "smoothing") -> slots it changed, when one is on
+    # ((forward mode, tokens), ...): the step phase the tokens were routed in ("prefill", "decode"; "unknown" for a
+    # forward no engine step reported, as an instrumented HF model's); None: all "unknown"
+    modes: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,15 @@ class StepStats:
 
 
 REROUTE_REASONS = ("load", "smoothing")
+UNKNOWN_MODE = "unknown"  # the forward_mode of routing no engine step reported
+
+
+def _modes(n: int, bounds) -> list[str]:
+    """Each of ``n`` pending decisions' forward mode, from the steps' bounds (after the last: unknown)."""
+    out: list[str] = []
+    for end, _, phase in bounds:
+        out += [phase] * (min(end, n) - len(out))
+    return out + [UNKNOWN_MODE] * (n - len(out))
 
 
 def _rerouted(d) -> torch.Tensor:
@@ -99,7 +111,7 @@ def draw_rows(pending, bounds) -> tuple[list, list[np.ndarray | int]]:
         return len(keys) - 1
 
     start = 0
-    for end, segments in bounds:
+    for end, segments, _ in bounds:
         decs = pending[start:end]
         if not decs:  # a step that called no per-layer hook (a CUDA-graph decode)
             start = end
@@ -137,7 +149,7 @@ class RoutingProbe(Observer):
         self._listener = listener
         self.interval_s, self.max_pending, self._clock = interval_s, max_pending, clock
         self._pending: list[tuple[int, "RoutingDecision"]] = []
-        self._bounds: list[tuple[int, tuple]] = []  # (end index into _pending, segments) per step
+        self._bounds: list[tuple[int, tuple, str]] = []  # (end index into _pending, segments, phase) per step
         self._finished: list[str] = []
         self._stepped = False  # an on_step was seen: flushes take finished steps only
         self._times: dict[int, tuple[float, float]] = {}
@@ -157,7 +169,8 @@ class RoutingProbe(Observer):
 
     def on_step(self, step: Any) -> None:
         with self._lock:
-            self._bounds.append((len(self._pending), tuple(getattr(step, "segments", ()) or ())))
+            self._bounds.append((len(self._pending), tuple(getattr(step, "segments", ()) or ()),
+                                 getattr(step, "phase", None) or UNKNOWN_MODE))
             self._stepped = True
         self._steps += 1
         if self._steps >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
@@ -190,8 +203,11 @@ class RoutingProbe(Observer):
         keys, draw_of = draw_rows(pending, bounds)
         n_draws = max(1, len(keys))
         by_layer: dict[int, list] = {}
-        for (layer, d), dr in zip(pending, draw_of):
+        modes: dict[int, dict[str, int]] = {}
+        for (layer, d), dr, mode in zip(pending, draw_of, _modes(len(pending), bounds)):
             by_layer.setdefault(layer, []).append((d, dr))
+            per = modes.setdefault(layer, {})
+            per[mode] = per.get(mode, 0) + d.ids.shape[0]  # (host metadata: no device access)
         summary = self._host if first.ids.device.type == "cpu" else self._device
         rows, per_draw = summary(by_layer, n_exp, n_draws)
         layers = []
@@ -205,7 +221,7 @@ class RoutingProbe(Observer):
                                      slots=row[:n_exp].astype(np.int64), dropped=int(row[n_exp + 4]),
                                      nonfinite=int(row[n_exp + 3]), entropy_sum=float(row[n_exp + 1]),
                                      margin_sum=float(row[n_exp + 2]), router_s=r_s, experts_s=e_s,
-                                     rerouted=rerouted))
+                                     rerouted=rerouted, modes=tuple(sorted(modes[layer].items()))))
         return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k,
                          draws=DrawCounts(tuple(keys), per_draw, finished))
 

@@ -19,6 +19,7 @@ import click
 from moescope import stats
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
                                          instrument_options, model_options)
+from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
 from moescope.cli.options import emit_json, json_option, option_group
 from moescope.cli.summary import build as _summary, print_human as _print_human
 from moescope.errors import BadInput
@@ -69,11 +70,7 @@ demo_options = option_group(
                  help="Decode step: the model's own forward; a fixed-shape step with routing counted inside it "
                       "(static); or that step captured as a CUDA graph (graph, CUDA only). Needs every expert "
                       "resident: no --cache-size, --world-size, mitigations."),
-    click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-                 help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
-                      "(data-parallel attention), the experts sharded over them."),
-    click.option("--placement", "placement_spec", default="round-robin", show_default=True,
-                 help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts)."),
+    *RANK_OPTIONS,
     click.option("--rebalance-steps", type=click.IntRange(min=1), default=None,
                  help="EPLB in the loop (--world-size > 1): every N steps plan a placement from the fleet's live "
                       "counts and move the experts' weights between ranks while serving."),
@@ -83,11 +80,7 @@ demo_options = option_group(
     click.option("--rebalance-below", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
                  help="Rearrange only when the measured balancedness (mean rank / busiest rank) since the last time "
                       "is below this [always]."),
-    click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation."),
-    click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
-                 help="The slow rank's delay before each dispatch exchange."),
-    click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
-                 help="Seconds a rank waits for its peers before stopping with an error naming them."),
+    *PEER_OPTIONS,
     click.option("--no-tui", is_flag=True, help="Plain output only. Without it, a terminal shows the live view "
                  "(`moescope top` of this run's exporter) while the workload runs, then the summary."),
     json_option,
@@ -179,13 +172,15 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
         summary = _summarise(inst, records, time.perf_counter() - start, net,
                              n_requests if run.duration is None else len(records))
         if a2a is not None:
-            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep)
+            summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep, records)
         if run.linger:
             time.sleep(run.linger)
     if run.save_baseline and rank == 0:  # (rank 0's share of the requests: it holds the traces)
         _save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
     if world > 1 and write_summary(summary):
         return None
+    if "rank" in summary:  # a rank on its own (torchrun without moescope's launcher): no merge needs them
+        summary["rank"].pop("raw_latency_s", None)
     if instrument.record_routing:
         summary["routing_log"] = str(instrument.record_routing)
     if run.as_json:

@@ -11,6 +11,24 @@ from moescope.errors import BadInput, MoescopeError
 from moescope.traces.sanitize import sanitize
 
 
+# Expert-parallel options `demo` and `serve` share: how many ranks and which experts each holds; the slow-rank
+# fault and how long a rank waits for its peers.
+RANK_OPTIONS = (
+    click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
+                 help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
+                      "(data-parallel attention), the experts sharded over them."),
+    click.option("--placement", "placement_spec", default="round-robin", show_default=True,
+                 help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts)."),
+)
+PEER_OPTIONS = (
+    click.option("--slow-rank", type=int, default=None, help="Fault: delay this rank's all-to-all participation."),
+    click.option("--delay-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
+                 help="The slow rank's delay before each dispatch exchange."),
+    click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+                 help="Seconds a rank waits for its peers before stopping with an error naming them."),
+)
+
+
 class AllToAllStats(Observer):
     """Per-rank totals for the summary: all-to-all seconds per op, and the wait on each peer."""
 
@@ -38,9 +56,11 @@ def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
         value = ctx.params.get(param.name)
         if value is None or value == param.default or (param.is_flag and not value):
             continue
-        argv.append(param.opts[0])
-        if not param.is_flag:
-            argv.append(str(value))
+        if param.is_flag:
+            argv.append(param.opts[0])
+            continue
+        for v in (value if param.multiple else (value,)):
+            argv += [param.opts[0], str(v)]
     return argv
 
 
@@ -59,20 +79,14 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
                                     moe_layers=model.cfg.moe_layers)  # validate once, before spawning
     summaries, failures = run_ranks(argv_from_context(ctx, {"world_size"}), world_size, timeout)
     if failures or any(s is None for s in summaries):
-        for f in failures:
-            if f.crashed:
-                click.echo(f"moescope: {f.error}; its last stderr lines:", err=True)
-                for line in f.tail:
-                    click.echo(f"  rank {f.rank} | {sanitize(line)}", err=True)
-            else:
-                click.echo(sanitize(f.error), err=True)
-        first = failures[0] if failures else None
-        raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
-                          f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
-                          first.code if first and first.code > 0 else 1)
+        report_failures(failures, world_size)
     merged = merge_summaries(summaries, model.cfg.top_k, ctx.params.get("duration") is not None)
     merged["world_size"] = world_size
-    merged["placement"] = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
+    start = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
+    final = summaries[0]["rank"].get("placement") or start  # every rank ends with the same (one plan, all ranks)
+    merged["placement"] = final
+    if final != start:
+        merged["placement_start"] = start  # EPLB rearranged it while serving
     merged["ranks"] = [s["rank"] for s in summaries]
     merged["peer_wait_matrix_s"] = [s["rank"]["peer_wait_s"] for s in summaries]
     if as_json:
@@ -87,11 +101,29 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
                    + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
 
 
+def report_failures(failures, world_size: int) -> None:
+    """Each failed rank's own error (and, when it died without one, the tail of its stderr), the first to fail
+    first; then raise ``RanksFailed``."""
+    for f in failures:
+        if f.crashed:
+            click.echo(f"moescope: {f.error}; its last stderr lines:", err=True)
+            for line in f.tail:
+                click.echo(f"  rank {f.rank} | {sanitize(line)}", err=True)
+        else:
+            click.echo(sanitize(f.error), err=True)
+    first = failures[0] if failures else None
+    raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
+                      f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
+                      first.code if first and first.code > 0 else 1)
+
+
 def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dict:
     """The run's summary from its ranks' (data-parallel attention: each served its own requests): requests,
     tokens, throughput and expert load added up, the load judged again from the sums (``print_human`` judges a
-    summary without ``expert_load_summary``); latency percentiles are rank 0's (each rank's own in ``ranks``)."""
+    summary without ``expert_load_summary``); latency percentiles over every rank's requests (each rank's own in
+    ``ranks``)."""
     from moescope import stats
+    from moescope.cli.summary import latency
 
     merged = dict(summaries[0])
     for key in ("expert_load_summary", "judged", "canary_flip_ratio"):
@@ -103,6 +135,9 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     merged["tokens"] = {k: sum(s["tokens"][k] for s in summaries) for k in ("prompt", "output")}
     merged["tokens_per_s"] = round(sum(s["tokens_per_s"] or 0 for s in summaries), 1)
     merged["wall_s"] = max(s["wall_s"] for s in summaries)
+    raw = [s["rank"].pop("raw_latency_s") for s in summaries if "rank" in s and "raw_latency_s" in s["rank"]]
+    if len(raw) == len(summaries):
+        merged["latency_s"] = latency([x for r in raw for x in r["ttft"]], [x for r in raw for x in r["per_token"]])
     merged["request_ids"] = sorted(i for s in summaries for i in s["request_ids"])
     merged["requests_detail"] = sorted((d for s in summaries for d in s["requests_detail"]),
                                        key=lambda d: d["request_id"])
@@ -188,9 +223,17 @@ def rebalance_report(ep) -> list[dict]:
     return out
 
 
-def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep=None) -> dict:
+def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep=None, records=()) -> dict:
+    """The rank's part of the run's summary; ``records``: its requests (their raw latencies go to the launcher,
+    which takes the run's percentiles over every rank's and drops them)."""
+    from moescope.cli.summary import latencies
+
     a2a = stats.seconds["dispatch"] + stats.seconds["combine"]
-    return {"rank": rank, "completed": summary["completed"], "tokens": summary["tokens"],
+    ttft, tpot = latencies(records)
+    return {"raw_latency_s": {"ttft": ttft, "per_token": tpot},
+            # the placement the rank ends with (after EPLB's rearrangements: the one serving at the end)
+            "placement": {str(layer): [list(x) for x in v] for layer, v in ep.placement.layers.items()} if ep else None,
+            "rank": rank, "completed": summary["completed"], "tokens": summary["tokens"],
             "tokens_per_s": summary["tokens_per_s"],
             "latency_s": summary["latency_s"], "all_to_all_s": round(a2a, 4),
             "all_to_all_share": round(a2a / wall, 4) if wall > 0 else None,

@@ -7,35 +7,65 @@ trace store, OTLP, expert cache, canary) through the one assembly point, from th
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from contextlib import ExitStack
 
 import click
 
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
                                          instrument_options, model_options)
+from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
 from moescope.errors import BadInput
 
-# Scenarios that need the demo's synthetic traffic or several ranks: a server has neither.
-DEMO_ONLY_SETTINGS = {"traffic_shift": "drift", "world_size": "slow-rank"}
+# Scenarios that need the demo's synthetic traffic: a server has none.
+DEMO_ONLY_SETTINGS = {"traffic_shift": "drift"}
 
 
-def assemble(stack: ExitStack, model: ModelOptions, instrument: InstrumentOptions):
-    """Model, instrumentation and engine from the parsed options, through the one assembly point (``build_config``
-    -> ``moescope.instrument``); everything it opens is closed by ``stack``. Returns (engine, instrumentation,
-    recorder or None)."""
+@dataclasses.dataclass(frozen=True)
+class RankSetup:
+    """One expert-parallel rank's place: ``rank`` of ``world``, its experts, the slow-rank fault, the peer timeout."""
+
+    rank: int
+    world: int
+    placement_spec: str
+    slow_rank: int | None
+    delay_ms: float
+    timeout: float
+
+
+def assemble(stack: ExitStack, model: ModelOptions, config, ranks: RankSetup | None = None):
+    """Model, instrumentation and engine from the parsed options' ``config`` (``build_config``), through the one
+    assembly point (``moescope.instrument``); everything it opens is closed by ``stack``. ``ranks``: this process is
+    one expert-parallel rank (it joins the group and holds its experts first). Returns (engine, instrumentation,
+    recorder or None, the rank's ``ExpertParallel`` or None)."""
     import moescope
 
-    config = build_config(instrument, model)
     asked = config.settings.asked()
     for key, name in DEMO_ONLY_SETTINGS.items():
         if key in asked:
-            raise BadInput(f"--scenario {name} needs the demo's synthetic traffic or several ranks; run it with "
+            raise BadInput(f"--scenario {name} needs the demo's synthetic traffic; run it with "
                            "`moescope demo --scenario " + name + "`")
     net = build_model(model, config)
+    ep = None
+    if ranks is not None:
+        from moescope.cli import demo_parallel
+
+        a2a, monitor, ep = demo_parallel.setup_rank(stack, net, ranks.rank, ranks.world, ranks.placement_spec,
+                                                    ranks.slow_rank, ranks.delay_ms, ranks.timeout)
+        config = dataclasses.replace(config, observers=(a2a, monitor))
     inst = stack.enter_context(moescope.instrument(net, config))
     for line in inst.notices:
         click.echo(line, err=True)
-    return inst.engine(max_batch=model.max_batch, seed=model.seed), inst, inst.recorder
+    return inst.engine(max_batch=model.max_batch, seed=model.seed, lockstep=ep), inst, inst.recorder, ep
+
+
+def fleet_settings(config, world_size: int, slow_rank: int | None, delay_ms: float) -> tuple[int, int | None, float]:
+    """(world size, slow rank, its delay): the flags, overridden by the scenarios' (``slow-rank``: 2 ranks)."""
+    settings = config.settings
+    return (max(world_size, settings.world_size or 1),
+            settings.slow_rank if settings.slow_rank is not None else slow_rank,
+            settings.delay_ms if settings.delay_ms is not None else delay_ms)
 
 
 @click.command("serve")
@@ -56,13 +86,20 @@ def assemble(stack: ExitStack, model: ModelOptions, instrument: InstrumentOption
 @click.option("--debug-endpoints", is_flag=True,
               help="Fault injection for tests and drills: POST /debug/kill-engine, POST /debug/poison. Never in "
                    "production.")
+@RANK_OPTIONS[0]
+@RANK_OPTIONS[1]
+@PEER_OPTIONS[0]
+@PEER_OPTIONS[1]
+@PEER_OPTIONS[2]
 @model_options
 @instrument_options
 def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout, log_level, access_log,
-          debug_endpoints, model: ModelOptions, instrument: InstrumentOptions) -> int:
+          debug_endpoints, world_size, placement_spec, slow_rank, delay_ms, timeout, model: ModelOptions,
+          instrument: InstrumentOptions) -> int:
     """Serve the OpenAI completions and chat completions API on the reference MoE runtime.
 
-    Each response's id (and x-request-id header) opens in `moescope trace ID`.
+    Each response's id (and x-request-id header) opens in `moescope trace ID`. With --world-size N, one front
+    end deals the requests to N expert-parallel ranks (data-parallel attention) under torchrun's agent.
     """
     try:
         import fastapi  # noqa: F401
@@ -73,18 +110,34 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
     served = tuple(dict.fromkeys(n.strip() for n in served_names))
     if any(not n for n in served):
         raise BadInput("--served-model-name must not be empty")
+    from moescope.parallel.launch import env_rank
     from moescope.serve import server
 
-    sock = server.bind(host, port)  # before torch and the model load: a taken port is a one-line error at once
+    rank_env = env_rank()  # under the launcher: one rank, on a loopback port of its own the front end forwards to
+    sock = server.bind("127.0.0.1", 0) if rank_env else server.bind(host, port)  # before torch and the model load
     from moescope.serve import app as app_mod
     from moescope.serve.loop import EngineLoop
     from moescope.serve.protocol import ModelLimits
 
+    ranks = None
+    rank, world = rank_env or (0, 1)
+    config = build_config(instrument, model, rank=rank, world=world)  # this process's one Config
+    world, slow_rank, delay_ms = fleet_settings(config, world_size, slow_rank, delay_ms)
+    if rank_env is not None:
+        ranks = RankSetup(*rank_env, placement_spec, slow_rank, delay_ms, timeout)
+    elif world > 1:
+        from moescope.cli import serve_parallel
+
+        with sock:
+            return serve_parallel.launch(click.get_current_context(), sock, world, slow_rank, model,
+                                         timeout=max(timeout, shutdown_timeout + server.BACKSTOP_S),
+                                         log_level=log_level, access_log=access_log)
     with ExitStack() as stack:
         stack.callback(sock.close)
-        engine, inst, recorder = assemble(stack, model, instrument)
-        loop = EngineLoop(engine, max_queue=max_queue, request_timeout_s=request_timeout or None)
-        stack.callback(loop.close)  # first out: cancels what is left, before the recorder flushes
+        engine, inst, recorder, ep = assemble(stack, model, config, ranks)
+        loop = EngineLoop(engine, max_queue=max_queue, request_timeout_s=request_timeout or None, ranks=ep)
+        # first out: cancels what is left, before the recorder flushes (a rank: once every rank closes)
+        stack.callback(loop.close, shutdown_timeout + server.BACKSTOP_S + (timeout if ep is not None else 0))
         cfg = engine.model.cfg
         service = app_mod.Service(loop, ModelLimits(cfg.name, cfg.max_seq_len, served, cfg.vocab_size),
                                   debug=debug_endpoints)
@@ -95,8 +148,17 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
                    + f", max batch {engine.max_batch}, queue {max_queue or 'unbounded'}); metrics "
                    f"{inst.exporter.url if inst.exporter else 'off'}; traces {recorder.path if recorder else 'off'}",
                    err=True)
+        if ranks is not None:
+            from moescope.parallel.spawn import ENV_SUMMARY
+            from moescope.serve.fleet import address_file
+
+            address_file(os.environ[ENV_SUMMARY], ranks.rank).write_text(where)  # the front end finds it here
         server.run(app_mod.create_app(service), service, sock, shutdown_timeout_s=shutdown_timeout,
                    log_level=log_level, access_log=access_log)
+    if ranks is not None:
+        from moescope.parallel.spawn import write_summary
+
+        write_summary({"rank": ranks.rank, "served": loop.served})
     click.echo(f"moescope serve: stopped after {loop.served} requests"
                + (f"; traces flushed to {recorder.path} ({recorder.written} stored)" if recorder else ""), err=True)
     return 0

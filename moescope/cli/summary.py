@@ -64,13 +64,23 @@ def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None) 
             "bar_from": "baseline" if j.baseline_cv is not None else "no baseline", "layers": judged}, per
 
 
+def latencies(records) -> tuple[list[float], list[float]]:
+    """(time to first token of each request, every later token's latency)."""
+    return [r.ttft_s for r in records], [x for r in records for x in r.token_latencies_s[1:]]
+
+
+def latency(ttft: list[float], tpot: list[float]) -> dict:
+    """The summary's latency percentiles from the raw latencies (one run's, or all ranks' together)."""
+    return {"ttft_p50": round(stats.percentile(ttft, 50), 5), "ttft_p99": round(stats.percentile(ttft, 99), 5),
+            "per_token_p50": round(stats.percentile(tpot, 50), 5) if tpot else None,
+            "per_token_p99": round(stats.percentile(tpot, 99), 5) if tpot else None}
+
+
 def build(records, load, dropped, wall_s, model, device, n_asked, draws=None, baseline=None) -> dict:
     """The summary. ``draws``: the run's per-request routing as a ``sampling.Draws`` (layers in ``load``'s
     order) where the caller has it; ``baseline``: the profile the run is judged against."""
     out_tokens = sum(r.n_output for r in records)
     prompt_tokens = sum(len(r.prompt_tokens) for r in records)
-    ttft = [r.ttft_s for r in records]
-    tpot = [x for r in records for x in r.token_latencies_s[1:]]
     judged, per_layer = judgement(load, len(records), model.cfg.top_k, draws, baseline) if load else ({}, {})
     return {
         "model": model.cfg.name,
@@ -80,16 +90,12 @@ def build(records, load, dropped, wall_s, model, device, n_asked, draws=None, ba
         "wall_s": round(wall_s, 3),
         "tokens": {"prompt": prompt_tokens, "output": out_tokens},
         "tokens_per_s": round(out_tokens / wall_s, 1) if wall_s > 0 else None,
-        "latency_s": {
-            "ttft_p50": round(stats.percentile(ttft, 50), 5), "ttft_p99": round(stats.percentile(ttft, 99), 5),
-            "per_token_p50": round(stats.percentile(tpot, 50), 5) if tpot else None,
-            "per_token_p99": round(stats.percentile(tpot, 99), 5) if tpot else None,
-        },
+        "latency_s": latency(*latencies(records)),
         "request_ids": [r.request_id for r in records],
         "requests_detail": [
             {"request_id": r.request_id, "domain": r.domain, "tenant": r.tenant,
              "prompt_tokens": len(r.prompt_tokens), "output_tokens": r.n_output, "total_s": round(r.total_s, 4),
-             "finish_reason": r.finish_reason} for r in records],
+             "ttft_s": round(r.ttft_s, 5), "finish_reason": r.finish_reason} for r in records],
         "expert_load": {str(layer): counts for layer, counts in load.items()},
         "expert_load_cv": {str(layer): round(stats.load_cv(c), 4) for layer, c in load.items()},
         "expert_load_summary": per_layer,

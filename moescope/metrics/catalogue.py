@@ -70,7 +70,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     *map(_routing, (
         _c("moescope_expert_tokens_total", "Slots (token, expert pairs) computed by each expert (full tier).",
            "layer", "expert"),
-        _c("moescope_router_tokens_total", "Tokens routed by the layer's router.", "layer"),
+        _c("moescope_router_tokens_total", "Tokens routed by the layer's router, by the step's forward_mode (prefill: "
+           "prompt tokens; decode: generated ones; unknown: a forward no engine step reported).", "layer",
+           "forward_mode"),
         _c("moescope_tokens_dropped_total", "Slots dropped by the capacity limit.", "layer"),
         _c("moescope_rerouted_slots_total", "Slots a routing mitigation gave to another expert than the router's "
            "top-k (reason: load = load-aware routing, smoothing = hysteresis); only while one is on.", "layer",

@@ -31,8 +31,7 @@ log = logging.getLogger("moescope.metrics")
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-ROUTING_LAYER_COUNTERS = ("moescope_router_tokens_total", "moescope_tokens_dropped_total",
-                          "moescope_router_nonfinite_logits_total")
+ROUTING_LAYER_COUNTERS = ("moescope_tokens_dropped_total", "moescope_router_nonfinite_logits_total")
 CACHE_LAYER_COUNTERS = tuple(m.name for m in catalogue.CATALOGUE
                              if m.name.startswith("moescope_expert_cache_") and m.kind == "counter")
 
@@ -123,6 +122,7 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
     with st.lock:  # copies only: formatting happens after the engine thread may take the lock again
         counters = {name: sorted(st.layer_counters[name].items()) for name in
                     (*ROUTING_LAYER_COUNTERS, *CACHE_LAYER_COUNTERS) if name in st.layer_counters}
+        by_mode = sorted(((str(layer), mode), v) for (layer, mode), v in st.router_tokens_by_mode.items())
         rerouted = sorted((labels, v) for (name, labels), v in st.counters.items()
                           if name == "moescope_rerouted_slots_total")
         flips = sorted(st.flips.items())
@@ -135,6 +135,7 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
             out.append(w.family(spec["moescope_activation_ratio"], [((), act)], openmetrics))
         out.append(w.family(spec["moescope_activation_expected_ratio"], [((), st.info.expected_activation)],
                             openmetrics))
+        out.append(w.family(spec["moescope_router_tokens_total"], by_mode, openmetrics))  # by forward_mode
         for name in ROUTING_LAYER_COUNTERS:
             out.append(w.family(spec[name], [((str(k),), v) for k, v in counters.get(name, ())], openmetrics))
         out.append(w.family(spec["moescope_rerouted_slots_total"], rerouted, openmetrics))

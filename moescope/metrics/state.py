@@ -26,7 +26,7 @@ import numpy as np
 
 from moescope import sampling, thresholds
 from moescope.capture.observer import Observer
-from moescope.capture.routing_probe import RoutingProbe, StepStats
+from moescope.capture.routing_probe import UNKNOWN_MODE, RoutingProbe, StepStats
 from moescope.errors import BadInput
 from moescope.metrics import catalogue
 from moescope.metrics.window import LayerGauges, RoutingWindow
@@ -124,6 +124,9 @@ class MetricsObserver(Observer):
         self.expert_tokens: dict[int, np.ndarray] = {}  # layer -> cumulative slots per expert
         self.layer_counters: dict[str, dict[int, float]] = collections.defaultdict(
             lambda: collections.defaultdict(float))
+        # (layer, forward mode) -> tokens routed: moescope_router_tokens_total's series (its sum over modes is
+        # layer_counters' total, added from the same LayerStats)
+        self.router_tokens_by_mode: dict[tuple[int, str], float] = collections.defaultdict(float)
         # prometheus_client Histograms (exemplars included), one per catalogue histogram; children per label set
         self.histograms = {m.name: _histogram(m) for m in c.values() if m.kind == "histogram"}
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
@@ -288,6 +291,8 @@ class MetricsObserver(Observer):
                 else:
                     tot += ls.slots
                 lc["moescope_router_tokens_total"][layer] += ls.tokens
+                for mode, n in ls.modes or ((UNKNOWN_MODE, ls.tokens),):
+                    self.router_tokens_by_mode[(layer, mode)] += n
                 lc["moescope_tokens_dropped_total"][layer] += ls.dropped
                 lc["moescope_router_nonfinite_logits_total"][layer] += ls.nonfinite
                 for reason, n in (ls.rerouted or {}).items():

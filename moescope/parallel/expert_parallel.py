@@ -118,6 +118,13 @@ class ExpertParallel:
         """Whether this rank has nothing queued or running (between steps only, as ``request_stop``)."""
         self._done = done
 
+    def poll(self, has_work: bool, closing: bool) -> tuple[bool, bool]:
+        """A serving fleet at rest: one small all-reduce instead of a step's exchanges. Returns (some rank has work,
+        every rank is closing): the same answer on every rank, so all step, wait or leave together."""
+        flags = torch.tensor([float(has_work), float(closing)], dtype=torch.float64)
+        self._collective(dist.all_reduce, flags)
+        return bool(flags[0] > 0), bool(flags[1] >= self.world)
+
     def _owners(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(owner rank of each expert, index E the dropped-slot sentinel -1; for a placement with replicas also
         [E, R] the replica ranks of each expert (repeated to R columns) and [E] how many it has)."""

@@ -46,16 +46,19 @@ class RankFailure:
         return not self.error.startswith("moescope: error:")
 
 
-def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[dict | None], list[RankFailure]]:
+def run_ranks(argv: list[str], world_size: int, timeout_s: float, *, run_dir: Path | None = None,
+              signal_stops: bool = False) -> tuple[list[dict | None], list[RankFailure]]:
     """Run ``moescope <argv>`` as ranks 0..W-1 under torchrun's agent. Returns (per-rank summaries, failed ranks:
     those the agent saw fail first, then those that left their own error, each group in the order they
-    failed). A signal to the launcher ends every rank, then this process (exit 128 + N)."""
+    failed). A signal to the launcher ends every rank, then this process (exit 128 + N); with ``signal_stops``
+    (a server: SIGTERM is how it stops) it returns once the ranks are gone, as after any run. ``run_dir``: the
+    run's directory (the ranks' ``MOESCOPE_SUMMARY_DIR``; made here when None), removed at the end."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    tmp = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
+    tmp = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
     run_id = uuid.uuid4().hex[:10]
     env = {"MOESCOPE_RUN_ID": run_id + "-",  # request ids shared by all ranks: <run>-<index>
            ENV_SUMMARY: str(tmp), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # (as torchrun sets)
@@ -73,8 +76,9 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float) -> tuple[list[
     try:
         elastic_launch(config, sys.executable)("-m", "moescope", *argv)
     except SignalException as exc:  # the ranks are gone: end as the signal would have ended us
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise SystemExit(128 + int(exc.sigval)) from None
+        if not signal_stops:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SystemExit(128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
         for rank, f in exc.failures.items():
             how = (f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 and

@@ -182,6 +182,7 @@ class Engine:
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self.sink_errors = 0  # exceptions raised by request sinks (counted, logged once, never raised)
         self.poison: set[str] = set()  # a debugging fault: a step that holds one of these request ids raises
+        self._forward_mark: int | None = None  # expert-parallel: the exchanges made when this step's forward began
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -236,6 +237,10 @@ class Engine:
                                    min_tokens=min_tokens, ignore_eos=ignore_eos))
         self._submitted += 1
         return rid
+
+    def holds(self, request_id: str) -> bool:
+        """Whether a request with this id is queued or running."""
+        return any(live.request_id == request_id for live in (*self._waiting, *self._running))
 
     def cancel(self, request_id: str, reason: str = "cancelled") -> RequestRecord | None:
         """End a queued or running request now (finish_reason ``reason``: "cancelled", or "error" for one a
@@ -350,6 +355,8 @@ class Engine:
             segments = [Segment(1, r.cache) for r in batch]
         if self.poison and any(r.request_id in self.poison for r in batch):
             raise RuntimeError("injected fault: a request in this step is poisoned (POST /debug/poison)")
+        if self.lockstep is not None:  # from here on the step makes its exchanges (``rank_step`` checks them)
+            self._forward_mark = self.lockstep.dispatches
         seg_info = tuple((r.request_id, s.start_pos, s.n) for r, s in zip(batch, segments))
         started = self.clock()
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)
@@ -504,7 +511,9 @@ class Engine:
                             request_id=f"{id_prefix}{r.index:05d}" if id_prefix is not None else None,
                             arrival=start + r.arrival_s if realtime else now)
             if ranks is not None:
-                self._rank_step(ranks, done=not (pending or self.has_work))
+                failed = self.rank_step(ranks, done=not (pending or self.has_work))
+                if failed is not None:
+                    raise failed
             elif self.has_work:
                 self.step()
             elif pending:
@@ -521,20 +530,32 @@ class Engine:
             self._told_idle = True
             self.observer.on_idle()
 
-    def _rank_step(self, ranks, done: bool) -> None:
+    def rank_step(self, ranks, done: bool, only: set[str] | None = None) -> StepFailed | None:
         """One step of an expert-parallel rank: every rank makes the same exchanges each step (a rank with
         nothing to run, or whose step ran no forward, runs an idle forward: zero rows of its own), and says
-        whether it is done (nothing queued or running) in the step's exchanges."""
+        whether it is done (nothing queued or running) in the step's exchanges. ``only``: as ``step``'s (a
+        server reruns a failed step request by request, one rank step each). Returns the step's ``StepFailed``
+        (its requests put back) when it failed before its forward's first exchange or after its last, the
+        exchanges then made all the same; a forward that failed between them leaves the rank out of step with
+        its peers: a ``MoescopeError``."""
         ranks.set_done(done)
         ranks.between_steps(self.model.moe_layers())  # EPLB in the loop: rearranges when due (every rank)
-        before = self._steps
+        self._forward_mark = None
+        failed = None
         if self.has_work:
-            self.step()
+            try:
+                self.step(only)
+            except StepFailed as exc:
+                failed = exc
         elif self.canary is not None and self.canary.due():  # (step() asks the canary itself)
             self.observer.on_canary(self.canary.run())  # a collective: every rank runs it at the same step
-        if self._steps == before:  # no forward of its own this step
+        if self._forward_mark is None:  # no forward of its own this step
             ranks.idle_forward(self.model.moe_layers())
             self.idle()
+        elif failed is not None and ranks.dispatches - self._forward_mark != len(self.model.moe_layers()):
+            raise MoescopeError(f"a step failed inside its forward ({failed.__cause__!r}): this rank is out of "
+                                "step with its peers") from failed
+        return failed
 
     def request_stop(self) -> None:
         """Ask ``run`` to return after the current step (thread-safe: a flag read between steps)."""

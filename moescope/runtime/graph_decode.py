@@ -119,7 +119,8 @@ class GraphCollector:
         layers = tuple(LayerStats(layer=layer, tokens=int(round(s[i, _TOKENS])),
                                   slots=np.rint(delta[i, :n_exp]).astype(np.int64),
                                   dropped=int(round(s[i, _DROPPED])), nonfinite=int(round(s[i, _NONFINITE])),
-                                  entropy_sum=float(s[i, _ENTROPY]), margin_sum=float(s[i, _MARGIN]))
+                                  entropy_sum=float(s[i, _ENTROPY]), margin_sum=float(s[i, _MARGIN]),
+                                  modes=(("decode", int(round(s[i, _TOKENS]))),))  # (decode steps only)
                        for i, layer in enumerate(c.layers))
         stats = StepStats(steps=steps, layers=layers, n_experts=n_exp, top_k=c.top_k)
         if self._listener is not None:

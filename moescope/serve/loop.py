@@ -20,6 +20,14 @@ thread-safe structures and never touch the engine.
 - Memory: records reach their handlers through the sinks; the engine's own list of finished records is
   emptied after every step (it would otherwise keep every request the server ever answered).
 
+- Expert-parallel ranks (``ranks``: ``moescope serve --world-size N`` runs one loop per rank, each with its own
+  requests): every rank must make the same exchanges at every step, so the loop steps through
+  ``Engine.rank_step`` (an idle forward where the rank has nothing to run) while any rank has work. When a step
+  began with every rank done, the fleet is at rest: each rank waits up to ``POLL_S`` for a request of its own,
+  then all meet in one small all-reduce (``ExpertParallel.poll``: some rank has work? every rank closing?) and
+  step, rest or leave together. A failed step's rerun request by request takes one fleet step per request. A
+  closing rank keeps stepping (idle) until every rank closes: no peer is left waiting in an exchange.
+
 Continuous batching is the engine's: each ``step()`` prefills whatever was admitted since the last one, else
 decodes one token for every running request, so a new request joins at the next step.
 """
@@ -40,6 +48,7 @@ from moescope.serve.protocol import Params
 
 log = logging.getLogger("moescope.serve")
 
+POLL_S = 0.02  # a fleet at rest: how long a rank waits for a request before the ranks meet (first-token delay)
 MAX_FAILED_TURNS = 3  # failed steps in a row (none of whose requests progressed) before the engine is unhealthy
 
 
@@ -153,10 +162,13 @@ class EngineLoop:
         engine: the engine (only this loop's thread touches it once ``start`` ran).
         max_queue: the admission bound (jobs waiting for a batch slot).
         request_timeout_s: per-request timeout from arrival (None: none); such requests end as "timeout".
+        ranks: this rank's ``parallel.ExpertParallel`` when the engine is one expert-parallel rank of several.
     """
 
-    def __init__(self, engine: Engine, *, max_queue: int, request_timeout_s: float | None = None) -> None:
+    def __init__(self, engine: Engine, *, max_queue: int, request_timeout_s: float | None = None,
+                 ranks=None) -> None:
         self.engine = engine
+        self.ranks = ranks
         self.admission = Admission(max_queue)
         self.request_timeout_s = request_timeout_s
         self._wake: Callable[[list[TokenStream]], None] = lambda streams: None
@@ -282,7 +294,7 @@ class EngineLoop:
     def _main(self) -> None:
         """The thread: ``_run``, guarded. However it ends, every request still queued or running is answered."""
         try:
-            self._run()
+            self._run() if self.ranks is None else self._run_rank()
         except BaseException as exc:  # noqa: BLE001 (the thread is dying: say why, answer everyone)
             log.critical("the engine thread died (%r): /health answers 503, new requests 503", exc,
                          exc_info=not isinstance(exc, EngineKilled))
@@ -330,6 +342,77 @@ class EngineLoop:
             engine.finished.clear()  # the records went to the sinks: never keep every request served
             self._flush()
 
+    def _housekeep(self, closing: bool) -> None:
+        """Between steps: cancels, the drain deadline, admissions (or, closing or unhealthy, ending all)."""
+        self._apply_cancels()
+        if self._drain_at is not None and time.monotonic() >= self._drain_at:
+            self._cancel_all()
+        if closing or self.unhealthy is not None:
+            self._cancel_all("cancelled" if closing else "error")
+        else:
+            for job in self.admission.take(self.engine.max_batch - len(self._live)):
+                self._submit(job)
+
+    def _run_rank(self) -> None:
+        """``_run`` for one expert-parallel rank: the fleet steps, rests and leaves together (module doc)."""
+        engine, ranks = self.engine, self.ranks
+        at_rest = True  # the fleet had nothing to run at the last look: meet in ``poll`` before stepping
+        suspects: collections.deque[str] = collections.deque()  # a failed step's requests, rerun one per step
+        while True:
+            if self._kill is not None:
+                raise EngineKilled(self._kill)
+            closing = self._closing.is_set()
+            self._housekeep(closing)
+            self._end_records()
+            if at_rest:
+                if not (engine.has_work or closing):
+                    engine.idle()
+                    self.admission.wait(POLL_S)
+                    self._housekeep(self._closing.is_set())
+                    self._end_records()
+                work, all_closing = ranks.poll(engine.has_work, self._closing.is_set())
+                if all_closing:
+                    return
+                if not work:
+                    continue
+                at_rest = False
+            while suspects and not engine.holds(suspects[0]):
+                suspects.popleft()  # ended meanwhile (cancelled, timed out)
+            ranks.all_done = False
+            if suspects:
+                rid = suspects.popleft()
+                failed = engine.rank_step(ranks, done=False, only={rid})
+                if failed is None:
+                    self._failed_turns = 0
+                else:
+                    self._fail_alone(rid, failed)
+            else:
+                failed = engine.rank_step(ranks, done=not engine.has_work)
+                if failed is None:
+                    self._failed_turns = 0
+                else:
+                    self.step_errors += 1
+                    log.error("%s: rerunning its requests one at a time", failed, exc_info=failed.__cause__)
+                    self._failed_turns += 1
+                    suspects.extend(failed.request_ids)
+                    if self._failed_turns >= MAX_FAILED_TURNS:
+                        self._set_unhealthy(f"{self._failed_turns} engine steps in a row failed for every request "
+                                            f"in them (last: {failed.__cause__!r})")
+                        log.critical("engine unhealthy: %s", self.unhealthy)
+            at_rest = ranks.all_done
+            self._end_records()
+
+    def _end_records(self) -> None:
+        self.engine.finished.clear()  # the records went to the sinks: never keep every request served
+        self._flush()
+
+    def _fail_alone(self, rid: str, alone: StepFailed) -> None:
+        self.failed_requests += 1
+        log.error("request %s fails the step alone (%r): it ends as 'error'", rid, alone.__cause__)
+        job = self._live.get(rid)
+        if self.engine.cancel(rid, reason="error") is None and job is not None:
+            self._fail(job)
+
     def _isolate(self, failed: StepFailed) -> None:
         """Rerun a failed step's requests one at a time: one that fails alone ends as "error" (stored); the
         others take their step. A turn in which none progressed counts towards ``MAX_FAILED_TURNS``."""
@@ -341,11 +424,7 @@ class EngineLoop:
                 self.engine.step(only={rid})
                 progressed = True
             except StepFailed as alone:
-                self.failed_requests += 1
-                log.error("request %s fails the step alone (%r): it ends as 'error'", rid, alone.__cause__)
-                job = self._live.get(rid)
-                if self.engine.cancel(rid, reason="error") is None and job is not None:
-                    self._fail(job)
+                self._fail_alone(rid, alone)
         self._failed_turns = 0 if progressed else self._failed_turns + 1
         if self._failed_turns >= MAX_FAILED_TURNS:
             self._set_unhealthy(f"{self._failed_turns} engine steps in a row failed for every request in them "

@@ -66,3 +66,16 @@ def run(app, service: "Service", sock: socket.socket, *, shutdown_timeout_s: flo
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, _ignore)
     Server(config).run(sockets=[sock])
+
+
+def start_in_thread(app, sock: socket.socket, *, log_level: str = "info", access_log: bool = False):
+    """Serve ``app`` on ``sock`` from a thread of its own (the main thread runs something else: the ranks'
+    launcher, which owns the signals). Returns (thread, server); ``server.should_exit = True`` stops it."""
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=5,
+                            timeout_graceful_shutdown=BACKSTOP_S)
+    userver = uvicorn.Server(config)
+    thread = threading.Thread(target=userver.run, kwargs={"sockets": [sock]}, name="moescope-front-end", daemon=True)
+    thread.start()
+    return thread, userver
