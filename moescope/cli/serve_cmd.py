@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 from contextlib import ExitStack
 
 import click
@@ -16,7 +17,14 @@ import click
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
                                          instrument_options, model_options)
 from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
-from moescope.errors import BadInput
+from moescope.errors import BadInput, MoescopeError
+
+
+class RankEngineDied(MoescopeError):
+    """An expert-parallel rank's engine thread died: the rank leaves with this one line (its error file) and exit 1,
+    so the agent ends the fleet and the launcher names this rank."""
+
+    exit_code = 1
 
 # Scenarios that need the demo's synthetic traffic: a server has none.
 DEMO_ONLY_SETTINGS = {"traffic_shift": "drift"}
@@ -131,11 +139,13 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
         with sock:
             return serve_parallel.launch(click.get_current_context(), sock, world, slow_rank, model,
                                          timeout=max(timeout, shutdown_timeout + server.BACKSTOP_S),
-                                         log_level=log_level, access_log=access_log)
+                                         log_level=log_level, access_log=access_log, debug=debug_endpoints)
     with ExitStack() as stack:
         stack.callback(sock.close)
         engine, inst, recorder, ep = assemble(stack, model, config, ranks)
         loop = EngineLoop(engine, max_queue=max_queue, request_timeout_s=request_timeout or None, ranks=ep)
+        if ranks is not None:  # a rank whose engine died stops serving (its peers cannot step without it)
+            loop.on_death = lambda exc: os.kill(os.getpid(), signal.SIGTERM)
         # first out: cancels what is left, before the recorder flushes (a rank: once every rank closes)
         stack.callback(loop.close, shutdown_timeout + server.BACKSTOP_S + (timeout if ep is not None else 0))
         cfg = engine.model.cfg
@@ -155,6 +165,9 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
             address_file(os.environ[ENV_SUMMARY], ranks.rank).write_text(where)  # the front end finds it here
         server.run(app_mod.create_app(service), service, sock, shutdown_timeout_s=shutdown_timeout,
                    log_level=log_level, access_log=access_log)
+        if ranks is not None and loop.died is not None:
+            why = loop.died if isinstance(loop.died, MoescopeError) else repr(loop.died)
+            raise RankEngineDied(f"rank {ranks.rank}: the engine thread died: {why}")
     if ranks is not None:
         from moescope.parallel.spawn import write_summary
 

@@ -23,7 +23,7 @@ LAUNCHER_ONLY = {"world_size", "host", "port"}
 
 
 def launch(ctx: click.Context, sock, world_size: int, slow_rank: int | None, model, *, timeout: float,
-           log_level: str, access_log: bool) -> int:
+           log_level: str, access_log: bool, debug: bool = False) -> int:
     from moescope.parallel.spawn import run_ranks
     from moescope.runtime.loader import resolve_device
     from moescope.serve import fleet as fleet_mod, server
@@ -35,7 +35,7 @@ def launch(ctx: click.Context, sock, world_size: int, slow_rank: int | None, mod
                        "built yet: add --device cpu")
     run_dir = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
     fleet = fleet_mod.Fleet(world_size, run_dir)
-    thread, front = server.start_in_thread(fleet_mod.create_app(fleet), sock, log_level=log_level,
+    thread, front = server.start_in_thread(fleet_mod.create_app(fleet, debug=debug), sock, log_level=log_level,
                                            access_log=access_log)
     bound = sock.getsockname()
     where = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"

@@ -23,6 +23,12 @@ Every rank must enter the same exchanges: a rank with no work this step runs an 
 dummy batches), so its experts still compute what its peers send. Ranks given the same requests compute the
 same tokens: that is the old lock-step mode (data replicated), which needs nothing of its own.
 
+A step that fails part-way (``Engine.rank_step``): the rank makes the exchanges its forward did not, with zero
+rows of its own (``finish_step``); an expert compute that raises sends zeros back in its combine and is raised
+after it. Every rank's step ends in one all-reduce of W flags (``end_forward``: whose expert compute failed): rows
+a failed compute returned are wrong, so every rank undoes that step and takes it again, and only the failing
+rank's requests are rerun one by one and blamed. Nobody is left waiting in an exchange.
+
 Stopping: the ranks must leave after the same step. Each dispatch exchange carries two flags: *stop* (the
 rank's deadline passed; any rank's flag stops all) and *done* (the rank had nothing queued or running when the
 step began; all ranks' flags end the run). Every rank receives every flag of that exchange, so after that step
@@ -97,7 +103,12 @@ class ExpertParallel:
         self._done = False
         self.stop_agreed = False  # some rank's stop flag came in: every rank knows it after the same step
         self.all_done = False  # every rank's done flag came in the same exchange
-        self.dispatches = 0  # dispatch exchanges made (an engine step that made none runs an idle forward)
+        self.dispatches = 0  # dispatch exchanges made
+        self.combines = 0  # MoE layers whose exchanges were all made (dispatch and combine)
+        self._forward_at: int | None = None  # ``combines`` when this step's engine forward began (None: none began)
+        self._verdict: list[int] | None = None  # this step's ranks whose expert compute failed (None: not met yet)
+        self._compute_failed = False  # this rank's expert compute failed in this step
+        self._fault: BaseException | None = None  # the poison fault: raise in the expert compute of this step
         self.rebalancer = None  # parallel.eplb.Rebalancer: EPLB in the loop
         self.steps = 0  # rank steps begun (``between_steps``): the same count on every rank
         self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)  # parallel.eplb.Rebalance, in order
@@ -124,6 +135,42 @@ class ExpertParallel:
         flags = torch.tensor([float(has_work), float(closing)], dtype=torch.float64)
         self._collective(dist.all_reduce, flags)
         return bool(flags[0] > 0), bool(flags[1] >= self.world)
+
+    def begin_step(self) -> None:
+        """Before a rank step (``Engine.rank_step``): no forward begun, no verdict yet."""
+        self._forward_at, self._verdict, self._compute_failed, self._fault = None, None, False, None
+
+    def begin_forward(self, fault: BaseException | None = None) -> None:
+        """The engine's forward for this step begins (``fault``: the poison; raised inside the expert compute of
+        the middle MoE layer, after the exchanges of the layers before it: a forward failing part-way)."""
+        self._forward_at, self._fault = self.combines, fault
+
+    def end_forward(self, failed: bool) -> list[int]:
+        """The step's verdict, one all-reduce of W flags at the end of every rank's forward (real or idle): the
+        ranks whose expert compute failed this step (``failed``: this one's). Rows those ranks computed for their
+        peers are wrong: every rank undoes the step (the engine raises ``PeerStepFailed``) and takes it again."""
+        flags = torch.zeros(self.world, dtype=torch.float64)
+        flags[self.rank] = float(failed)
+        self._collective(dist.all_reduce, flags)
+        self._verdict = [r for r, f in enumerate(flags.tolist()) if f]
+        return self._verdict
+
+    def finish_step(self, moe_layers) -> None:
+        """After a rank step: make the exchanges its forward did not (none began: all of them; one failed after
+        ``k`` MoE layers: layers k+1.. with zero rows of this rank's own, its experts still computing what the
+        peers send), then meet the peers in the step's verdict (``end_forward``) unless the forward already did."""
+        if self._verdict is not None:
+            return
+        done = 0 if self._forward_at is None else self.combines - self._forward_at
+        self._fault = None
+        for m in list(moe_layers)[done:]:
+            try:
+                self.idle_forward([m])
+            except ParallelError:
+                raise
+            except Exception:  # noqa: BLE001 (its expert compute failed after the combine: the verdict says so)
+                pass
+        self.end_forward(self._compute_failed)
 
     def _owners(self, layer: int, device) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(owner rank of each expert, index E the dropped-slot sentinel -1; for a placement with replicas also
@@ -317,22 +364,14 @@ class ExpertParallel:
         wait = tuple(max(0.0, e - me) if p != self.rank else 0.0 for p, e in enumerate(entry))
 
         # -- local experts: one group per (source rank, expert); each source's rows come sorted by expert ---
-        local = torch.empty_like(recv_rows)
-        rows = self._held(layer, n_exp)  # physical load: rows each expert here computed (-1: not held here)
-        if experts.weight_source is not None:  # the expert cache: one lookup per expert per forward, all sources
-            by_expert = torch.argsort(recv_ids, stable=True)
-            counts = torch.bincount(recv_ids, minlength=n_exp).tolist()
-            if len(recv_ids):
-                local[by_expert] = experts.compute_grouped(recv_rows[by_expert], counts)
-            rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
-        else:
-            at = 0
-            for n in recv_counts:
-                if n:
-                    counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
-                    local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
-                    rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
-                at += n
+        # A failure here must not leave the peers waiting in the combine: it sends zeros back, the step's
+        # verdict (``end_forward``) fails the step on every rank, and the error is raised after the combine.
+        failure = None
+        try:
+            local, rows = self._compute(layer, experts, recv_rows, recv_ids, recv_counts, n_exp)
+        except Exception as exc:  # noqa: BLE001 (re-raised below, once the peers have their combine)
+            failure, self._compute_failed = exc, True
+            local, rows = torch.zeros_like(recv_rows), self._held(layer, n_exp)
 
         # -- combine ------------------------------------------------------------------------------------
         start = time.perf_counter()
@@ -353,4 +392,30 @@ class ExpertParallel:
                                              tuple(n * hidden * x.element_size() for n in recv_counts),
                                              tuple(n * hidden * x.element_size() for n in sends),
                                              (0.0,) * w))
+        self.combines += 1
+        if failure is not None:
+            raise failure
         return out
+
+    def _compute(self, layer, experts, recv_rows, recv_ids, recv_counts, n_exp):
+        """This rank's experts on the rows it received: (the outputs, rows each expert here computed)."""
+        if self._fault is not None and layer == sorted(self.placement.layers)[len(self.placement.layers) // 2]:
+            fault, self._fault = self._fault, None
+            raise fault
+        local = torch.empty_like(recv_rows)
+        rows = self._held(layer, n_exp)  # physical load: rows each expert here computed (-1: not held here)
+        if experts.weight_source is not None:  # the expert cache: one lookup per expert per forward, all sources
+            by_expert = torch.argsort(recv_ids, stable=True)
+            counts = torch.bincount(recv_ids, minlength=n_exp).tolist()
+            if len(recv_ids):
+                local[by_expert] = experts.compute_grouped(recv_rows[by_expert], counts)
+            rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
+        else:
+            at = 0
+            for n in recv_counts:
+                if n:
+                    counts = torch.bincount(recv_ids[at:at + n], minlength=n_exp).tolist()
+                    local[at:at + n] = experts.compute_grouped(recv_rows[at:at + n], counts)
+                    rows = [a + b if a >= 0 else a for a, b in zip(rows, counts)]
+                at += n
+        return local, rows

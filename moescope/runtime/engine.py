@@ -111,6 +111,12 @@ class StepFailed(Exception):
     def __init__(self, request_ids: tuple[str, ...], cause: BaseException) -> None:
         super().__init__(f"engine step over {len(request_ids)} request(s) failed: {cause!r}")
         self.request_ids = request_ids
+        self.peer = isinstance(cause, PeerStepFailed)  # not these requests' fault: a peer rank's compute failed
+
+
+class PeerStepFailed(RuntimeError):
+    """Expert-parallel: a peer rank's expert compute failed in this step, so the rows it computed for this rank are
+    not the model's; the step is undone on every rank and taken again (these requests are not to blame)."""
 
 
 def _ends_with_stop(output_ids: list[int], stops: tuple[tuple[int, ...], ...]) -> bool:
@@ -182,7 +188,7 @@ class Engine:
         self._free_slots = list(range(max_batch - 1, -1, -1))
         self.sink_errors = 0  # exceptions raised by request sinks (counted, logged once, never raised)
         self.poison: set[str] = set()  # a debugging fault: a step that holds one of these request ids raises
-        self._forward_mark: int | None = None  # expert-parallel: the exchanges made when this step's forward began
+        self._forward_mark: int | None = None  # expert-parallel: not None once this step's forward began
 
     # -- submission ------------------------------------------------------------------------------------
     def submit(self, prompt: str, *, max_new_tokens: int = 32, temperature: float = 0.0,
@@ -353,10 +359,14 @@ class Engine:
         else:
             flat = [r.output_ids[-1] for r in batch]
             segments = [Segment(1, r.cache) for r in batch]
-        if self.poison and any(r.request_id in self.poison for r in batch):
-            raise RuntimeError("injected fault: a request in this step is poisoned (POST /debug/poison)")
-        if self.lockstep is not None:  # from here on the step makes its exchanges (``rank_step`` checks them)
-            self._forward_mark = self.lockstep.dispatches
+        poisoned = self.poison and any(r.request_id in self.poison for r in batch)
+        fault = RuntimeError("injected fault: a request in this step is poisoned (POST /debug/poison)")
+        if poisoned and self.lockstep is None:
+            raise fault
+        if self.lockstep is not None:  # from here on the step makes its exchanges (``rank_step`` finishes them)
+            # (an expert-parallel poison raises inside a MoE layer's expert compute, mid-forward: the hard case)
+            self.lockstep.begin_forward(fault if poisoned else None)
+            self._forward_mark = 0
         seg_info = tuple((r.request_id, s.start_pos, s.n) for r, s in zip(batch, segments))
         started = self.clock()
         tokens = torch.tensor(flat, dtype=torch.long, device=self.model.device)
@@ -376,6 +386,10 @@ class Engine:
             if phase == "prefill" and self.decode != "eager":
                 for live in new:
                     self._static().load(live.slot, live.cache)
+        if self.lockstep is not None:
+            failed_ranks = self.lockstep.end_forward(False)
+            if failed_ranks:
+                raise PeerStepFailed(f"rank(s) {failed_ranks}: expert compute failed in this step; it is taken again")
         next_ids = self._sample(logits, batch).tolist()  # the engine's one host sync per step
         if self.leak is not None:  # leak_bytes retained per step, never freed: memory grows with traffic
             self.leak.append(torch.ones(self.leak_bytes // 4, dtype=torch.float32, device=logits.device))
@@ -535,11 +549,13 @@ class Engine:
         nothing to run, or whose step ran no forward, runs an idle forward: zero rows of its own), and says
         whether it is done (nothing queued or running) in the step's exchanges. ``only``: as ``step``'s (a
         server reruns a failed step request by request, one rank step each). Returns the step's ``StepFailed``
-        (its requests put back) when it failed before its forward's first exchange or after its last, the
-        exchanges then made all the same; a forward that failed between them leaves the rank out of step with
-        its peers: a ``MoescopeError``."""
+        (its requests put back), wherever the forward failed: a forward that failed part-way has its remaining
+        MoE layers' exchanges made with zero rows of its own (``ExpertParallel.finish_step``), so the peers never
+        wait; when it failed inside its expert compute (the rows it computed for its peers are wrong), every
+        rank's step fails alike and is taken again (``StepFailed.peer`` on the others)."""
         ranks.set_done(done)
         ranks.between_steps(self.model.moe_layers())  # EPLB in the loop: rearranges when due (every rank)
+        ranks.begin_step()
         self._forward_mark = None
         failed = None
         if self.has_work:
@@ -549,12 +565,9 @@ class Engine:
                 failed = exc
         elif self.canary is not None and self.canary.due():  # (step() asks the canary itself)
             self.observer.on_canary(self.canary.run())  # a collective: every rank runs it at the same step
+        ranks.finish_step(self.model.moe_layers())  # the exchanges (and verdict) a failed or absent forward skipped
         if self._forward_mark is None:  # no forward of its own this step
-            ranks.idle_forward(self.model.moe_layers())
             self.idle()
-        elif failed is not None and ranks.dispatches - self._forward_mark != len(self.model.moe_layers()):
-            raise MoescopeError(f"a step failed inside its forward ({failed.__cause__!r}): this rank is out of "
-                                "step with its peers") from failed
         return failed
 
     def request_stop(self) -> None:

@@ -64,7 +64,7 @@ def _ended_error(record) -> APIError:
                     type="service_unavailable", code="cancelled")
 
 
-async def _read_body(request: Request) -> bytes:
+async def read_body(request: Request) -> bytes:
     """The body, refused past ``protocol.MAX_BODY_BYTES`` without reading the rest."""
     chunks, size = [], 0
     async for chunk in request.stream():
@@ -76,7 +76,7 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-async def _disconnected(request: Request) -> None:
+async def disconnected(request: Request) -> None:
     """Returns when the client has gone away (the body was read already: the next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -138,7 +138,7 @@ def _add_routed(service: Service, job: Job, doc: dict, routed_from: int | None) 
 async def _whole(service: Service, job: Job, request: Request, created: int, headers: dict[str, str],
                  routed_from: int | None = None) -> Response:
     done = asyncio.ensure_future(job.stream.done())
-    gone = asyncio.ensure_future(_disconnected(request))
+    gone = asyncio.ensure_future(disconnected(request))
     try:
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -165,7 +165,7 @@ async def _handle(service: Service, request: Request, parse) -> Response:
     try:
         if service.draining:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
-        body = protocol.decode_json(await _read_body(request))
+        body = protocol.decode_json(await read_body(request))
         params = parse(body, service.limits)
         routed_from = routing.wanted(body)
         # An id already in flight: this request gets a distinct store key (echoed in the header and the body).
@@ -256,13 +256,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        tokens, strs = protocol.parse_tokenize(protocol.decode_json(await _read_body(request)), service.limits)
+        tokens, strs = protocol.parse_tokenize(protocol.decode_json(await read_body(request)), service.limits)
         out = {"count": len(tokens), "max_model_len": service.limits.max_seq_len, "tokens": tokens}
         return {**out, "token_strs": [tokenizer.token_text(t) for t in tokens]} if strs else out
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        tokens = protocol.parse_detokenize(protocol.decode_json(await _read_body(request)), service.limits)
+        tokens = protocol.parse_detokenize(protocol.decode_json(await read_body(request)), service.limits)
         return {"prompt": tokenizer.decode(tokens)}
 
     def _state() -> tuple[dict, str | None]:
@@ -271,7 +271,8 @@ def create_app(service: Service) -> FastAPI:
         doc = {"status": "unhealthy" if why else "draining" if service.draining else "ok", "model": service.limits.name,
                "running": loop.running, "queued": len(loop.admission), "max_batch": loop.engine.max_batch,
                "max_queue": loop.admission.capacity, "rejected": loop.admission.rejected, "served": loop.served,
-               "step_errors": loop.step_errors, "failed_requests": loop.failed_requests}
+               "step_errors": loop.step_errors, "failed_requests": loop.failed_requests,
+               "peer_failed_steps": loop.peer_failed_steps}
         if why:
             doc["reason"] = why
         return doc, why
@@ -296,7 +297,7 @@ def create_app(service: Service) -> FastAPI:
 
         @app.post("/debug/poison")
         async def poison(request: Request):
-            body = protocol.decode_json(await _read_body(request))
+            body = protocol.decode_json(await read_body(request))
             rid = body.get("request_id")
             if not isinstance(rid, str) or not rid:
                 raise APIError(400, "request_id: a request id (string) to poison", param="request_id",

@@ -22,22 +22,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
 import time
 from pathlib import Path
 
 import httpx
 from starlette.applications import Starlette
-from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moescope.serve.app import disconnected, read_body
 from moescope.serve.errors import APIError
+from moescope.serve.responses import sse
+
+log = logging.getLogger("moescope.serve")
 
 RANK_HEADER = "x-moescope-rank"
 HOP = {"host", "connection", "keep-alive", "transfer-encoding", "te", "upgrade", "proxy-connection"}
 HOP_OUT = HOP | {"date", "server"}  # uvicorn writes its own
 HEALTH_TIMEOUT_S = 5.0
+RECHECK_S = 1.0  # how often the /health of a rank out of rotation is asked again
+REFUSED = {"engine_unhealthy", "shutting_down"}  # a rank's 503 codes that come before admission
+
+
+def _headers_out(upstream: httpx.Response, rank: int) -> dict[str, str]:
+    out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_OUT}
+    out[RANK_HEADER] = str(rank)
+    return out
 
 
 def address_file(run_dir: Path, rank: int) -> Path:
@@ -46,7 +59,8 @@ def address_file(run_dir: Path, rank: int) -> Path:
 
 
 class Fleet:
-    """The ranks behind the front end: their addresses, what is in flight on each, the dealing rule."""
+    """The ranks behind the front end: their addresses, what is in flight on each, the dealing rule, and which
+    ranks are out of rotation (they refused a request as unhealthy, or refused the connection)."""
 
     def __init__(self, world_size: int, run_dir: Path) -> None:
         self.world = world_size
@@ -54,6 +68,7 @@ class Fleet:
         self.urls: list[str | None] = [None] * world_size
         self.outstanding = [0] * world_size  # requests forwarded and not yet answered in full
         self.dealt = [0] * world_size  # requests forwarded, ever
+        self.benched: dict[int, str] = {}  # rank -> why it is out of rotation (until its /health answers 200)
         self._turn = 0  # the rotating start of the tie-break
         self.client: httpx.AsyncClient | None = None
 
@@ -67,14 +82,31 @@ class Fleet:
                     pass
         return self.urls
 
-    def pick(self) -> int | None:
-        """The rank the next request goes to (None: no rank has an address yet)."""
-        ready = [r for r, url in enumerate(self.discover()) if url is not None]
+    def pick(self, skip: set[int] = frozenset()) -> int | None:
+        """The rank the next request goes to (None: no rank in rotation has an address yet)."""
+        ready = [r for r, url in enumerate(self.discover())
+                 if url is not None and r not in self.benched and r not in skip]
         if not ready:
             return None
         order = sorted(ready, key=lambda r: (self.outstanding[r], (r - self._turn) % self.world))
         self._turn = (order[0] + 1) % self.world
         return order[0]
+
+    def bench(self, rank: int, why: str) -> None:
+        if rank not in self.benched:
+            log.warning("rank %d out of rotation: %s (back when its /health answers 200)", rank, why)
+        self.benched[rank] = why
+
+    async def recheck(self) -> None:
+        """Put back in rotation the benched ranks whose /health now answers 200."""
+        for r in list(self.benched):
+            try:
+                ok = (await self.client.get(self.urls[r] + "/health", timeout=HEALTH_TIMEOUT_S)).status_code == 200
+            except httpx.HTTPError:
+                ok = False
+            if ok:
+                log.warning("rank %d back in rotation", r)
+                self.benched.pop(r, None)
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -86,41 +118,135 @@ def _unavailable(why: str) -> JSONResponse:
                            headers={"retry-after": "1"}))
 
 
-def create_app(fleet: Fleet) -> Starlette:
+class _Relay(StreamingResponse):
+    """A rank's answer streamed through; ``release`` runs however the response ends (done, client gone, error)."""
+
+    def __init__(self, content, *, status_code: int, headers: dict[str, str], release) -> None:
+        super().__init__(content, status_code=status_code, headers=headers)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._release()
+
+
+async def _relay(upstream: httpx.Response, rank: int, event_stream: bool):
+    """The rank's bytes as they come; a rank gone mid-stream ends an event stream with an error event and [DONE]
+    (a whole answer is cut short: the client sees a truncated body)."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning("rank %d stopped answering mid-response (%r)", rank, exc)
+        if event_stream:
+            err = APIError(503, f"rank {rank} stopped answering mid-response ({type(exc).__name__})",
+                           type="service_unavailable", code="rank_unavailable")
+            yield sse(err.body())
+            yield sse("[DONE]")
+
+
+def _refusal(upstream: httpx.Response, body: bytes) -> str | None:
+    """Why a rank's 503 came before admission (the rank is unhealthy or shutting down: take it out of rotation
+    and try another), or None."""
+    if upstream.status_code != 503:
+        return None
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if code in REFUSED else None
+
+
+def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         fleet.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+
+        async def rechecks() -> None:
+            while True:
+                await asyncio.sleep(RECHECK_S)
+                await fleet.recheck()
+
+        task = asyncio.ensure_future(rechecks())
         try:
             yield
         finally:
+            task.cancel()
             await fleet.client.aclose()
 
-    async def forward(request: Request) -> Response:
-        rank = fleet.pick()
-        if rank is None:
-            return _unavailable("the ranks are starting: retry shortly")
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP]
+    async def send_to(rank: int, request: Request, body: bytes) -> httpx.Response:
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP | {"content-length"}]
         url = fleet.urls[rank] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        fleet.outstanding[rank] += 1
-        fleet.dealt[rank] += 1
+        return await fleet.client.send(fleet.client.build_request(request.method, url, headers=headers, content=body),
+                                       stream=True)
+
+    async def forward(request: Request) -> Response:
+        """Deal the request to a rank and relay its answer. A rank that refuses the connection or answers 503
+        before admitting (unhealthy, shutting down) leaves rotation and the request goes to another; a client that
+        goes away before the answer starts cancels it on the rank (the connection to the rank is closed)."""
         try:
-            upstream = await fleet.client.send(
-                fleet.client.build_request(request.method, url, headers=headers, content=request.stream()),
-                stream=True)
-        except httpx.HTTPError as exc:
-            fleet.outstanding[rank] -= 1
-            return _unavailable(f"rank {rank} is not answering ({type(exc).__name__}): the server may be shutting "
-                                "down")
+            body = await read_body(request)
+        except APIError as exc:
+            return _error(exc)
+        tried: set[int] = set()
+        while True:
+            rank = fleet.pick(tried)
+            if rank is None:
+                return _unavailable("no rank is ready (starting, unhealthy or shutting down): retry shortly"
+                                    + (f"; tried rank(s) {sorted(tried)}" if tried else ""))
+            tried.add(rank)
+            fleet.outstanding[rank] += 1
+            fleet.dealt[rank] += 1
+            released = False
 
-        async def done() -> None:
-            fleet.outstanding[rank] -= 1
-            await upstream.aclose()
+            async def release(rank=rank, upstream=None) -> None:
+                nonlocal released
+                if not released:
+                    released = True
+                    fleet.outstanding[rank] -= 1
+                if upstream is not None:
+                    await upstream.aclose()
 
-        out = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_OUT}
-        out[RANK_HEADER] = str(rank)
-        return StreamingResponse(upstream.aiter_raw(), status_code=upstream.status_code, headers=out,
-                                 background=BackgroundTask(done))
+            sending = asyncio.ensure_future(send_to(rank, request, body))
+            gone = asyncio.ensure_future(disconnected(request))
+            try:
+                await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                gone.cancel()
+                if not sending.done():  # the client went away (or this handler is cancelled): close it upstream
+                    sending.cancel()
+                    await asyncio.gather(sending, return_exceptions=True)
+                    await release()
+            if sending.cancelled():
+                return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+            try:
+                upstream = sending.result()
+            except httpx.ConnectError as exc:  # never reached the rank: another may take it
+                await release()
+                fleet.bench(rank, f"connection refused ({type(exc).__name__})")
+                continue
+            except httpx.HTTPError as exc:
+                await release()
+                return _unavailable(f"rank {rank} is not answering ({type(exc).__name__})")
+            if upstream.status_code == 503:
+                try:
+                    head = await upstream.aread()
+                except httpx.HTTPError:
+                    head = b""
+                why = _refusal(upstream, head)
+                if why is not None:  # refused before admission: out of rotation, try another rank
+                    await release(upstream=upstream)
+                    fleet.bench(rank, why)
+                    continue
+                await release(upstream=upstream)
+                return Response(head, status_code=503, headers=_headers_out(upstream, rank))
+            out = _headers_out(upstream, rank)
+            event_stream = upstream.headers.get("content-type", "").startswith("text/event-stream")
+            return _Relay(_relay(upstream, rank, event_stream), status_code=upstream.status_code, headers=out,
+                          release=lambda rank=rank, upstream=upstream: release(rank, upstream))
 
     async def any_rank(request: Request) -> Response:
         """Answers every rank gives alike (models, version): the first rank with an address."""
@@ -135,14 +261,17 @@ def create_app(fleet: Fleet) -> Starlette:
 
     async def rank_health(r: int, path: str) -> tuple[int, dict]:
         url = fleet.urls[r]
+        mine = {"outstanding": fleet.outstanding[r], "dealt": fleet.dealt[r], "in_rotation": r not in fleet.benched}
         if url is None:
-            return 503, {"rank": r, "status": "starting"}
+            return 503, {"rank": r, "status": "starting", **mine}
         try:
             got = await fleet.client.get(url + path, timeout=HEALTH_TIMEOUT_S)
             body = got.json()
         except (httpx.HTTPError, ValueError) as exc:
-            return 503, {"rank": r, "status": "unreachable", "error": type(exc).__name__}
-        return got.status_code, {"rank": r, **body, "outstanding": fleet.outstanding[r], "dealt": fleet.dealt[r]}
+            return 503, {"rank": r, "status": "unreachable", "error": type(exc).__name__, **mine}
+        if not isinstance(body, dict):
+            body = {"body": body}
+        return got.status_code, {"rank": r, "status": "unknown", **body, **mine}
 
     async def health(request: Request) -> Response:
         """/health and /ready: every rank's own, 200 when all ranks answer 200."""
@@ -154,11 +283,13 @@ def create_app(fleet: Fleet) -> Starlette:
                              "ranks": [b for _, b in answers], "time": time.time()}, status_code=200 if ok else 503)
 
     async def debug(request: Request) -> Response:
-        """Fault injection (``--debug-endpoints``): to every rank (a request id is poisoned wherever it runs)."""
+        """Fault injection (``--debug-endpoints``): to every rank (a request id is poisoned wherever it runs), or
+        to the one rank ``?rank=R`` names."""
         body = await request.body()
+        only = request.query_params.get("rank")
         answers = []
-        for url in fleet.discover():
-            if url is not None:
+        for r, url in enumerate(fleet.discover()):
+            if url is not None and (only is None or only == str(r)):
                 r = await fleet.client.post(url + request.url.path, content=body,
                                             headers={"content-type": "application/json"})
                 answers.append(r.json() if r.headers.get("content-type", "").startswith("application/json")
@@ -172,6 +303,7 @@ def create_app(fleet: Fleet) -> Starlette:
     routes = [Route(p, forward, methods=["POST"]) for p in
               ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
     routes += [Route(p, any_rank, methods=["GET"]) for p in ("/v1/models", "/version")]
-    routes += [Route("/health", health, methods=["GET"]), Route("/ready", health, methods=["GET"]),
-               Route("/debug/{what}", debug, methods=["POST"])]
+    routes += [Route("/health", health, methods=["GET"]), Route("/ready", health, methods=["GET"])]
+    if debug:
+        routes.append(Route("/debug/{what}", debug, methods=["POST"]))
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})

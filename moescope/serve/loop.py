@@ -26,6 +26,8 @@ thread-safe structures and never touch the engine.
   began with every rank done, the fleet is at rest: each rank waits up to ``POLL_S`` for a request of its own,
   then all meet in one small all-reduce (``ExpertParallel.poll``: some rank has work? every rank closing?) and
   step, rest or leave together. A failed step's rerun request by request takes one fleet step per request. A
+  step whose forward failed part-way still makes its remaining exchanges (zero rows of its own); one whose expert
+  compute failed (its peers' rows are wrong) fails on every rank, and the peers take it again unblamed. A
   closing rank keeps stepping (idle) until every rank closes: no peer is left waiting in an exchange.
 
 Continuous batching is the engine's: each ``step()`` prefills whatever was admitted since the last one, else
@@ -182,6 +184,9 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._main, name="moescope-engine", daemon=True)
         self.step_errors = 0  # steps that raised (each then rerun request by request)
         self.failed_requests = 0  # requests a failed step was traced to (ended as "error")
+        self.died: BaseException | None = None  # why the engine thread died (None: it did not)
+        self.on_death: Callable[[BaseException], None] | None = None  # called on the dying engine thread, last
+        self.peer_failed_steps = 0  # expert-parallel: steps undone and taken again because a peer's compute failed
         self.unhealthy: str | None = None  # why the engine cannot serve (sticky: restart the process)
         self._failed_turns = 0  # turns in a row whose step failed and no request progressed
         self._kill: str | None = None
@@ -306,6 +311,9 @@ class EngineLoop:
             for job in [*self._live.values(), *self.admission.take(len(self.admission))]:
                 self._fail(job)
             self._flush()
+            self.died = exc
+            if self.on_death is not None:
+                self.on_death(exc)
 
     def _set_unhealthy(self, why: str) -> None:
         with self._ids_lock:  # no offer gets in after this
@@ -384,12 +392,17 @@ class EngineLoop:
                 failed = engine.rank_step(ranks, done=False, only={rid})
                 if failed is None:
                     self._failed_turns = 0
+                elif failed.peer:
+                    self._peer_failed(failed)
+                    suspects.appendleft(rid)  # not its fault: its rerun is taken again
                 else:
                     self._fail_alone(rid, failed)
             else:
                 failed = engine.rank_step(ranks, done=not engine.has_work)
                 if failed is None:
                     self._failed_turns = 0
+                elif failed.peer:
+                    self._peer_failed(failed)
                 else:
                     self.step_errors += 1
                     log.error("%s: rerunning its requests one at a time", failed, exc_info=failed.__cause__)
@@ -401,6 +414,11 @@ class EngineLoop:
                         log.critical("engine unhealthy: %s", self.unhealthy)
             at_rest = ranks.all_done
             self._end_records()
+
+    def _peer_failed(self, failed: StepFailed) -> None:
+        """A peer rank's expert compute failed in this step: undone here too (requests put back), taken again."""
+        self.peer_failed_steps += 1
+        log.warning("%s: taken again", failed)
 
     def _end_records(self) -> None:
         self.engine.finished.clear()  # the records went to the sinks: never keep every request served
