@@ -19,9 +19,10 @@ def pytest_configure(config):
 
 # Modules that run alone (the second phase of .ci/pytest; the rest run two at a time under pytest-xdist): each runs
 # several demos and real servers at once, sized for two cores, and judges detection or timing that a test beside
-# it would starve (the matrix rows, the twenty 2-rank runs, diagnose's scenario demos, slow-rank attribution, the
-# alert delivered within its `for`).
-SERIAL = {"test_detection_matrix", "test_lockstep_end", "test_diagnose", "test_parallel", "test_alerting_e2e"}
+# it would starve (the matrix rows, the twenty 2-rank runs, diagnose's scenario demos, slow-rank attribution in
+# demos and serve fleets, the alert delivered within its `for`).
+SERIAL = {"test_detection_matrix", "test_lockstep_end", "test_diagnose", "test_parallel", "test_alerting_e2e",
+          "test_serve_fleet", "test_serve_fleet_faults"}
 
 
 def pytest_collection_modifyitems(config, items):
