@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         _, h_off, _ = serve("healthy", None, n)
         advance()
         _, h_on, _ = serve("healthy", Mitigation(smoothing_margin=0.02), n)
+        advance()
     report["smoothing"] = {"margin": 0.02, "jitter_flip_off": off, "jitter_flip_on": on,
                            "healthy_tokens_identical": agreement(h_off, h_on)}
     print(f"smoothing jitter flip rate max {max(off.values()):.2%} -> {max(on.values()):.2%}; healthy tokens "
