@@ -92,7 +92,7 @@ def test_a_first_build_says_so_before_importing_torch_and_a_second_loads_the_cac
     spec = tmp_path / "ds3.yaml"
     spec.write_text("preset: deepseek-v3-shape\nname: ds-first\nn_layers: 3\ndense_layers: [0]\n")
     env = {**os.environ, "MOESCOPE_CACHE": str(tmp_path / "cache"), "PYTHONPROFILEIMPORTTIME": "1"}
-    args = ("demo", "--model", spec, "--requests", "2", "--rate", "0")
+    args = ("demo", "--model", spec, "--requests", "2", "--rate", "0", "--metrics-port", "-1", "--traces", "none")
     err = run_cli_ok(*args, env=env).stderr.splitlines()
     first = next(i for i, line in enumerate(err) if line.startswith("moescope: building ds-first (3 layers x 256 "
                                                                        "experts): first build of its shape"))
