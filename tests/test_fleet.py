@@ -170,3 +170,32 @@ def test_the_merged_summary_has_every_ranks_latency_and_the_final_placement():
     assert s["placement"] == s["ranks"][0]["placement"] == s["ranks"][1]["placement"] != s["placement_start"]
     start = placement.build("round-robin", n_experts=8, world_size=2, moe_layers=(1, 2, 3))
     assert s["placement_start"] == {str(layer): [list(x) for x in v] for layer, v in start.layers.items()}
+
+
+def test_the_fleet_series_formula_recomputes_the_measured_count():
+    """docs/metrics.md's fleet rows: the formula (benchmarks/fleet_series.py), with the coefficients measured at 2
+    replicas x 2 ranks, gives the measured count back, class by class, and the larger fleets' rows."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fleet_series import CLASSES, coefficients, predict
+
+    d = json.loads((ROOT / "benchmarks" / "results" / "fleet_series.json").read_text())
+    m = d["measured"]
+    assert sum(m["by_class"].values()) == m["total"] == sum(m["per_rank"].values()) == sum(
+        f["series"] for f in m["families"].values())
+    assert m["ranks"] == d["replicas"] * d["world_size"] == len(m["per_rank"])
+    for c in CLASSES:  # every family's series in its class
+        assert sum(f["series"] for f in m["families"].values() if f["class"] == c) == m["by_class"][c]
+    L, E, W = d["moe_layers"], d["experts"], d["world_size"]
+    coef = coefficients(m, W, L, E)
+    assert coef == pytest.approx(d["coefficients"])
+    # the held experts' counters: a rank's share of the layer's experts, exactly (round-robin: E / W each)
+    assert m["families"]["moescope_expert_physical_slots_total"]["series"] == d["replicas"] * L * E
+    at = predict(coef, d["replicas"], W, L, E)
+    assert at["total"] == m["total"] and at["by_class"] == m["by_class"]
+    for label, p in d["deployments"].items():
+        again = predict(coef, p["replicas"], p["world_size"], p["moe_layers"], p["experts"])
+        assert {k: p[k] for k in again} == again, label
