@@ -7,7 +7,8 @@ every ``moescope_*`` series is counted and classed by what it scales with, per r
 
 - ``expert``: the full tier's per-(layer, expert) families (a family with an ``expert`` label and L x E series on
   a rank);
-- ``held``: ``moescope_expert_physical_slots_total``, the experts the rank holds (L x E / W);
+- ``held``: ``moescope_expert_physical_slots_total``: the experts the rank holds (full tier: L x E / W), or their
+  sum per layer (reduced tier: L);
 - ``peer``: families with a ``peer`` label (all-to-all bytes and waits: W per label set);
 - ``layer``: the other families with a ``layer`` label (window gauges, counters, the load distribution, the 8 + 8
   extremes and the hot factors: per layer);
@@ -15,7 +16,8 @@ every ``moescope_*`` series is counted and classed by what it scales with, per r
 
 The formula, per rank (a coefficient is the class's measured series per rank over its unit):
 
-    series per rank = full x L x E x c_expert + L x E / W x c_held + L x c_layer + W x c_peer + c_rank
+    series per rank = full x L x E x c_expert + held x c_held + L x c_layer + W x c_peer + c_rank
+    held            = L x E / W in the full tier, L in the reduced one
     full            = 1 when L x E <= 16,384 / W (each rank's share of the per-expert budget), else 0
     series in all   = replicas x W x series per rank
 
@@ -88,14 +90,24 @@ def coefficients(measured: dict, world: int, n_layers: int, n_experts: int) -> d
     n = measured["ranks"]
     by = measured["by_class"]
     return {"expert": by["expert"] / n / (n_layers * n_experts),
-            "held": by["held"] / n / (n_layers * n_experts / world), "layer": by["layer"] / n / n_layers,
+            "held": by["held"] / n / _held(world, n_layers, n_experts), "layer": by["layer"] / n / n_layers,
             "peer": by["peer"] / n / world, "rank": by["rank"] / n}
 
 
-def predict(coef: dict, replicas: int, world: int, n_layers: int, n_experts: int, budget: int = BUDGET) -> dict:
-    full = n_layers * n_experts <= budget // world
+def _full(world: int, n_layers: int, n_experts: int, budget: int = BUDGET) -> bool:
+    """Whether a rank exports the full tier: its share of the per-expert budget holds L x E."""
+    return n_layers * n_experts <= budget // world
+
+
+def _held(world: int, n_layers: int, n_experts: int) -> float:
+    """A rank's physical-slot series: its held experts per layer (full tier), one per layer (reduced)."""
+    return n_layers * n_experts / world if _full(world, n_layers, n_experts) else n_layers
+
+
+def predict(coef: dict, replicas: int, world: int, n_layers: int, n_experts: int) -> dict:
+    full = _full(world, n_layers, n_experts)
     per_rank = {"expert": (n_layers * n_experts * coef["expert"]) if full else 0.0,
-                "held": n_layers * n_experts / world * coef["held"], "layer": n_layers * coef["layer"],
+                "held": _held(world, n_layers, n_experts) * coef["held"], "layer": n_layers * coef["layer"],
                 "peer": world * coef["peer"], "rank": coef["rank"]}
     return {"tier": "full" if full else "reduced", "per_rank": round(sum(per_rank.values()), 1),
             "total": round(replicas * world * sum(per_rank.values())),
