@@ -148,18 +148,39 @@ def test_rank_load_and_eplb_gauges_are_the_exchanges_rows(tiny_cfg):
     assert f"EPLB L1: measured {ratio(after):.2f} vs predicted 1.01" in note, note
 
 
+def test_the_reduced_tier_exports_a_ranks_held_experts_as_one_series_per_layer(tiny_cfg):
+    """Beyond the per-expert budget the physical load is the rank's held experts together (expert="held"): L series
+    per rank, not L x E / W (which would cost L x E per replica, the full tier's price); the sum is the same."""
+    model = MoETransformer(tiny_cfg).eval()
+    with moescope.instrument(model, port=0, model_name="t", expert_series_budget=0) as inst:
+        for layer, rows in ((1, (5, -1, 3, -1, 0, -1, 7, -1)), (1, (2, -1, 0, -1, 1, -1, 0, -1)),
+                            (2, (0, -1, 4, -1, 0, -1, 0, -1))):
+            inst.metrics.on_all_to_all(AllToAllRecord(layer, "dispatch", 0.001, (0, 0), (0, 0), (0.0, 0.0), rows,
+                                                      (1, 1)))
+        parsed = parse(inst.exporter.exposition().decode())
+    assert by_label(parsed, "moescope_expert_physical_slots_total", "layer", "expert") == \
+        {("1", "held"): 5 + 3 + 7 + 2 + 1, ("2", "held"): 4}
+
+
 @pytest.mark.integration
-def test_the_merged_summary_has_every_ranks_latency_and_the_final_placement():
+def test_the_merged_summary_has_every_ranks_latency_and_the_final_placement(tmp_path):
     """`demo --world-size 2` with EPLB: the summary's latency percentiles are over both ranks' requests (not rank
-    0's), and its placement is the one serving at the end (the rearranged one), the starting one beside it."""
+    0's), and its placement is the one serving at the end (the rearranged one), the starting one beside it;
+    `--save-baseline` writes every rank's counts (not rank 0's share)."""
     from moescope import stats
+    from moescope.analysis import baseline
     from moescope.parallel import placement
 
     demo = run_cli("demo", "--no-tui", "--world-size", "2", "--requests", "12", "--rate", "0", "--scenario",
                    "imbalance", "--rebalance-steps", "6", "--rebalance-slots", "5", "--traces", "none",
-                   "--metrics-port", "-1", "--json", timeout=300)
+                   "--metrics-port", "-1", "--save-baseline", str(tmp_path / "b.json"), "--json", timeout=300)
     assert demo.returncode == 0, demo.stderr[-2000:]
     s = json.loads(demo.stdout)
+    saved = baseline.load(tmp_path / "b.json")
+    for layer, counts in s["expert_load"].items():  # both ranks' slots: the fleet's tokens x k
+        assert saved.layers[int(layer)].load.tolist() == counts
+        assert sum(counts) == sum(r["tokens"]["prompt"] + r["tokens"]["output"] - r["completed"]
+                                  for r in s["ranks"]) * TOP_K
     ttft = [d["ttft_s"] for d in s["requests_detail"]]  # both ranks' requests (rounded to 10 us)
     assert len(ttft) == 12 and {d["request_id"] for d in s["requests_detail"]} == set(s["request_ids"])
     for q in (50, 99):
@@ -170,3 +191,35 @@ def test_the_merged_summary_has_every_ranks_latency_and_the_final_placement():
     assert s["placement"] == s["ranks"][0]["placement"] == s["ranks"][1]["placement"] != s["placement_start"]
     start = placement.build("round-robin", n_experts=8, world_size=2, moe_layers=(1, 2, 3))
     assert s["placement_start"] == {str(layer): [list(x) for x in v] for layer, v in start.layers.items()}
+
+
+def test_the_fleet_series_formula_recomputes_the_measured_count():
+    """docs/metrics.md's fleet rows: the formula (benchmarks/fleet_series.py), with the coefficients measured at 2
+    replicas x 2 ranks, gives the measured count back, class by class, and the larger fleets' rows."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fleet_series import CLASSES, coefficients, predict
+    from moescope.metrics.state import EXPERT_SERIES_BUDGET
+
+    d = json.loads((ROOT / "benchmarks" / "results" / "fleet_series.json").read_text())
+    m = d["measured"]
+    assert sum(m["by_class"].values()) == m["total"] == sum(m["per_rank"].values()) == sum(
+        f["series"] for f in m["families"].values())
+    assert m["ranks"] == d["replicas"] * d["world_size"] == len(m["per_rank"])
+    for c in CLASSES:  # every family's series in its class
+        assert sum(f["series"] for f in m["families"].values() if f["class"] == c) == m["by_class"][c]
+    L, E, W = d["moe_layers"], d["experts"], d["world_size"]
+    coef = coefficients(m, W, L, E)
+    assert coef == pytest.approx(d["coefficients"])
+    # the held experts' counters: per rank, one per layer beyond the budget (58 x 256 over 2 ranks), else a rank's
+    # share of the layer's experts (round-robin: E / W each)
+    held = L if L * E > EXPERT_SERIES_BUDGET // W else L * E // W
+    assert m["families"]["moescope_expert_physical_slots_total"]["series"] == m["ranks"] * held
+    at = predict(coef, d["replicas"], W, L, E)
+    assert at["total"] == m["total"] and at["by_class"] == m["by_class"]
+    for label, p in d["deployments"].items():
+        again = predict(coef, p["replicas"], p["world_size"], p["moe_layers"], p["experts"])
+        assert {k: p[k] for k in again} == again, label

@@ -175,8 +175,8 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep, records)
         if run.linger:
             time.sleep(run.linger)
-    if run.save_baseline and rank == 0:  # (rank 0's share of the requests: it holds the traces)
-        _save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
+    if run.save_baseline and rank_env is None:  # (ranks: the launcher writes it from every rank's counts)
+        save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
     if world > 1 and write_summary(summary):
         return None
     if "rank" in summary:  # a rank on its own (torchrun without moescope's launcher): no merge needs them
@@ -190,9 +190,11 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
     return None
 
 
-def _save_baseline(path: str, summary: dict, model_name: str, run_started: float) -> None:
+def save_baseline(path: str, summary: dict, model_name: str, run_started: float) -> None:
     """The run's baseline profile: from its own requests in the trace store (per-request routing: the
-    structural CV, design effect and share spread), else from the run's totals (a v1-equivalent profile)."""
+    structural CV, design effect and share spread), else from the run's totals (a v1-equivalent profile). An
+    expert-parallel run's summary is every rank's: a store that holds only some ranks' requests (a SQLite store
+    is rank 0's) gives way to the totals, which count every rank's tokens."""
     from moescope.analysis import baseline as bl
     from moescope.traces import store
 
@@ -201,6 +203,10 @@ def _save_baseline(path: str, summary: dict, model_name: str, run_started: float
         conn = store.open_store(summary["traces"])
         try:
             profile = bl.from_store(conn, since=run_started - 1.0, only=set(summary["request_ids"]))
+            if summary.get("world_size", 1) > 1 and max(lp.draws for lp in profile.layers.values()) < len(
+                    summary["request_ids"]):
+                click.echo("baseline: the trace store holds only some ranks' requests", err=True)
+                profile = None
         except BadInput as exc:
             click.echo(f"baseline: the trace store gave no profile ({exc})", err=True)
         finally:

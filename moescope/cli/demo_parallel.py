@@ -77,7 +77,10 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
         raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
     placement = placement_mod.build(placement_spec, n_experts=model.cfg.n_experts, world_size=world_size,
                                     moe_layers=model.cfg.moe_layers)  # validate once, before spawning
-    summaries, failures = run_ranks(argv_from_context(ctx, {"world_size"}), world_size, timeout)
+    import time
+
+    run_started = time.time()
+    summaries, failures = run_ranks(argv_from_context(ctx, {"world_size", "save_baseline"}), world_size, timeout)
     if failures or any(s is None for s in summaries):
         report_failures(failures, world_size)
     merged = merge_summaries(summaries, model.cfg.top_k, ctx.params.get("duration") is not None)
@@ -89,6 +92,10 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
         merged["placement_start"] = start  # EPLB rearranged it while serving
     merged["ranks"] = [s["rank"] for s in summaries]
     merged["peer_wait_matrix_s"] = [s["rank"]["peer_wait_s"] for s in summaries]
+    if ctx.params.get("save_baseline"):  # every rank's counts (the ranks write none)
+        from moescope.cli.demo import save_baseline
+
+        save_baseline(ctx.params["save_baseline"], merged, model.cfg.name, run_started)
     if as_json:
         emit_json(merged)
         return

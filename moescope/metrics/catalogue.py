@@ -152,7 +152,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "peer", "direction"),
     _c("moescope_expert_physical_slots_total", "Expert parallelism: slots this rank's copy of each expert computed "
        "(physical load: every rank's tokens routed to it, a replicated expert's share of them); the routing "
-       "counters count each token once, by the rank that routed it, under its logical expert.", "layer", "expert"),
+       "counters count each token once, by the rank that routed it, under its logical expert. Reduced tier: one "
+       "series per layer, expert=\"held\" (the rank's held experts together).", "layer", "expert"),
     _c("moescope_eplb_rebalances_total", "EPLB in the loop: rearrangements of the expert placement while serving."),
     _c("moescope_eplb_moved_experts_total", "EPLB in the loop: expert copies placed on a rank that did not hold them "
        "(weights moved), over all layers."),

@@ -83,6 +83,9 @@ class ModelInfo:
                    device=str(model.device))
 
 
+HELD_EXPERTS = "held"  # moescope_expert_physical_slots_total's expert label in the reduced tier: all held together
+
+
 class MetricsObserver(Observer):
     """Accumulates everything the exporter shows. Attach it to the model (``moescope.instrument`` does).
 
@@ -241,8 +244,9 @@ class MetricsObserver(Observer):
                     counters[("moescope_all_to_all_peer_wait_seconds_total", (str(peer),))] += wait
             layer = str(record.layer)
             for e, n in enumerate(record.expert_rows):  # the experts held here (physical load), zeros included
-                if n >= 0:
-                    counters[("moescope_expert_physical_slots_total", (layer, str(e)))] += n
+                if n >= 0:  # (the reduced tier: the held experts together, one series per layer)
+                    counters[("moescope_expert_physical_slots_total",
+                              (layer, str(e) if self.per_expert else HELD_EXPERTS))] += n
             if record.rank_rows:
                 self.rank_window.add(record.layer, record.rank_rows, self.clock())
                 since = self.eplb_rows.get(record.layer)
