@@ -187,8 +187,8 @@ def _connect_and_leave(url: str, rid: str, stream: bool) -> socket.socket:
 def test_a_client_that_goes_away_cancels_its_request_on_the_rank(tmp_path):
     """A whole (non-streamed) and a streamed request whose clients close their sockets while the rank runs them:
     the rank stops them (stored "cancelled", short of their length) and the front end's in-flight count returns
-    to 0. Each goes to rank 0, whose trace store this is (the first request to an idle fleet goes to rank 0;
-    the second after the first has ended)."""
+    to 0. Each goes to rank 0, whose trace store this is (an idle fleet deals round-robin from rank 0: a short
+    request to rank 1 in between)."""
     s = Serve(tmp_path, "--world-size", "2", "--model", MODEL, name="fleet-disconnect")
     try:
         for rid, stream in (("gone-whole", False), ("gone-stream", True)):
@@ -197,8 +197,10 @@ def test_a_client_that_goes_away_cancels_its_request_on_the_rank(tmp_path):
             sock.close()
             doc = s.stored(rid, timeout=30)
             assert doc["finish_reason"] == "cancelled" and len(doc["tokens"]) < LONG, (rid, doc["finish_reason"])
-            h = s.wait_health(lambda h: [r["outstanding"] for r in h["ranks"]] == [0, 0], timeout=30)
-            assert [r["dealt"] for r in h["ranks"]][0] >= 1
+            s.wait_health(lambda h: [r["outstanding"] for r in h["ranks"]] == [0, 0], timeout=30)
+            short = httpx.post(s.url + "/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                               timeout=60)
+            assert short.headers["x-moescope-rank"] == "1"
     finally:
         code = s.stop()
     assert code == 0, s.log()[-3000:]
@@ -265,3 +267,27 @@ def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
     finally:
         for srv in (front_server, *(u for _, u in stand_ins)):
             srv.should_exit = True
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_sigterm_with_a_request_in_flight_on_one_rank_drains_it_while_the_peer_idles(tmp_path):
+    """SIGTERM to the launcher while rank 0 streams a request and rank 1 has none: rank 0 finishes it (its
+    peer keeps stepping with it, idle), the answer is whole and the single-process model's, new requests are
+    refused meanwhile, the launcher exits 0 and no rank is left."""
+    s = Serve(tmp_path, "--world-size", "2", "--model", MODEL, name="fleet-drain")
+    n = 120
+    try:
+        ranks = _children(s.proc.pid)
+        st = Stream(s.url, "drained", "The river", max_tokens=n)
+        _started([st])
+        assert st.rank == "0"
+        s.proc.send_signal(signal.SIGTERM)
+        st.join(120)
+        code = _launcher_ends(s, ranks)
+    finally:
+        s.stop()
+    assert code == 0, s.log()[-3000:]
+    assert st.error is None and st.events[-1] == "[DONE]", st.events[-2:]
+    assert st.text == _reference([("drained", "The river")], n)["drained"]
+    assert "stopped after 1 requests (rank 0: 1, rank 1: 0)" in s.log()
