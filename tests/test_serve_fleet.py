@@ -128,13 +128,21 @@ def test_serve_world_size_2_deepseek_answers_equal_the_single_process_model(tmp_
     assert "Traceback" not in s.log()
 
 
+# tiny-demo's 8 experts, top-2, cannot make an expert 4x its share (E/k = 4): MoEExpertHot's bar is out of its reach.
+# The same small shape with 16 experts (E/k = 8) can.
+WIDE_DEMO = {"name": "wide-demo", "hidden_size": 64, "n_layers": 4, "n_heads": 4, "n_experts": 16, "top_k": 2,
+             "ffn_size": 64, "dense_layers": [0], "dense_ffn_size": 128, "max_seq_len": 512}
+
+
 def test_serve_world_size_2_attributes_the_slow_rank_and_the_hot_expert(tmp_path):
-    """tiny-demo under `--scenario slow-rank,hot=L:E:6x` behind one front end, a real Prometheus scraping both ranks
+    """A small model (16 experts) under `--scenario slow-rank,hot=L:E:6x` behind one front end, a real Prometheus
+    scraping both ranks
     and evaluating the generated alert rules (every `for` shrunk 30-fold): MoESlowRank names the scenario's slow
     rank as the peer, MoEExpertHot names expert E of layer L (6x: above its 4x bar); each rank's physical slots of
     layer L are the single-process model's routing of the same requests mapped through the placement. A malformed
     request is refused (400) without touching the others."""
-    model, layer, expert = "tiny-demo", 2, 5
+    model, layer, expert = str(tmp_path / "wide-demo.yaml"), 2, 5
+    (tmp_path / "wide-demo.yaml").write_text(yaml.safe_dump(WIDE_DEMO))
     hot = f"hot={layer}:{expert}:6x"
     slow = faults.demo_settings(["slow-rank"]).slow_rank  # the scenario's slow rank, as the server reads it
     rule_file = tmp_path / "rules.yml"
@@ -145,9 +153,9 @@ def test_serve_world_size_2_attributes_the_slow_rank_and_the_hot_expert(tmp_path
               "--scenario", f"slow-rank,{hot}", "--metrics-port", str(port), name="fleet-faults")
     prompts = [(f"load-{i}", f"request {i}: the quick brown fox", 16) for i in range(24)]
     try:
-        assert _complete(s.url, model, "bad", "x", -1, False)[0] == 400
+        assert _complete(s.url, WIDE_DEMO["name"], "bad", "x", -1, False)[0] == 400
         with ThreadPoolExecutor(8) as pool:
-            answers = list(pool.map(lambda i: _complete(s.url, model, *prompts[i], i % 3 == 0), range(24)))
+            answers = list(pool.map(lambda i: _complete(s.url, WIDE_DEMO["name"], *prompts[i], i % 3 == 0), range(24)))
         assert all(a[0] == 200 for a in answers) and {a[1] for a in answers} == {"0", "1"}
         health = s.health()
         assert all(r["status"] == "ok" and r["failed_requests"] == 0 for r in health["ranks"])
@@ -160,7 +168,8 @@ def test_serve_world_size_2_attributes_the_slow_rank_and_the_hot_expert(tmp_path
         hot_alerts = wait_until(lambda: firing("MoEExpertHot"), timeout=90, what="MoEExpertHot firing", interval=1)
         assert {(a["layer"], a["expert"]) for a in hot_alerts} == {(str(layer), str(expert))}, hot_alerts
         # each rank's physical slots: the reference routing of the same requests, mapped through the placement
-        place = placement_mod.build("round-robin", n_experts=8, world_size=2, moe_layers=[1, 2, 3])
+        place = placement_mod.build("round-robin", n_experts=WIDE_DEMO["n_experts"], world_size=2,
+                                    moe_layers=[1, 2, 3])
         counts = _reference_counts(model, prompts, [hot], layer)
         want = {str(r): 0.0 for r in range(2)}
         for e, n in enumerate(counts):
