@@ -6,6 +6,7 @@ that goes away cancels its request on the rank; a rank that refuses requests lea
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -217,7 +218,8 @@ def _stand_in(state: dict):
                            "code": "engine_unhealthy"}}
 
     async def complete(request):
-        await request.body()
+        if json.loads(await request.body())["prompt"] == "slow":
+            await asyncio.sleep(2)
         state["seen"] += 1
         return JSONResponse({"ok": True}) if state["ok"] else JSONResponse(unhealthy, status_code=503)
 
@@ -241,7 +243,8 @@ def _serve_app(app) -> tuple[str, object]:
 def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
     """Three real HTTP servers stand in for ranks behind the real front end: rank 0 answers 503 engine_unhealthy,
     rank 2's address refuses connections. Every request is answered by rank 1 (the refusals came before admission:
-    retried there), rank 0 is asked once and rank 2 never twice; once rank 0's /health passes it is dealt again."""
+    retried there), rank 0 is asked once and rank 2 never twice; once rank 0's /health passes it is dealt again. A
+    request id in flight is refused (409) whichever rank the second would go to."""
     states = [{"ok": False, "seen": 0}, {"ok": True, "seen": 0}]
     stand_ins = [_serve_app(_stand_in(st)) for st in states]
     closed = server.bind("127.0.0.1", 0)  # bound, never listening: connections are refused
@@ -263,7 +266,22 @@ def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
                    what="rank 0 back in rotation", interval=0.1)
         again = [httpx.post(front + "/v1/completions", json=body, timeout=30).headers["x-moescope-rank"]
                  for _ in range(4)]
-        assert sorted(set(again)) == ["0", "1"] and fleet.outstanding == [0, 0, 0]
+        assert sorted(set(again)) == ["0", "1"]
+        wait_until(lambda: fleet.outstanding, until=lambda o: o == [0, 0, 0], timeout=10, what="nothing in flight",
+                   interval=0.02)  # (released as each relayed answer ends, just after its last byte)
+        # an x-request-id in flight on one rank is refused on any: the front end sees them all
+        slow = threading.Thread(target=httpx.post, args=(front + "/v1/completions",),
+                                kwargs={"json": {**body, "prompt": "slow"}, "headers": {"x-request-id": "dup"},
+                                        "timeout": 30})
+        slow.start()
+        wait_until(lambda: fleet.in_flight, timeout=10, what="the first 'dup' in flight", interval=0.02)
+        dup = [httpx.post(front + "/v1/completions", json=body, headers={"x-request-id": "dup"}, timeout=30)
+               for _ in range(2)]
+        assert [r.status_code for r in dup] == [409, 409]
+        assert {r.json()["error"]["code"] for r in dup} == {"duplicate_request_id"}
+        slow.join(30)
+        wait_until(lambda: fleet.in_flight, until=lambda ids: not ids, timeout=10, what="no id in flight",
+                   interval=0.02)
     finally:
         for srv in (front_server, *(u for _, u in stand_ins)):
             srv.should_exit = True

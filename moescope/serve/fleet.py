@@ -68,6 +68,7 @@ class Fleet:
         self.urls: list[str | None] = [None] * world_size
         self.outstanding = [0] * world_size  # requests forwarded and not yet answered in full
         self.dealt = [0] * world_size  # requests forwarded, ever
+        self.in_flight: set[str] = set()  # x-request-ids in flight through the front end (unique across ranks)
         self.benched: dict[int, str] = {}  # rank -> why it is out of rotation (until its /health answers 200)
         self._turn = 0  # the rotating start of the tie-break
         self.client: httpx.AsyncClient | None = None
@@ -123,12 +124,18 @@ class _Relay(StreamingResponse):
 
     def __init__(self, content, *, status_code: int, headers: dict[str, str], release) -> None:
         super().__init__(content, status_code=status_code, headers=headers)
-        self._release = release
+        self._release, self._after = release, []
+
+    def also(self, fn) -> None:
+        """Run ``fn`` too when the response ends."""
+        self._after.append(fn)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            for fn in self._after:
+                fn()
             await self._release()
 
 
@@ -187,10 +194,27 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
         """Deal the request to a rank and relay its answer. A rank that refuses the connection or answers 503
         before admitting (unhealthy, shutting down) leaves rotation and the request goes to another; a client that
         goes away before the answer starts cancels it on the rank (the connection to the rank is closed)."""
+        rid = request.headers.get("x-request-id")
+        if rid is not None and rid in fleet.in_flight:  # a rank sees only its own: the front end sees all
+            return _error(APIError(409, f"a request with id {rid!r} (x-request-id) is already in flight",
+                                   param="x-request-id", code="duplicate_request_id"))
+        if rid is not None:
+            fleet.in_flight.add(rid)  # (no await since the check: a second request with it is refused)
+        response = None
         try:
-            body = await read_body(request)
-        except APIError as exc:
-            return _error(exc)
+            try:
+                body = await read_body(request)
+            except APIError as exc:
+                return _error(exc)
+            response = await deal(request, body)
+        finally:
+            if rid is not None and isinstance(response, _Relay):  # in flight until the relayed answer ends
+                response.also(lambda: fleet.in_flight.discard(rid))
+            elif rid is not None:
+                fleet.in_flight.discard(rid)
+        return response
+
+    async def deal(request: Request, body: bytes) -> Response:
         tried: set[int] = set()
         while True:
             rank = fleet.pick(tried)
