@@ -309,3 +309,18 @@ def test_sigterm_with_a_request_in_flight_on_one_rank_drains_it_while_the_peer_i
     assert st.error is None and st.events[-1] == "[DONE]", st.events[-2:]
     assert st.text == _reference([("drained", "The river")], n)["drained"]
     assert "stopped after 1 requests (rank 0: 1, rank 1: 0)" in s.log()
+
+
+@pytest.mark.parametrize("args, says", [
+    (("--world-size", "2", "--scenario", "hot=2:5:6x"), "out of reach for tiny-demo"),
+    (("--world-size", "2", "--placement", "nowhere.yaml"), "nowhere.yaml"),
+    (("--world-size", "2", "--slow-rank", "2"), "--slow-rank 2 is not a rank of world size 2"),
+    (("--slow-rank", "1", "--delay-ms", "5"), "--slow-rank, --delay-ms: for expert-parallel ranks"),
+])
+def test_bad_fleet_input_is_one_line_and_exit_2_before_any_rank_starts(args, says):
+    """What would fail every rank alike is refused by the launcher itself: one line, exit 2, no front end."""
+    from helpers import run_cli
+
+    got = run_cli("serve", "--port", "0", "--model", MODEL, *args, timeout=120)
+    lines = [ln for ln in got.stderr.splitlines() if ln.strip()]
+    assert got.returncode == 2 and len(lines) == 1 and says in lines[0], got.stderr

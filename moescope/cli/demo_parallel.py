@@ -49,6 +49,7 @@ def validate_launch(model_opts, config, world_size: int, placement_spec: str, sl
     with its faults, the placement; one line and exit 2. Returns (the model, its placement)."""
     from moescope.cli.config_options import build_model
     from moescope.parallel import placement as placement_mod
+    from moescope.runtime import faults
     from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
 
     if resolve_device(model_opts.device).type != "cpu":
@@ -57,6 +58,7 @@ def validate_launch(model_opts, config, world_size: int, placement_spec: str, sl
     if slow_rank is not None and not 0 <= slow_rank < world_size:
         raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
     net = build_model(model_opts, config)
+    faults.apply(net, list(config.scenarios))  # a fault out of the model's reach fails here, not on every rank
     placement = placement_mod.build(placement_spec, n_experts=net.cfg.n_experts, world_size=world_size,
                                     moe_layers=net.cfg.moe_layers)
     return net, placement
