@@ -309,6 +309,8 @@ def test_sigterm_with_a_request_in_flight_on_one_rank_drains_it_while_the_peer_i
     assert st.error is None and st.events[-1] == "[DONE]", st.events[-2:]
     assert st.text == _reference([("drained", "The river")], n)["drained"]
     assert "stopped after 1 requests (rank 0: 1, rank 1: 0)" in s.log()
+    for r in (0, 1):  # the ranks' own logs reach the launcher's output while they serve, each line prefixed
+        assert f"[default_role{r}]:moescope serve: http://127.0.0.1:" in s.log(), s.log()[-3000:]
 
 
 @pytest.mark.parametrize("args, says", [

@@ -36,7 +36,7 @@ def launch(ctx: click.Context, sock, world_size: int, *, timeout: float,
                "least outstanding rank; /health shows each)", err=True)
     try:
         summaries, failures = run_ranks(argv_from_context(ctx, LAUNCHER_ONLY), world_size, timeout, run_dir=run_dir,
-                                        signal_stops=True)
+                                        signal_stops=True, tee=True)  # the ranks' logs, prefixed, as they come
     finally:
         front.should_exit = True
         thread.join(30)

@@ -13,9 +13,16 @@ slow client costs the front end a socket, never a step. The price is a loopback 
 millisecond beside a decode step).
 
 Dealing rule: least outstanding. A request goes to the rank with the fewest requests in flight through this
-front end; ties go round-robin (a rotating start), so sequential requests alternate over the ranks and a rank
-that answers slowly (the slow-rank fault) is dealt fewer. ``x-request-id`` duplicates are refused per rank (a
-request id in flight on another rank is not seen there).
+front end; ties go round-robin (a rotating start), so sequential requests alternate over the ranks. (A slow rank
+is not dealt fewer: every exchange waits for it, so every rank is as slow.) A rank that refuses the connection or
+answers 503 before admitting (``engine_unhealthy``, ``shutting_down``) leaves the rotation and the request goes
+to another rank; it comes back once its ``/health`` answers 200 (asked every ``RECHECK_S``). A client that goes
+away cancels its request on the rank (the front end closes that connection, which the rank's server sees); a
+rank lost mid-stream ends the client's event stream with an error event and ``[DONE]``. ``x-request-id`` is
+unique across the ranks: the front end refuses an id in flight on any (409).
+
+Serving metrics (``/metrics`` of each rank's API) stay on the rank's loopback port; the engine's metrics are on
+``--metrics-port`` + rank.
 """
 
 from __future__ import annotations
