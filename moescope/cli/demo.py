@@ -103,9 +103,7 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
     # settings override the flags.
     config = build_config(instrument, model, rank=rank, world=world)
     settings = config.settings
-    world_size = max(run.world_size, settings.world_size or 1)
-    slow_rank = settings.slow_rank if settings.slow_rank is not None else run.slow_rank
-    delay_ms = settings.delay_ms if settings.delay_ms is not None else run.delay_ms
+    world_size, slow_rank, delay_ms = demo_parallel.fleet_settings(config, run.world_size, run.slow_rank, run.delay_ms)
     if run.decode_mode != "eager" and instrument.record_routing:
         raise BadInput(f"--record-routing logs every forward's routing, which --decode {run.decode_mode} steps do "
                        "not hand to hooks: use --decode eager")
@@ -118,18 +116,13 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
         raise BadInput("--rebalance-slots and --rebalance-below shape the rearrangements --rebalance-steps N "
                        "makes: give it too")
     if world_size > 1 and rank_env is None:
-        from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
-
-        if resolve_device(model.device).type != "cpu":
-            raise BadInput(f"--world-size {world_size} runs its ranks over gloo on CPU; CUDA ranks (NCCL) are not "
-                           "built yet: add --device cpu")
-        net = build_model(model, config)  # validates the model and placement before spawning
+        net, placement = demo_parallel.validate_launch(model, config, world_size, run.placement_spec, slow_rank)
         if run.rebalance_slots is not None and run.rebalance_slots * world_size < net.cfg.n_experts:
             raise BadInput(f"--rebalance-slots {run.rebalance_slots}: {world_size} ranks x "
                            f"{run.rebalance_slots} slots cannot hold {net.cfg.n_experts} experts (need "
                            f">= {-(-net.cfg.n_experts // world_size)})")
-        return demo_parallel.launch(click.get_current_context(), world_size, run.placement_spec, slow_rank,
-                                    run.timeout, net, run.as_json)
+        return demo_parallel.launch(click.get_current_context(), world_size, placement, run.timeout, net,
+                                    run.as_json)
     net = build_model(model, config)
     reqs, n_requests, rate = _workload(run, model.seed, settings.traffic_shift, world)
     reqs = reqs[rank::world]  # data-parallel attention: request i is served by rank i mod W

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 
 import click
 
@@ -9,7 +10,6 @@ from moescope.capture.observer import Observer
 from moescope.cli.options import emit_json
 from moescope.errors import BadInput, MoescopeError
 from moescope.traces.sanitize import sanitize
-
 
 # Expert-parallel options `demo` and `serve` share: how many ranks and which experts each holds; the slow-rank
 # fault and how long a rank waits for its peers.
@@ -27,6 +27,41 @@ PEER_OPTIONS = (
     click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
                  help="Seconds a rank waits for its peers before stopping with an error naming them."),
 )
+
+
+def rank_options(f):
+    """Apply ``RANK_OPTIONS`` and ``PEER_OPTIONS`` (a command's expert-parallel flags) in their order."""
+    for option in reversed((*RANK_OPTIONS, *PEER_OPTIONS)):
+        f = option(f)
+    return f
+
+
+def fleet_settings(config, world_size: int, slow_rank: int | None, delay_ms: float) -> tuple[int, int | None, float]:
+    """(world size, slow rank, its delay): the flags, overridden by the scenarios' (``slow-rank``: 2 ranks)."""
+    settings = config.settings
+    return (max(world_size, settings.world_size or 1),
+            settings.slow_rank if settings.slow_rank is not None else slow_rank,
+            settings.delay_ms if settings.delay_ms is not None else delay_ms)
+
+
+def validate_launch(model_opts, config, world_size: int, placement_spec: str, slow_rank: int | None):
+    """Before spawning ranks, what would fail every rank alike: the device (gloo on CPU), the slow rank, the model
+    with its faults, the placement; one line and exit 2. Returns (the model, its placement)."""
+    from moescope.cli.config_options import build_model
+    from moescope.parallel import placement as placement_mod
+    from moescope.runtime import faults
+    from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
+
+    if resolve_device(model_opts.device).type != "cpu":
+        raise BadInput(f"--world-size {world_size} runs its ranks over gloo on CPU; CUDA ranks (NCCL) are not "
+                       "built yet: add --device cpu")
+    if slow_rank is not None and not 0 <= slow_rank < world_size:
+        raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
+    net = build_model(model_opts, config)
+    faults.apply(net, list(config.scenarios))  # a fault out of the model's reach fails here, not on every rank
+    placement = placement_mod.build(placement_spec, n_experts=net.cfg.n_experts, world_size=world_size,
+                                    moe_layers=net.cfg.moe_layers)
+    return net, placement
 
 
 class AllToAllStats(Observer):
@@ -64,25 +99,17 @@ def argv_from_context(ctx: click.Context, drop: set[str]) -> list[str]:
     return argv
 
 
-def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: int | None, timeout: float,
-           model, as_json: bool) -> None:
+def launch(ctx: click.Context, world_size: int, placement, timeout: float, model, as_json: bool) -> None:
     """Run the ranks under torchrun's agent, merge their summaries and print them. A failed run: every failed
     rank's own error (and, when it died without one, the tail of its stderr), the first to fail first, then
     ``RanksFailed``."""
     from moescope.cli.summary import print_human
-    from moescope.parallel import placement as placement_mod
     from moescope.parallel.spawn import run_ranks
-
-    if slow_rank is not None and not 0 <= slow_rank < world_size:
-        raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
-    placement = placement_mod.build(placement_spec, n_experts=model.cfg.n_experts, world_size=world_size,
-                                    moe_layers=model.cfg.moe_layers)  # validate once, before spawning
-    import time
 
     run_started = time.time()
     summaries, failures = run_ranks(argv_from_context(ctx, {"world_size", "save_baseline"}), world_size, timeout)
     if failures or any(s is None for s in summaries):
-        report_failures(failures, world_size)
+        report_failures(failures, world_size, missing=[r for r, s in enumerate(summaries) if s is None])
     merged = merge_summaries(summaries, model.cfg.top_k, ctx.params.get("duration") is not None)
     merged["world_size"] = world_size
     start = {str(layer): [list(x) for x in v] for layer, v in placement.layers.items()}
@@ -100,7 +127,7 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
         emit_json(merged)
         return
     print_human(merged)
-    click.echo(f"expert parallel over {world_size} ranks ({placement_spec}); per rank:")
+    click.echo(f"expert parallel over {world_size} ranks ({ctx.params['placement_spec']}); per rank:")
     for r in merged["ranks"]:
         click.echo(f"  rank {r['rank']}: {r['completed']} requests, {r['tokens_per_s']} tokens/s, "
                    f"all-to-all {r['all_to_all_s']:.3f}s "
@@ -108,9 +135,9 @@ def launch(ctx: click.Context, world_size: int, placement_spec: str, slow_rank: 
                    + ", ".join(f"{p}: {w:.3f}s" for p, w in enumerate(r["peer_wait_s"])))
 
 
-def report_failures(failures, world_size: int) -> None:
+def report_failures(failures, world_size: int, missing: list[int] = ()) -> None:
     """Each failed rank's own error (and, when it died without one, the tail of its stderr), the first to fail
-    first; then raise ``RanksFailed``."""
+    first; then raise ``RanksFailed`` (``missing``: the ranks that left no summary)."""
     for f in failures:
         if f.crashed:
             click.echo(f"moescope: {f.error}; its last stderr lines:", err=True)
@@ -120,8 +147,12 @@ def report_failures(failures, world_size: int) -> None:
             click.echo(sanitize(f.error), err=True)
     first = failures[0] if failures else None
     raise RanksFailed(f"{len(failures)} of {world_size} ranks failed; first: "
-                      f"{first.error.removeprefix('moescope: error: ') if first else 'a rank wrote no summary'}",
+                      f"{first.error.removeprefix('moescope: error: ') if first else _no_summary(missing)}",
                       first.code if first and first.code > 0 else 1)
+
+
+def _no_summary(missing: list[int]) -> str:
+    return (f"rank {', '.join(map(str, missing))} wrote no summary" if missing else "a rank wrote no summary")
 
 
 def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dict:

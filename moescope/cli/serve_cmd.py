@@ -16,7 +16,7 @@ import click
 
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
                                          instrument_options, model_options)
-from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
+from moescope.cli.demo_parallel import fleet_settings, rank_options, validate_launch
 from moescope.errors import BadInput, MoescopeError
 
 
@@ -28,6 +28,7 @@ class RankEngineDied(MoescopeError):
 
 # Scenarios that need the demo's synthetic traffic: a server has none.
 DEMO_ONLY_SETTINGS = {"traffic_shift": "drift"}
+RANK_ONLY = ("placement_spec", "slow_rank", "delay_ms", "timeout")  # flags that mean nothing on one process
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,14 +69,6 @@ def assemble(stack: ExitStack, model: ModelOptions, config, ranks: RankSetup | N
     return inst.engine(max_batch=model.max_batch, seed=model.seed, lockstep=ep), inst, inst.recorder, ep
 
 
-def fleet_settings(config, world_size: int, slow_rank: int | None, delay_ms: float) -> tuple[int, int | None, float]:
-    """(world size, slow rank, its delay): the flags, overridden by the scenarios' (``slow-rank``: 2 ranks)."""
-    settings = config.settings
-    return (max(world_size, settings.world_size or 1),
-            settings.slow_rank if settings.slow_rank is not None else slow_rank,
-            settings.delay_ms if settings.delay_ms is not None else delay_ms)
-
-
 @click.command("serve")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Bind address (loopback unless you say so).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="0: any free port.")
@@ -94,11 +87,7 @@ def fleet_settings(config, world_size: int, slow_rank: int | None, delay_ms: flo
 @click.option("--debug-endpoints", is_flag=True,
               help="Fault injection for tests and drills: POST /debug/kill-engine, POST /debug/poison. Never in "
                    "production.")
-@RANK_OPTIONS[0]
-@RANK_OPTIONS[1]
-@PEER_OPTIONS[0]
-@PEER_OPTIONS[1]
-@PEER_OPTIONS[2]
+@rank_options
 @model_options
 @instrument_options
 def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout, log_level, access_log,
@@ -131,15 +120,24 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
     rank, world = rank_env or (0, 1)
     config = build_config(instrument, model, rank=rank, world=world)  # this process's one Config
     world, slow_rank, delay_ms = fleet_settings(config, world_size, slow_rank, delay_ms)
+    ctx = click.get_current_context()
     if rank_env is not None:
         ranks = RankSetup(*rank_env, placement_spec, slow_rank, delay_ms, timeout)
     elif world > 1:
         from moescope.cli import serve_parallel
 
         with sock:
-            return serve_parallel.launch(click.get_current_context(), sock, world, slow_rank, model,
-                                         timeout=max(timeout, shutdown_timeout + server.BACKSTOP_S),
+            validate_launch(model, config, world, placement_spec, slow_rank)  # one line, before any rank starts
+            return serve_parallel.launch(ctx, sock, world,
+                                         # a rank's worst-case exit: its drain, then its peers' agreement to leave
+                                         timeout=shutdown_timeout + server.BACKSTOP_S + timeout,
                                          log_level=log_level, access_log=access_log, debug=debug_endpoints)
+    else:
+        given = [f"--{name.replace('_spec', '').replace('_', '-')}" for name in RANK_ONLY
+                 if ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE]
+        if given:
+            sock.close()
+            raise BadInput(f"{', '.join(given)}: for expert-parallel ranks; give --world-size N (N > 1) too")
     with ExitStack() as stack:
         stack.callback(sock.close)
         engine, inst, recorder, ep = assemble(stack, model, config, ranks)
@@ -162,7 +160,9 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
             from moescope.parallel.spawn import ENV_SUMMARY
             from moescope.serve.fleet import address_file
 
-            address_file(os.environ[ENV_SUMMARY], ranks.rank).write_text(where)  # the front end finds it here
+            addr = address_file(os.environ[ENV_SUMMARY], ranks.rank)  # the front end finds it here
+            addr.with_suffix(".tmp").write_text(where)
+            os.replace(addr.with_suffix(".tmp"), addr)  # whole or absent: never a half-written address
         server.run(app_mod.create_app(service), service, sock, shutdown_timeout_s=shutdown_timeout,
                    log_level=log_level, access_log=access_log)
         if ranks is not None and loop.died is not None:

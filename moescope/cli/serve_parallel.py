@@ -16,23 +16,16 @@ from pathlib import Path
 import click
 
 from moescope.cli.demo_parallel import argv_from_context, report_failures
-from moescope.errors import BadInput
 
 # The launcher's own options (the ranks bind a loopback port of their own; the world is the launcher's).
 LAUNCHER_ONLY = {"world_size", "host", "port"}
 
 
-def launch(ctx: click.Context, sock, world_size: int, slow_rank: int | None, model, *, timeout: float,
+def launch(ctx: click.Context, sock, world_size: int, *, timeout: float,
            log_level: str, access_log: bool, debug: bool = False) -> int:
     from moescope.parallel.spawn import run_ranks
-    from moescope.runtime.loader import resolve_device
     from moescope.serve import fleet as fleet_mod, server
 
-    if slow_rank is not None and not 0 <= slow_rank < world_size:
-        raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
-    if resolve_device(model.device).type != "cpu":
-        raise BadInput(f"--world-size {world_size} runs its ranks over gloo on CPU; CUDA ranks (NCCL) are not "
-                       "built yet: add --device cpu")
     run_dir = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
     fleet = fleet_mod.Fleet(world_size, run_dir)
     thread, front = server.start_in_thread(fleet_mod.create_app(fleet, debug=debug), sock, log_level=log_level,
@@ -43,13 +36,13 @@ def launch(ctx: click.Context, sock, world_size: int, slow_rank: int | None, mod
                "least outstanding rank; /health shows each)", err=True)
     try:
         summaries, failures = run_ranks(argv_from_context(ctx, LAUNCHER_ONLY), world_size, timeout, run_dir=run_dir,
-                                        signal_stops=True)
+                                        signal_stops=True, tee=True)  # the ranks' logs, prefixed, as they come
     finally:
         front.should_exit = True
         thread.join(30)
         shutil.rmtree(run_dir, ignore_errors=True)
-    if failures:
-        report_failures(failures, world_size)
+    if failures or any(s is None for s in summaries):  # a rank that left no summary did not stop as asked
+        report_failures(failures, world_size, missing=[r for r, s in enumerate(summaries) if s is None])
     served = [s["served"] if s else None for s in summaries]
     click.echo(f"moescope serve: stopped after {sum(s or 0 for s in served)} requests ("
                + ", ".join(f"rank {r}: {'?' if s is None else s}" for r, s in enumerate(served)) + ")", err=True)

@@ -47,12 +47,14 @@ class RankFailure:
 
 
 def run_ranks(argv: list[str], world_size: int, timeout_s: float, *, run_dir: Path | None = None,
-              signal_stops: bool = False) -> tuple[list[dict | None], list[RankFailure]]:
+              signal_stops: bool = False, tee: bool = False) -> tuple[list[dict | None], list[RankFailure]]:
     """Run ``moescope <argv>`` as ranks 0..W-1 under torchrun's agent. Returns (per-rank summaries, failed ranks:
     those the agent saw fail first, then those that left their own error, each group in the order they
     failed). A signal to the launcher ends every rank, then this process (exit 128 + N); with ``signal_stops``
     (a server: SIGTERM is how it stops) it returns once the ranks are gone, as after any run. ``run_dir``: the
-    run's directory (the ranks' ``MOESCOPE_SUMMARY_DIR``; made here when None), removed at the end."""
+    run's directory (the ranks' ``MOESCOPE_SUMMARY_DIR``; made here when None), removed at the end. ``tee``: the
+    ranks' output also goes to this process's, as it comes, each line prefixed with its rank (``[default_role<R>]:``,
+    the agent's): a server's ranks log while they serve, not only when one fails."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -65,7 +67,8 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float, *, run_dir: Pa
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # moescope reports, not the agent
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
-                          logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL),
+                          logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL,
+                                                      tee=Std.ALL if tee else Std.NONE),
                           signals_to_handle="SIGTERM,SIGINT,SIGHUP", shutdown_timeout=int(timeout_s) + GRACE_S)
     first: dict[int, RankFailure] = {}
     saved = {k: os.environ.get(k) for k in env}

@@ -13,9 +13,16 @@ slow client costs the front end a socket, never a step. The price is a loopback 
 millisecond beside a decode step).
 
 Dealing rule: least outstanding. A request goes to the rank with the fewest requests in flight through this
-front end; ties go round-robin (a rotating start), so sequential requests alternate over the ranks and a rank
-that answers slowly (the slow-rank fault) is dealt fewer. ``x-request-id`` duplicates are refused per rank (a
-request id in flight on another rank is not seen there).
+front end; ties go round-robin (a rotating start), so sequential requests alternate over the ranks. (A slow rank
+is not dealt fewer: every exchange waits for it, so every rank is as slow.) A rank that refuses the connection or
+answers 503 before admitting (``engine_unhealthy``, ``shutting_down``) leaves the rotation and the request goes
+to another rank; it comes back once its ``/health`` answers 200 (asked every ``RECHECK_S``). A client that goes
+away cancels its request on the rank (the front end closes that connection, which the rank's server sees); a
+rank lost mid-stream ends the client's event stream with an error event and ``[DONE]``. ``x-request-id`` is
+unique across the ranks: the front end refuses an id in flight on any (409).
+
+Serving metrics (``/metrics`` of each rank's API) stay on the rank's loopback port; the engine's metrics are on
+``--metrics-port`` + rank.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class Fleet:
         self.urls: list[str | None] = [None] * world_size
         self.outstanding = [0] * world_size  # requests forwarded and not yet answered in full
         self.dealt = [0] * world_size  # requests forwarded, ever
+        self.in_flight: set[str] = set()  # x-request-ids in flight through the front end (unique across ranks)
         self.benched: dict[int, str] = {}  # rank -> why it is out of rotation (until its /health answers 200)
         self._turn = 0  # the rotating start of the tie-break
         self.client: httpx.AsyncClient | None = None
@@ -123,12 +131,18 @@ class _Relay(StreamingResponse):
 
     def __init__(self, content, *, status_code: int, headers: dict[str, str], release) -> None:
         super().__init__(content, status_code=status_code, headers=headers)
-        self._release = release
+        self._release, self._after = release, []
+
+    def also(self, fn) -> None:
+        """Run ``fn`` too when the response ends."""
+        self._after.append(fn)
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            for fn in self._after:
+                fn()
             await self._release()
 
 
@@ -187,10 +201,27 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
         """Deal the request to a rank and relay its answer. A rank that refuses the connection or answers 503
         before admitting (unhealthy, shutting down) leaves rotation and the request goes to another; a client that
         goes away before the answer starts cancels it on the rank (the connection to the rank is closed)."""
+        rid = request.headers.get("x-request-id")
+        if rid is not None and rid in fleet.in_flight:  # a rank sees only its own: the front end sees all
+            return _error(APIError(409, f"a request with id {rid!r} (x-request-id) is already in flight",
+                                   param="x-request-id", code="duplicate_request_id"))
+        if rid is not None:
+            fleet.in_flight.add(rid)  # (no await since the check: a second request with it is refused)
+        response = None
         try:
-            body = await read_body(request)
-        except APIError as exc:
-            return _error(exc)
+            try:
+                body = await read_body(request)
+            except APIError as exc:
+                return _error(exc)
+            response = await deal(request, body)
+        finally:
+            if rid is not None and isinstance(response, _Relay):  # in flight until the relayed answer ends
+                response.also(lambda: fleet.in_flight.discard(rid))
+            elif rid is not None:
+                fleet.in_flight.discard(rid)
+        return response
+
+    async def deal(request: Request, body: bytes) -> Response:
         tried: set[int] = set()
         while True:
             rank = fleet.pick(tried)
