@@ -30,7 +30,6 @@ The hot factors (0-8 per layer) depend on the traffic: ``c_layer`` is the measur
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -44,7 +43,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # tests/servers.py: the real Prometheus the tests start
-from _results import save  # noqa: E402
+import _results  # noqa: E402
 from servers import Prometheus, free_port  # noqa: E402
 
 BUDGET = 16_384  # moescope.metrics.state.EXPERT_SERIES_BUDGET (read below; here for the docstring's formula)
@@ -184,21 +183,19 @@ def markdown(path: str) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="tiny-demo, few requests (CI)")
+def main(argv: list[str] | None = None) -> int:
+    ap = _results.parser(__doc__, quick="tiny-demo, few requests (CI keeps the script working)")
     ap.add_argument("--markdown", metavar="RESULTS", help="print the docs' table from a results file")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--world-size", type=int, default=2)
-    args = ap.parse_args()
+    args = _results.parse(ap, argv, "fleet_series")
     if args.markdown:
         print(markdown(args.markdown))
         return 0
     model = "tiny-demo" if args.quick else "deepseek-v3-shape"
     report = run(model, args.replicas, args.world_size, requests=4 if args.quick else 8, linger=20)
-    name = "fleet_series-quick.json" if args.quick else "fleet_series.json"
-    save(report, ROOT / "benchmarks" / "results" / name)
-    print(markdown(str(ROOT / "benchmarks" / "results" / name)))
+    _results.save(report, args.out)
+    print(markdown(str(args.out)))
     return 0
 
 

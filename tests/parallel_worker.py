@@ -36,7 +36,9 @@ def start_placement(layout: str, cfg, world: int):
     return placement.build(layout, n_experts=cfg.n_experts, world_size=world, moe_layers=cfg.moe_layers)
 
 
-def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: str) -> None:
+def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: str, device: str = "cpu") -> None:
+    """``device`` cuda: the ranks compute on CUDA (each on GPU rank mod the GPUs) and exchange over gloo through
+    host memory, as `--world-size` ranks sharing a GPU do (``ExpertParallel`` stages the tensors)."""
     from moescope.parallel.expert_parallel import ExpertParallel
     from moescope.runtime.config import from_dict
     from moescope.runtime.engine import Engine
@@ -46,7 +48,10 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
     cfg = from_dict(cfg_dict)
-    model = MoETransformer(cfg).eval()
+    if device == "cuda":
+        device = f"cuda:{rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    model = MoETransformer(cfg).eval().to(device)
     rebalance = layout == "rebalance"  # experts 0 and 1 on both ranks, then EPLB every 3 steps, 5 slots per rank
     pl = start_placement(layout, cfg, world)
     if rebalance:  # the experts this rank does not hold yet are poison: only the weights a move sends can serve
@@ -69,11 +74,11 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
     ep = ExpertParallel(pl, rank, world, observer=lambda: observer)
     for layer in model.moe_layers():
         layer.parallel = ep
-    tokens = forward_tokens(rank)
+    tokens = forward_tokens(rank).to(device)
     logits = None
     with torch.no_grad():
         if len(tokens):
-            logits = model(tokens, [Segment(len(tokens))]).logits
+            logits = model(tokens, [Segment(len(tokens))]).logits.cpu()
         else:
             ep.idle_forward(model.moe_layers())
     ep.observer = None

@@ -123,6 +123,8 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
                            f">= {-(-net.cfg.n_experts // world_size)})")
         return demo_parallel.launch(click.get_current_context(), world_size, placement, run.timeout, net,
                                     run.as_json)
+    if world > 1:
+        model = demo_parallel.rank_model(model, rank)  # CUDA: this rank's own GPU
     net = build_model(model, config)
     reqs, n_requests, rate = _workload(run, model.seed, settings.traffic_shift, world)
     reqs = reqs[rank::world]  # data-parallel attention: request i is served by rank i mod W

@@ -45,16 +45,14 @@ def fleet_settings(config, world_size: int, slow_rank: int | None, delay_ms: flo
 
 
 def validate_launch(model_opts, config, world_size: int, placement_spec: str, slow_rank: int | None):
-    """Before spawning ranks, what would fail every rank alike: the device (gloo on CPU), the slow rank, the model
+    """Before spawning ranks, what would fail every rank alike: the device, the slow rank, the model
     with its faults, the placement; one line and exit 2. Returns (the model, its placement)."""
     from moescope.cli.config_options import build_model
     from moescope.parallel import placement as placement_mod
     from moescope.runtime import faults
     from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
 
-    if resolve_device(model_opts.device).type != "cpu":
-        raise BadInput(f"--world-size {world_size} runs its ranks over gloo on CPU; CUDA ranks (NCCL) are not "
-                       "built yet: add --device cpu")
+    resolve_device(model_opts.device)  # a device this machine lacks: one line here, not one per rank
     if slow_rank is not None and not 0 <= slow_rank < world_size:
         raise BadInput(f"--slow-rank {slow_rank} is not a rank of world size {world_size}")
     net = build_model(model_opts, config)
@@ -127,7 +125,9 @@ def launch(ctx: click.Context, world_size: int, placement, timeout: float, model
         emit_json(merged)
         return
     print_human(merged)
-    click.echo(f"expert parallel over {world_size} ranks ({ctx.params['placement_spec']}); per rank:")
+    r0 = merged["ranks"][0]
+    click.echo(f"expert parallel over {world_size} ranks ({ctx.params['placement_spec']}; {r0['backend']}, "
+               f"{', '.join(sorted({str(r['device']) for r in merged['ranks']}))}); per rank:")
     for r in merged["ranks"]:
         click.echo(f"  rank {r['rank']}: {r['completed']} requests, {r['tokens_per_s']} tokens/s, "
                    f"all-to-all {r['all_to_all_s']:.3f}s "
@@ -216,6 +216,39 @@ class RanksFailed(MoescopeError):
         self.exit_code = exit_code
 
 
+def rank_model(model_opts, rank: int):
+    """This rank's ``ModelOptions``: on CUDA without an index (``auto``, ``cuda``) each rank on its own GPU of its
+    node (local rank modulo the GPUs: ranks share GPUs when there are fewer); an explicit ``cuda:N`` or ``cpu``
+    as given. Call before building the model."""
+    import dataclasses
+    import os
+
+    from moescope.runtime.loader import resolve_device
+
+    device = resolve_device(model_opts.device)
+    if device.type != "cuda" or device.index is not None:
+        return model_opts
+    import torch
+
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    return dataclasses.replace(model_opts, device=f"cuda:{local % torch.cuda.device_count()}")
+
+
+def comm_backend(device, world_size: int) -> str:
+    """The process group's backend for ranks on ``device``: NCCL when every rank of the node has a GPU of its own
+    (NCCL refuses two ranks on one GPU); otherwise gloo, CUDA tensors staged through host memory by
+    ``ExpertParallel`` (one copy each way per exchange; the exchange is a synchronisation point anyway)."""
+    if device.type != "cuda":
+        return "gloo"
+    import os
+
+    import torch
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    own = device.index == int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+    return "nccl" if own and torch.cuda.device_count() >= local_world else "gloo"
+
+
 def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, slow_rank: int | None,
                delay_ms: float, timeout: float):
     """Join the group and shard the experts; returns (AllToAllStats, RankMonitor, ExpertParallel: the
@@ -228,12 +261,19 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
 
     placement = placement_mod.build(placement_spec, n_experts=model.cfg.n_experts, world_size=world_size,
                                     moe_layers=model.cfg.moe_layers)
-    store = init(rank, world_size, timeout)
+    device = model.device
+    backend = comm_backend(device, world_size)
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
+    store = init(rank, world_size, timeout, backend)
     stack.callback(dist.destroy_process_group)
     monitor = RankMonitor(store, rank, world_size, timeout)
     stack.callback(monitor.shutdown)
     ep = ExpertParallel(placement, rank, world_size, observer=lambda: model.observer, monitor=monitor,
-                        slow_delay_s=delay_ms / 1000 if slow_rank == rank else 0.0)
+                        slow_delay_s=delay_ms / 1000 if slow_rank == rank else 0.0,
+                        comm_device=device if backend == "nccl" else "cpu")
     for layer in model.moe_layers():
         layer.parallel = ep
     return AllToAllStats(world_size), monitor, ep
@@ -280,6 +320,7 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep
             "peer_wait_s": [round(w, 4) for w in stats.peer_wait_s],
             "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio"),
             "steps": ep.steps if ep is not None else None,
+            "device": summary.get("device"), "backend": ep.backend if ep is not None else None,
             # busiest rank's rows / the mean rank's per layer, measured since the last rearrangement (or the start)
             "rank_max_over_mean": {str(k): round(v, 4) for k, v in ep.measured_since().items()} if ep else None,
             "rebalances": rebalance_report(ep) if ep is not None and ep.rebalancer is not None else None}

@@ -55,11 +55,13 @@ def assemble(stack: ExitStack, model: ModelOptions, config, ranks: RankSetup | N
         if key in asked:
             raise BadInput(f"--scenario {name} needs the demo's synthetic traffic; run it with "
                            "`moescope demo --scenario " + name + "`")
-    net = build_model(model, config)
     ep = None
     if ranks is not None:
         from moescope.cli import demo_parallel
 
+        model = demo_parallel.rank_model(model, ranks.rank)  # CUDA: this rank's own GPU
+    net = build_model(model, config)
+    if ranks is not None:
         a2a, monitor, ep = demo_parallel.setup_rank(stack, net, ranks.rank, ranks.world, ranks.placement_spec,
                                                     ranks.slow_rank, ranks.delay_ms, ranks.timeout)
         config = dataclasses.replace(config, observers=(a2a, monitor))

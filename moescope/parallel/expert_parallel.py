@@ -93,8 +93,12 @@ class ExpertParallel:
     """
 
     def __init__(self, placement: Placement, rank: int, world_size: int, *, observer=None,
-                 slow_delay_s: float = 0.0, monitor=None) -> None:
+                 slow_delay_s: float = 0.0, monitor=None, comm_device="cpu") -> None:
         self.placement, self.rank, self.world = placement, rank, world_size
+        # Where the backend takes its tensors (gloo: host memory; NCCL: this rank's GPU). A tensor elsewhere is
+        # staged there and back around each collective (CUDA ranks sharing one GPU exchange through gloo).
+        self.comm_device = torch.device(comm_device)
+        self.backend = "gloo" if self.comm_device.type == "cpu" else "nccl"
         self.observer = observer
         self.slow_delay_s = slow_delay_s
         self.monitor = monitor
@@ -278,9 +282,9 @@ class ExpertParallel:
                     src = min(old.ranks_of(layer, e))
                     params = (m.experts.gate_up_proj, m.experts.down_proj)
                     if self.rank == src:
-                        ops += [dist.P2POp(dist.isend, p[e].contiguous(), r) for p in params]
+                        ops += [dist.P2POp(dist.isend, self._on_comm(p[e].contiguous()), r) for p in params]
                     elif self.rank == r:
-                        bufs = [torch.empty_like(p[e]) for p in params]
+                        bufs = [torch.empty_like(p[e], device=self.comm_device) for p in params]
                         ops += [dist.P2POp(dist.irecv, b, src) for b in bufs]
                         received.append((params, e, bufs))
         if ops:
@@ -307,14 +311,23 @@ class ExpertParallel:
         if self.observer is not None:
             self.observer().on_rebalance(event)
 
+    def _on_comm(self, t):
+        """``t`` where the backend takes it (itself when it is there already)."""
+        return t.to(self.comm_device) if isinstance(t, torch.Tensor) and t.device != self.comm_device else t
+
     def _collective(self, fn, *args) -> None:
-        """Run one collective; a failure (peer gone, timeout) becomes a ParallelError naming the rank."""
+        """Run one collective whose first argument is its output (all_to_all_single's, all_reduce's in place),
+        staged through ``comm_device`` when it lives elsewhere; a failure (peer gone, timeout) becomes a
+        ParallelError naming the rank."""
+        staged = [self._on_comm(a) for a in args]
         try:
-            fn(*args)
+            fn(*staged)
         except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is a RuntimeError)
             if self.monitor is None:
                 raise
             raise self.monitor.explain(exc) from None
+        if staged[0] is not args[0]:
+            args[0].copy_(staged[0])
 
     def _forward(self, layer, experts, x, ids, weights):
         n_tokens, k = ids.shape
@@ -335,7 +348,7 @@ class ExpertParallel:
         if self.slow_delay_s:
             time.sleep(self.slow_delay_s)  # the slow-rank fault: this rank joins the exchange late
         start = time.perf_counter()
-        meta_out = torch.cat([send_counts.double(), torch.tensor(
+        meta_out = torch.cat([send_counts.double().cpu(), torch.tensor(
             [time.time(), float(self._stop_wanted), float(self._done)], dtype=torch.float64)])
         meta_out = meta_out.repeat(w)  # [W * (W + 3)]: counts, timestamp, stop and done flags to every peer
         meta_in = torch.empty_like(meta_out)
