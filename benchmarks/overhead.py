@@ -16,7 +16,7 @@ Two measures, both printed:
 Workloads: tiny-demo at 1 and 16 concurrent requests (16 = 16 tokens per decode step), and
 deepseek-v3-shape at 16 (58 MoE layers x 256 experts; ``--quick`` skips it).
 
-    python benchmarks/overhead.py [--rounds 9] [--quick] [--out benchmarks/results/overhead.json]
+    python benchmarks/overhead.py [--rounds 9] [--quick] [--device cuda] [--out benchmarks/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -137,13 +137,15 @@ def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: in
 
 def main(argv: list[str] | None = None) -> int:
     ap = _results.parser(__doc__, quick="tiny-demo only, 1 round (CI keeps the script working)", rounds=9)
-    args = _results.parse(ap, argv, "overhead")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/device_checks.sh: cuda)")
+    args = _results.parse(ap, argv, lambda a: "overhead" if a.device == "cpu" else f"overhead-{a.device}")
     rounds, out = args.rounds, args.out
     workloads = [("tiny-demo", 1, 8), ("tiny-demo", 16, 48)]
     if not args.quick:
         workloads.append(("deepseek-v3-shape", 16, 16))
-    models = {name: loader.build_model(name) for name in {w[0] for w in workloads}}
-    report = {"torch": torch.__version__, "threads": torch.get_num_threads(), "rounds": rounds, "workloads": []}
+    models = {name: loader.build_model(name, device=args.device) for name in {w[0] for w in workloads}}
+    report = {"torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
+              "rounds": rounds, "workloads": []}
     print(f"observability cost, end to end (Engine.run; medians of {rounds} interleaved rounds; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads)")
     print(f"{'model':>18} {'conc':>4} {'bare s':>7} | {'metrics':>7} {'cpu':>6} {'hook':>6} | {'+traces':>7} "

@@ -69,7 +69,10 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float, *, run_dir: Pa
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.1,
                           logs_specs=DefaultLogsSpecs(log_dir=str(tmp / "logs"), redirects=Std.ALL,
                                                       tee=Std.ALL if tee else Std.NONE),
-                          signals_to_handle="SIGTERM,SIGINT,SIGHUP", shutdown_timeout=int(timeout_s) + GRACE_S)
+                          signals_to_handle="SIGTERM,SIGINT,SIGHUP",
+                          # the agent's kill deadline (torch >= 2.12; older agents wait their fixed 30 s)
+                          **({"shutdown_timeout": int(timeout_s) + GRACE_S}
+                             if "shutdown_timeout" in LaunchConfig.__dataclass_fields__ else {}))
     first: dict[int, RankFailure] = {}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the agent hands its environment to the ranks; ours is put back after
