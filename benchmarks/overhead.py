@@ -85,7 +85,7 @@ def _hook_cost(model, variant: str, store: Path, n_tokens: int, n: int = 300) ->
     calls = _Calls()
     model.observer = calls
     with torch.inference_mode():
-        model(torch.randint(0, 256, (n_tokens,)), [Segment(1) for _ in range(n_tokens)])  # a decode step's shape
+        model(torch.randint(0, 256, (n_tokens,), device=model.device), [Segment(1) for _ in range(n_tokens)])  # decode
     model.observer = NOOP
     recorder = TraceRecorder(store, model=model.cfg.name, queue_size=n + 8) if variant == "metrics+traces" else None
     inst = moescope.instrument(model, observers=[recorder] if recorder else [])

@@ -15,8 +15,8 @@ from moescope.traces.sanitize import sanitize
 # fault and how long a rank waits for its peers.
 RANK_OPTIONS = (
     click.option("--world-size", type=click.IntRange(min=1), default=1, show_default=True,
-                 help="Expert parallelism: spawn this many ranks (gloo on CPU), each serving its share of the requests "
-                      "(data-parallel attention), the experts sharded over them."),
+                 help="Expert parallelism: spawn this many ranks (gloo on CPU; NCCL with a GPU per rank), each "
+                      "serving its share of the requests (data-parallel attention), the experts sharded over them."),
     click.option("--placement", "placement_spec", default="round-robin", show_default=True,
                  help="Experts per rank: round-robin, contiguous, or a placement YAML (rank_to_experts)."),
 )
