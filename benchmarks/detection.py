@@ -18,7 +18,7 @@ webhook. Times to detect count from Prometheus' first scrape, which starts 12 s 
   share over the fair share, the worst layer's load CV, the busiest expert's share of a layer's slots, the
   dropped share of the slots), never assumed.
 
-Results: benchmarks/results/detection.json (``--quick``: detection-quick.json, tiny-demo only, ~2 minutes).
+Results: benchmarks/results/detection.json (``--quick``: detection-quick.json, tiny-demo only, about a minute).
 docs/alerts.md ("Detection power") quotes the full run.
 """
 
@@ -66,7 +66,7 @@ HOT_EXPERT = 5
 # and hot alerts under a collapse): a run that delivers one is not a miss, and the sweep goes on down.
 PAGES_INSTEAD = ("MoEExpertCollapse", "MoEExpertLoadImbalance", "MoEExpertHot")
 SETTLE_S = 5
-QUICK = {"shapes": ["tiny-demo"], "healthy_s": 45, "watch_s": 45, "baseline": False,
+QUICK = {"shapes": ["tiny-demo"], "healthy_s": 30, "watch_s": 30, "baseline": False,
          "sweep": {"hot": [3.0], "imbalance": [4.0], "collapse": [8.0], "drop": [0.5]}, "chain": False}
 
 
@@ -273,7 +273,7 @@ def prebuild(shapes: list[str], out: Path) -> None:
 
 
 def main() -> None:
-    ap = _results.parser(__doc__, quick="tiny-demo only, one magnitude per fault (~2 min; CI)")
+    ap = _results.parser(__doc__, quick="tiny-demo only, one magnitude per fault (about a minute; CI)")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--faults", default=",".join(SWEEP))
     ap.add_argument("--healthy-s", type=float, default=300.0, help="seconds of healthy traffic per run")

@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(args.markdown))
         return 0
     model = "tiny-demo" if args.quick else "deepseek-v3-shape"
-    report = run(model, args.replicas, args.world_size, requests=4 if args.quick else 8, linger=20)
+    report = run(model, args.replicas, args.world_size, requests=4 if args.quick else 8,
+                 linger=10 if args.quick else 20)
     _results.save(report, args.out)
     print(markdown(str(args.out)))
     return 0

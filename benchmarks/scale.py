@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = _results.parser(__doc__, quick="one round, short requests, few scrapes (CI)", rounds=7)
     args = _results.parse(ap, argv, "scale")
     rounds, out = args.rounds, args.out
-    n_serve, n_store, out_tokens, n_view = (4, 2, 24, 1) if args.quick else (16, 8, 240, 3)
+    n_serve, n_store, out_tokens, n_view = (2, 1, 12, 1) if args.quick else (16, 8, 240, 3)
     model = loader.build_model(MODEL)  # --weights auto: the balanced init (built once, then cached)
     report = {"model": MODEL, "machine": "shared 2-core CPU machine (other jobs running): figures are noisy",
               "quick": args.quick}
