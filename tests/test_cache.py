@@ -124,6 +124,32 @@ def test_prefetch_keeps_results_and_accounts_every_miss(tiny_cfg):
     assert total["issued"] > 0  # layers after the first got prefetch requests
 
 
+def test_dropped_prefetches_are_counted_and_exported(tiny_cfg):
+    """A full prefetch queue drops the request (the engine never waits) and counts it; the exporter's
+    moescope_expert_cache_prefetch_dropped_total per layer equals the caches' own counts."""
+    import queue
+
+    import moescope
+
+    model = MoETransformer(tiny_cfg).eval()
+    reference = _run_steps(model, n_steps=8)
+    cache = attach_cache(model, size=2, policy="lru", prefetch=4)
+    # A queue of one that nobody reads (the loader thread waits on the old one): the first request fills it,
+    # every later new one is dropped.
+    cache.prefetcher._queue = queue.Queue(maxsize=1)
+    try:
+        with moescope.instrument(model) as inst:
+            got = _run_steps(model, n_steps=8)
+            inst.metrics.flush()
+            exported = dict(inst.metrics.layer_counters["moescope_expert_cache_prefetch_dropped_total"])
+    finally:
+        cache.close()
+    assert torch.equal(got, reference)  # dropping a prefetch changes timing, never results
+    dropped = {layer: s.prefetch_dropped for layer, s in cache.stats().items()}
+    assert sum(dropped.values()) > 0
+    assert {k: v for k, v in exported.items() if v} == {k: v for k, v in dropped.items() if v}
+
+
 def test_disk_tier_reads_real_bytes_and_reports_bad_files(tiny_cfg, tmp_path):
     model = MoETransformer(tiny_cfg).eval()
     path = write_disk_tier(model, tmp_path / "experts.safetensors")

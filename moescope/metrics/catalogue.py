@@ -139,6 +139,8 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "would hit this often).", "layer"),
     _c("moescope_expert_cache_prefetch_hits_total", "Misses served by a prefetched copy.", "layer"),
     _c("moescope_expert_cache_prefetch_wasted_total", "Prefetched copies never used.", "layer"),
+    _c("moescope_expert_cache_prefetch_dropped_total", "Prefetches not queued: the prefetcher's bounded queue was "
+       "full (it drops rather than block the engine).", "layer"),
     _c("moescope_expert_cache_loaded_bytes_total", "Bytes of expert weights loaded on misses.", "layer"),
     _h("moescope_expert_fetch_seconds", "Time to make an expert resident on a miss (the switch latency).",
        FAST_BUCKETS, "layer"),

@@ -223,6 +223,7 @@ class MetricsObserver(Observer):
             lc["moescope_expert_cache_evictions_total"][layer] += delta.evictions
             lc["moescope_expert_cache_prefetch_hits_total"][layer] += delta.prefetch_hits
             lc["moescope_expert_cache_prefetch_wasted_total"][layer] += delta.prefetch_wasted
+            lc["moescope_expert_cache_prefetch_dropped_total"][layer] += delta.prefetch_dropped
             lc["moescope_expert_cache_loaded_bytes_total"][layer] += delta.bytes_loaded
             h = self.hist("moescope_expert_fetch_seconds", str(layer))
             for s in delta.load_seconds:

@@ -1,24 +1,34 @@
-"""Process and GPU memory: ``rss_bytes`` for the trace writer's steps (the exporter's process series come
-from prometheus_client's ``ProcessCollector``), ``gpu_memory`` read by the exporter at scrape time. No GPU or
-no NVML means no GPU series, never an error."""
+"""Process and GPU memory: ``rss_bytes`` for the trace writer's steps, read by the same prometheus_client
+``ProcessCollector`` the exporter serves ``moescope_process_resident_memory_bytes`` from (one reading of the
+process, not two); ``gpu_memory`` read by the exporter at scrape time. No GPU or no NVML means no GPU series,
+never an error."""
 
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 log = logging.getLogger("moescope.metrics")
 _nvml_state: dict[str, object] = {}
+_process: list = []  # the ProcessCollector, made on first use
 
 
 def rss_bytes() -> int | None:
-    """Resident set size of this process (Linux /proc), or None where unavailable."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+    """Resident set size of this process as the exporter reports it, or None where the collector has no reading
+    (not Linux) or prometheus-client (the ``metrics`` extra) is not installed."""
+    if not _process:
+        try:
+            from prometheus_client import ProcessCollector  # the optional extra: imported where it is used
+        except ImportError:
+            _process.append(None)
+        else:
+            _process.append(ProcessCollector(registry=None))  # reads /proc for this process (families process_*)
+    if _process[0] is None:
         return None
+    for family in _process[0].collect():
+        if family.name == "process_resident_memory_bytes":
+            return int(family.samples[0].value)
+    return None
 
 
 @dataclass(frozen=True)

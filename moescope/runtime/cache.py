@@ -68,12 +68,14 @@ class CacheDelta:
     evictions: int
     prefetch_hits: int
     prefetch_wasted: int
+    prefetch_dropped: int  # prefetches not queued: the prefetcher's bounded queue was full
     bytes_loaded: int
     load_seconds: tuple[float, ...]
     missed: tuple[int, ...] = ()  # experts that were not resident when this forward needed them
 
 
-_DELTA_FIELDS = ("lookups", "hits", "misses", "evictions", "prefetch_hits", "prefetch_wasted", "bytes_loaded")
+_DELTA_FIELDS = ("lookups", "hits", "misses", "evictions", "prefetch_hits", "prefetch_wasted", "prefetch_dropped",
+                 "bytes_loaded")
 
 
 # -- backing tiers -------------------------------------------------------------------------------------
