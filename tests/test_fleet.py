@@ -5,11 +5,12 @@ ranks, every routed slot is counted exactly once."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import yaml
 
-from helpers import run_cli, wait_until
+from helpers import popen_cli, run_cli, wait_until
 import moescope
 from metrics_util import by_label, parse
 from moescope.alerts import rules
@@ -64,10 +65,13 @@ def test_the_fleet_sum_in_prometheus_counts_every_token_once(tmp_path):
                               until=lambda r: {x["metric"]["layer"] for x in r} == layers, timeout=30,
                               what="the routed-token recording rule", interval=0.5)
         assert all("forward_mode" not in r["metric"] for r in recorded) and len(recorded) == len(layers)
+        time.sleep(3)  # every scrape stamped before `at` is in (the rule, evaluated at `at`, may have missed one)
         at = float(recorded[0]["value"][0])
         direct = {r["metric"]["layer"]: float(r["value"][1]) for r in prom.query(
             "sum by (layer) (rate(moescope_router_tokens_total[1m]))", at=at)}
-        for r in recorded:
+        rule = dict(rules.RECORDING)["model_layer:moescope_router_tokens:rate1m"]
+        for r in prom.query(rule, at=at):
+            assert set(r["metric"]) == {"job", "model", "layer"}
             assert float(r["value"][1]) == pytest.approx(direct[r["metric"]["layer"]], rel=1e-9)
         # a replicated expert's slots split over its replicas; its logical label counts them once
         rows = {(r["metric"]["rank"], r["metric"]["expert"]): float(r["value"][1]) for r in prom.query(
@@ -223,3 +227,81 @@ def test_the_fleet_series_formula_recomputes_the_measured_count():
     for label, p in d["deployments"].items():
         again = predict(coef, p["replicas"], p["world_size"], p["moe_layers"], p["experts"])
         assert {k: p[k] for k in again} == again, label
+
+
+@pytest.mark.integration
+def test_demo_world_size_honours_the_arrival_rate_and_rests_between_arrivals():
+    """`demo --world-size 2 --rate 1`: the fleet's arrivals are the single-process demo's (rank r serves every
+    2nd one); the run lasts until the last arrival at least, and the ranks rest together while no rank has work
+    (one small all-reduce per poll) instead of stepping idle forwards: every fleet step runs some rank's tokens,
+    so the steps are at most the tokens the fleet forwarded."""
+    from moescope.runtime import traffic
+
+    n, rate, seed = 4, 1.0, 3
+    demo = run_cli("demo", "--no-tui", "--world-size", "2", "--requests", str(n), "--rate", str(rate), "--seed",
+                   str(seed), "--traces", "none", "--metrics-port", "-1", "--json", timeout=300)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    s = json.loads(demo.stdout)
+    arrivals = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed), n)
+    assert s["completed"] == n and [r["completed"] for r in s["ranks"]] == [n // 2, n // 2]
+    assert s["wall_s"] >= arrivals[-1].arrival_s - 0.05 > 1.0  # served by the clock, not all at once
+    fed = sum(r["tokens"]["prompt"] + r["tokens"]["output"] - r["completed"] for r in s["ranks"])
+    steps = s["ranks"][0]["steps"]
+    assert steps == s["ranks"][1]["steps"] and 0 < steps <= fed
+
+
+@pytest.mark.integration
+def test_two_replicas_of_one_model_keep_their_own_rank_load_in_the_recording_rule(tmp_path):
+    """Two `demo --world-size 2` launches of tiny-demo (one named by MOESCOPE_REPLICA, one by its launch id) in one
+    Prometheus: the fleet's max/mean recording rule has one series per replica and layer, each equal to the
+    same formula over that replica's two instances alone."""
+    import os
+    import subprocess
+
+    ports = [free_port(2), free_port(2)]
+    targets = [[f"127.0.0.1:{p}", f"127.0.0.1:{p + 1}"] for p in ports]
+    rules_file = tmp_path / "rules.yml"
+    rules_file.write_text(yaml.safe_dump(rules.rules_document(), sort_keys=False))
+    prom = Prometheus(tmp_path, targets[0] + targets[1], rule_files=[str(rules_file)])
+    env = {k: v for k, v in os.environ.items() if k != "MOESCOPE_REPLICA"}
+    layers = {"1", "2", "3"}
+    procs = []
+    try:
+        for i, p in enumerate(ports):  # replica 1 skewed: the two replicas' max/mean differ
+            procs.append(popen_cli("demo", "--no-tui", "--world-size", "2", "--requests", "8", "--rate", "0",
+                                   "--seed", str(i), "--metrics-port", str(p), "--traces", "none", "--linger", "8",
+                                   *(("--scenario", "imbalance") if i else ()), stderr=subprocess.PIPE, text=True,
+                                   env={**env, "MOESCOPE_REPLICA": "blue"} if i == 0 else env))
+        recorded = wait_until(
+            lambda: prom.query("model_layer:moescope_rank_load_max_over_mean:ratio1m"),
+            until=lambda r: len({(x["metric"]["layer"], x["metric"].get("replica")) for x in r}) == 2 * len(layers),
+            timeout=120, what="the rank-load recording rule for both replicas", interval=0.5)
+        # The rule's own expression and the per-replica formula, both at one time whose scrapes are all in (a rule
+        # evaluated at T may not have seen a scrape stamped just before T: its recorded value can differ from a
+        # later query at T, so the recorded series is checked for its labels, the expression for its values).
+        time.sleep(3)
+        at = float(recorded[0]["value"][0])
+        replica_of = {r["metric"]["instance"]: r["metric"]["replica"] for r in prom.query("moescope_build_info", at=at)}
+        direct = {}
+        for insts in targets:
+            assert len({replica_of[x] for x in insts}) == 1  # a launch's ranks share their replica label
+            sel = f'{{instance=~"{"|".join(insts)}"}}'
+            rows = f"sum by (layer, instance) (rate(moescope_expert_physical_slots_total{sel}[1m]))"
+            for r in prom.query(f"max by (layer) ({rows}) / avg by (layer) ({rows})", at=at):
+                direct[(r["metric"]["layer"], replica_of[insts[0]])] = float(r["value"][1])
+        rule = dict(rules.RECORDING)["model_layer:moescope_rank_load_max_over_mean:ratio1m"]
+        evaluated = prom.query(rule, at=at)
+        for proc in procs:
+            assert proc.wait(timeout=120) == 0, proc.stderr.read()[-2000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        prom.stop()
+    assert {(r["metric"]["layer"], r["metric"]["replica"]) for r in recorded} == direct.keys()
+    got = {(r["metric"]["layer"], r["metric"]["replica"]): float(r["value"][1]) for r in evaluated}
+    assert {rep for _, rep in got} == set(replica_of.values()) and "blue" in replica_of.values()
+    assert len(set(replica_of.values())) == 2
+    assert got.keys() == direct.keys() and len(got) == 2 * len(layers)
+    for key, value in got.items():
+        assert value == pytest.approx(direct[key], rel=1e-9), key

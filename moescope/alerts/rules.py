@@ -243,6 +243,10 @@ def markdown_table(t: Thresholds = DEFAULT) -> str:
     return "\n".join(rows)
 
 
+# Each rank's physical rows per second, with its replica (joined from moescope_build_info, one series per instance).
+_RANK_ROWS = ("sum by (model, layer, instance) (rate(moescope_expert_physical_slots_total[1m])) "
+              "* on (instance) group_left (replica) max by (instance, replica) (moescope_build_info)")
+
 # Recording rules: rates summed over ranks (each rank routes and exports its own tokens, so the sum counts every
 # token once), and the per-expert share the heatmaps and `top` read.
 RECORDING = (
@@ -251,10 +255,10 @@ RECORDING = (
     ("model_layer:moescope_router_tokens:rate1m",
      "sum without (instance, rank, forward_mode) (rate(moescope_router_tokens_total[1m]))"),
     # the fleet's per-rank load, measured (TensorRT-LLM's max/mean): each rank's physical rows (an instance is one
-    # rank of one replica), the busiest over the mean
+    # rank of one replica), the busiest over the mean within each replica (the ``replica`` label of each instance's
+    # moescope_build_info: the launch that started its ranks), so two replicas of one model never mix
     ("model_layer:moescope_rank_load_max_over_mean:ratio1m",
-     "max by (model, layer) (sum by (model, layer, instance) (rate(moescope_expert_physical_slots_total[1m]))) / "
-     "avg by (model, layer) (sum by (model, layer, instance) (rate(moescope_expert_physical_slots_total[1m])))"),
+     f"max by (model, layer, replica) ({_RANK_ROWS}) / avg by (model, layer, replica) ({_RANK_ROWS})"),
     ("model_layer_expert:moescope_expert_load_share:ratio1m",
      "model_layer_expert:moescope_expert_tokens:rate1m / ignoring (expert) group_left "
      "sum without (expert) (model_layer_expert:moescope_expert_tokens:rate1m)"),

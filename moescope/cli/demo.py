@@ -217,11 +217,12 @@ def save_baseline(path: str, summary: dict, model_name: str, run_started: float)
 
 
 def _workload(run: DemoOptions, seed: int, shift: dict | None, world: int):
-    """(requests, how many, arrival rate): expert-parallel ranks queue all their requests at once (arrivals by
-    wall clock would only add idle forwards). ``shift``: the drift scenario's domain mix after the shift."""
+    """(requests, how many, arrival rate): the arrivals of the whole run at ``--rate`` (expert-parallel ranks
+    serve every W-th of them, so the fleet's rate is the one asked). ``shift``: the drift scenario's domain mix
+    after the shift."""
     from moescope.runtime import traffic
 
-    rate = 0.0 if world > 1 else run.rate
+    rate = run.rate
     n = run.n_requests
     if n is None:  # (from the asked rate: a --duration run must not run dry; each of W ranks serves 1/W of them)
         n = 32 if run.duration is None else max(64, int(run.rate * run.duration * 2) + 16) * world

@@ -188,7 +188,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     _c("moescope_observer_errors_total", "Exceptions raised by an observer/sink (isolated, never raised into "
        "the engine).", "observer"),
     _c("moescope_capture_dropped_total", "Capture records dropped because a bounded queue was full.", "queue"),
-    _g("moescope_build_info", "Always 1; labels carry the version and the device.", "version", "device"),
+    _g("moescope_build_info", "Always 1; labels carry the version, the device and the replica (the launch of an "
+       "expert-parallel run: MOESCOPE_REPLICA, else the launcher's run id; empty for one process).", "version",
+       "device", "replica"),
     # serving (``moescope serve``'s own registry, on its API port: GET /metrics). Named as vLLM names them after
     # the prefix: metric_relabel_configs rename moescope_serve_(.*) to vllm:$1 (docs/serve.md, "Serving metrics").
     _h("moescope_serve_time_to_first_token_seconds", "Time from the request's arrival to its first token, "

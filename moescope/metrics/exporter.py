@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import http.server
 import logging
+import os
 import threading
 from typing import Iterable
 
@@ -44,6 +45,8 @@ class MoescopeCollector:
 
         self.state, self.gpu = state, gpu
         self.process = ProcessCollector(namespace="moescope", registry=None)
+        # which launch of expert-parallel ranks this process belongs to (parallel/spawn.py sets it for its ranks)
+        self.replica = os.environ.get("MOESCOPE_REPLICA", "")
 
     def describe(self) -> Iterable:
         return []  # families vary with data; skip registry-time collection
@@ -60,7 +63,7 @@ class MoescopeCollector:
         base = (st.info.name, str(st.rank))
         with st.lock:
             f = self._family("moescope_build_info")
-            f.add_metric([*base, __version__, st.info.device], 1.0)
+            f.add_metric([*base, __version__, st.info.device, self.replica], 1.0)
             yield f
             f = self._family("moescope_expert_series_per_expert")
             f.add_metric(list(base), 1.0 if st.per_expert else 0.0)

@@ -63,6 +63,8 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float, *, run_dir: Pa
     tmp = Path(run_dir) if run_dir is not None else Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
     run_id = uuid.uuid4().hex[:10]
     env = {"MOESCOPE_RUN_ID": run_id + "-",  # request ids shared by all ranks: <run>-<index>
+           # the replica label of every rank's moescope_build_info (a name the user gave, else this launch's id)
+           "MOESCOPE_REPLICA": os.environ.get("MOESCOPE_REPLICA") or run_id,
            ENV_SUMMARY: str(tmp), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # (as torchrun sets)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # moescope reports, not the agent
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world_size, run_id=run_id,

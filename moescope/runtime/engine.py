@@ -102,6 +102,9 @@ class _Live:
 
 
 DECODE_MODES = ("eager", "static", "graph")
+# Expert-parallel ranks at rest (nothing to run on any rank): how long a rank waits for work before the ranks meet
+# again in one small all-reduce (the first-token delay it adds at most). Serve's ranks use it too.
+RANK_POLL_S = 0.02
 
 
 class StepFailed(Exception):
@@ -508,15 +511,17 @@ class Engine:
         start = self.clock()
         n_before = len(self.finished)
         ranks = self.lockstep
+        at_rest = True  # expert-parallel and realtime: the fleet had nothing to run at the last look
         if ranks is not None:
             ranks.begin_run()
         while ranks is not None or pending or self.has_work:
             now = self.clock()
-            if self._stop_requested or (deadline_s is not None and now - start >= deadline_s):
+            stopping = self._stop_requested or (deadline_s is not None and now - start >= deadline_s)
+            if stopping:
                 if ranks is None:
                     break
                 ranks.request_stop()  # the peers learn it in the next step's exchange
-            if ranks is not None and (ranks.stop_agreed or ranks.all_done):
+            if ranks is not None and (ranks.stop_agreed or (ranks.all_done and not realtime)):
                 break  # every rank saw the same flags in the same step: all stop here
             while pending and (not realtime or start + pending[0].arrival_s <= now):
                 r = pending.popleft()
@@ -524,7 +529,25 @@ class Engine:
                             domain=r.domain, tenant=r.tenant,
                             request_id=f"{id_prefix}{r.index:05d}" if id_prefix is not None else None,
                             arrival=start + r.arrival_s if realtime else now)
-            if ranks is not None:
+            if ranks is not None and realtime:
+                # Arrivals by the clock: the fleet steps together while any rank has work and rests together
+                # (one small all-reduce every RANK_POLL_S) until the next arrival on any rank; it leaves when every
+                # rank has served all its requests or is stopping (as serve's ranks, serve/loop.py).
+                if at_rest:
+                    work, all_closing = ranks.poll(self.has_work, stopping or not (pending or self.has_work))
+                    if all_closing:
+                        break
+                    if not work:
+                        self.idle()
+                        wait = pending[0].arrival_s + start - self.clock() if pending else RANK_POLL_S
+                        time.sleep(max(0.0, min(RANK_POLL_S, wait)))
+                        continue
+                ranks.all_done = False
+                failed = self.rank_step(ranks, done=not self.has_work)
+                if failed is not None:
+                    raise failed
+                at_rest = ranks.all_done
+            elif ranks is not None:
                 failed = self.rank_step(ranks, done=not (pending or self.has_work))
                 if failed is not None:
                     raise failed

@@ -23,7 +23,7 @@ thread-safe structures and never touch the engine.
 - Expert-parallel ranks (``ranks``: ``moescope serve --world-size N`` runs one loop per rank, each with its own
   requests): every rank must make the same exchanges at every step, so the loop steps through
   ``Engine.rank_step`` (an idle forward where the rank has nothing to run) while any rank has work. When a step
-  began with every rank done, the fleet is at rest: each rank waits up to ``POLL_S`` for a request of its own,
+  began with every rank done, the fleet is at rest: each rank waits up to ``RANK_POLL_S`` for a request of its own,
   then all meet in one small all-reduce (``ExpertParallel.poll``: some rank has work? every rank closing?) and
   step, rest or leave together. A failed step's rerun request by request takes one fleet step per request. A
   step whose forward failed part-way still makes its remaining exchanges (zero rows of its own); one whose expert
@@ -45,12 +45,11 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
 
-from moescope.runtime.engine import Engine, RequestRecord, StepFailed
+from moescope.runtime.engine import RANK_POLL_S, Engine, RequestRecord, StepFailed
 from moescope.serve.protocol import Params
 
 log = logging.getLogger("moescope.serve")
 
-POLL_S = 0.02  # a fleet at rest: how long a rank waits for a request before the ranks meet (first-token delay)
 MAX_FAILED_TURNS = 3  # failed steps in a row (none of whose requests progressed) before the engine is unhealthy
 
 
@@ -375,7 +374,7 @@ class EngineLoop:
             if at_rest:
                 if not (engine.has_work or closing):
                     engine.idle()
-                    self.admission.wait(POLL_S)
+                    self.admission.wait(RANK_POLL_S)
                     self._housekeep(self._closing.is_set())
                     self._end_records()
                 work, all_closing = ranks.poll(engine.has_work, self._closing.is_set())
