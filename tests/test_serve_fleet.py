@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import torch
 import yaml
@@ -106,6 +107,7 @@ def test_serve_world_size_2_deepseek_answers_equal_the_single_process_model(tmp_
                 enumerate(requests))))
         health = s.health()
         sent = [_metric(f"http://127.0.0.1:{port + r}/metrics", "moescope_all_to_all_bytes_total") for r in (0, 1)]
+        front = {f.name: f for f in text_string_to_metric_families(httpx.get(s.url + "/metrics", timeout=30).text)}
     finally:
         code = s.stop()
     assert code == 0, s.log()[-3000:]
@@ -126,6 +128,20 @@ def test_serve_world_size_2_deepseek_answers_equal_the_single_process_model(tmp_
         assert to_peer and sum(to_peer) > 0, sent[r]
     assert "stopped after 4 requests (rank 0: 2, rank 1: 2)" in s.log()
     assert "Traceback" not in s.log()
+    # the front end's /metrics: each rank's serving series under its own rank label, equal to what it answered
+
+    def by_rank(name: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for sample in front[name].samples:
+            if sample.name == name + "_total":
+                out[sample.labels["rank"]] = out.get(sample.labels["rank"], 0) + sample.value
+        return out
+
+    answered = {r: [doc for _, rank, doc in got.values() if rank == r] for r in ("0", "1")}
+    assert by_rank("moescope_serve_request_success") == {r: len(a) for r, a in answered.items()} == {"0": 2, "1": 2}
+    assert by_rank("moescope_serve_generation_tokens") == {r: sum(d["completion_tokens"] for d in a)
+                                                           for r, a in answered.items()}
+    assert by_rank("moescope_fleet_requests_dealt") == {"0": 2, "1": 2}
 
 
 # tiny-demo's 8 experts, top-2, cannot make an expert 4x its share (E/k = 4): MoEExpertHot's bar is out of its reach.

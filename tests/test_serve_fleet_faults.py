@@ -15,6 +15,7 @@ import threading
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers import wait_until
 from moescope.runtime import loader
@@ -212,7 +213,7 @@ def _stand_in(state: dict):
     """A stand-in rank for the front end's dealing: answers completions 200 while ``state["ok"]``, else 503
     engine_unhealthy before admitting (as serve's own refusal); /health alike."""
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, PlainTextResponse
     from starlette.routing import Route
 
     unhealthy = {"error": {"message": "the engine is unhealthy", "type": "service_unavailable",
@@ -227,8 +228,14 @@ def _stand_in(state: dict):
     async def health(request):
         return JSONResponse({"status": "ok" if state["ok"] else "unhealthy"}, status_code=200 if state["ok"] else 503)
 
+    async def metrics(request):  # a rank's serving series: its rank label, the requests it answered
+        return PlainTextResponse("# HELP moescope_serve_request_success_total Requests that ended.\n"
+                                 "# TYPE moescope_serve_request_success_total counter\n"
+                                 f'moescope_serve_request_success_total{{model="{MODEL}",rank="{state["rank"]}",'
+                                 f'finished_reason="length"}} {state["seen"] if state["ok"] else 0}\n')
+
     return Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
-                             Route("/health", health, methods=["GET"])])
+                             Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])])
 
 
 def _serve_app(app) -> tuple[str, object]:
@@ -246,14 +253,14 @@ def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
     rank 2's address refuses connections. Every request is answered by rank 1 (the refusals came before admission:
     retried there), rank 0 is asked once and rank 2 never twice; once rank 0's /health passes it is dealt again. A
     request id in flight is refused (409) whichever rank the second would go to."""
-    states = [{"ok": False, "seen": 0}, {"ok": True, "seen": 0}]
+    states = [{"ok": False, "seen": 0, "rank": 0}, {"ok": True, "seen": 0, "rank": 1}]
     stand_ins = [_serve_app(_stand_in(st)) for st in states]
     closed = server.bind("127.0.0.1", 0)  # bound, never listening: connections are refused
     dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
     closed.close()
     for r, url in enumerate([stand_ins[0][0], stand_ins[1][0], dead_url]):
         fleet_mod.address_file(tmp_path, r).write_text(url)
-    fleet = fleet_mod.Fleet(3, tmp_path)
+    fleet = fleet_mod.Fleet(3, tmp_path, MODEL)
     front, front_server = _serve_app(fleet_mod.create_app(fleet))
     try:
         body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
@@ -262,6 +269,18 @@ def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
         assert states[0]["seen"] == 1 and states[1]["seen"] == 6 and fleet.dealt[2] == 1, (states, fleet.dealt)
         health = httpx.get(front + "/health", timeout=30).json()
         assert [r["in_rotation"] for r in health["ranks"]] == [False, True, False]
+        # the front end's /metrics: its own series per rank, and the ranks' serving series merged (rank 2's
+        # could not be read: up 0, no series of its own)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(front + "/metrics", timeout=30).text)}
+
+        def per_rank(name):
+            return {s.labels["rank"]: s.value for s in families[name].samples if s.name.endswith(("_total", name))}
+
+        assert per_rank("moescope_fleet_requests_dealt") == {"0": 1, "1": 6, "2": 1}
+        assert per_rank("moescope_fleet_rank_in_rotation") == {"0": 0, "1": 1, "2": 0}
+        assert per_rank("moescope_fleet_rank_metrics_up") == {"0": 1, "1": 1, "2": 0}
+        assert per_rank("moescope_fleet_requests_outstanding") == {"0": 0, "1": 0, "2": 0}
+        assert per_rank("moescope_serve_request_success") == {"0": 0, "1": 6}
         states[0]["ok"] = True
         wait_until(lambda: httpx.get(front + "/health", timeout=30).json()["ranks"][0]["in_rotation"], timeout=20,
                    what="rank 0 back in rotation", interval=0.1)

@@ -129,8 +129,8 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
         from moescope.cli import serve_parallel
 
         with sock:
-            validate_launch(model, config, world, placement_spec, slow_rank)  # one line, before any rank starts
-            return serve_parallel.launch(ctx, sock, world,
+            net, _ = validate_launch(model, config, world, placement_spec, slow_rank)  # one line, before any rank
+            return serve_parallel.launch(ctx, sock, world, model=net.cfg.name,
                                          # a rank's worst-case exit: its drain, then its peers' agreement to leave
                                          timeout=shutdown_timeout + server.BACKSTOP_S + timeout,
                                          log_level=log_level, access_log=access_log, debug=debug_endpoints)

@@ -21,13 +21,13 @@ from moescope.cli.demo_parallel import argv_from_context, report_failures
 LAUNCHER_ONLY = {"world_size", "host", "port"}
 
 
-def launch(ctx: click.Context, sock, world_size: int, *, timeout: float,
+def launch(ctx: click.Context, sock, world_size: int, *, model: str, timeout: float,
            log_level: str, access_log: bool, debug: bool = False) -> int:
     from moescope.parallel.spawn import run_ranks
     from moescope.serve import fleet as fleet_mod, server
 
     run_dir = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))
-    fleet = fleet_mod.Fleet(world_size, run_dir)
+    fleet = fleet_mod.Fleet(world_size, run_dir, model)  # (the model label of the front end's own series)
     thread, front = server.start_in_thread(fleet_mod.create_app(fleet, debug=debug), sock, log_level=log_level,
                                            access_log=access_log)
     bound = sock.getsockname()

@@ -216,6 +216,14 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "invalid: another 4xx; unavailable: 503 draining or unhealthy).", "cause"),
     _c("moescope_serve_prompt_tokens_total", "Prompt tokens of the requests that ended (BOS included)."),
     _c("moescope_serve_generation_tokens_total", "Tokens generated, counted as they are made."),
+    # the front end of `serve --world-size N` (its own /metrics: these, then every rank's serving series, each with
+    # its rank label): per rank behind it
+    _c("moescope_fleet_requests_dealt_total", "Requests the front end forwarded to this rank."),
+    _g("moescope_fleet_requests_outstanding", "Requests forwarded to this rank and not yet answered in full."),
+    _g("moescope_fleet_rank_in_rotation", "1 while the front end deals to this rank; 0 after it refused a request "
+       "as unhealthy or refused the connection, until its /health answers 200."),
+    _g("moescope_fleet_rank_metrics_up", "1 when this scrape of the front end read the rank's own /metrics; 0 when "
+       "it could not (its serving series are then missing from this scrape)."),
 )
 
 BY_NAME = {m.name: m for m in CATALOGUE}

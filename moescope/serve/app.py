@@ -212,7 +212,8 @@ def create_app(service: Service) -> FastAPI:
 
     engine = service.loop.engine
     if service.metrics is None:
-        service.metrics = ServeMetrics(service.limits.name, service.loop)
+        ranks = service.loop.ranks  # an expert-parallel rank labels its serving series with its rank
+        service.metrics = ServeMetrics(service.limits.name, service.loop, rank=ranks.rank if ranks is not None else 0)
     if service.routed is None:
         service.routed = routing.RoutedExperts.attach(engine)
     if service.distribution is None:

@@ -21,8 +21,10 @@ away cancels its request on the rank (the front end closes that connection, whic
 rank lost mid-stream ends the client's event stream with an error event and ``[DONE]``. ``x-request-id`` is
 unique across the ranks: the front end refuses an id in flight on any (409).
 
-Serving metrics (``/metrics`` of each rank's API) stay on the rank's loopback port; the engine's metrics are on
-``--metrics-port`` + rank.
+Metrics: the front end's ``/metrics`` is one scrape for the fleet's serving: its own series per rank (dealt,
+outstanding, in rotation, whether the rank's metrics were read) and every rank's serving series (each rank's
+``/metrics``, read at scrape time; they carry their rank label, so the families merge without collision). The
+engine's metrics (routing, all-to-all) stay on ``--metrics-port`` + rank, one target per rank.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from moescope.metrics import catalogue
 from moescope.serve.app import disconnected, read_body
 from moescope.serve.errors import APIError
 from moescope.serve.responses import sse
@@ -52,6 +55,9 @@ HOP_OUT = HOP | {"date", "server"}  # uvicorn writes its own
 HEALTH_TIMEOUT_S = 5.0
 RECHECK_S = 1.0  # how often the /health of a rank out of rotation is asked again
 REFUSED = {"engine_unhealthy", "shutting_down"}  # a rank's 503 codes that come before admission
+TEXT = "text/plain; version=0.0.4; charset=utf-8"
+FLEET_SERIES = ("moescope_fleet_requests_dealt_total", "moescope_fleet_requests_outstanding",
+                "moescope_fleet_rank_in_rotation", "moescope_fleet_rank_metrics_up")
 
 
 def _headers_out(upstream: httpx.Response, rank: int) -> dict[str, str]:
@@ -69,8 +75,9 @@ class Fleet:
     """The ranks behind the front end: their addresses, what is in flight on each, the dealing rule, and which
     ranks are out of rotation (they refused a request as unhealthy, or refused the connection)."""
 
-    def __init__(self, world_size: int, run_dir: Path) -> None:
+    def __init__(self, world_size: int, run_dir: Path, model: str = "") -> None:
         self.world = world_size
+        self.model = model  # the model label of the front end's own series (the ranks' serving series carry theirs)
         self.run_dir = Path(run_dir)
         self.urls: list[str | None] = [None] * world_size
         self.outstanding = [0] * world_size  # requests forwarded and not yet answered in full
@@ -115,6 +122,37 @@ class Fleet:
             if ok:
                 log.warning("rank %d back in rotation", r)
                 self.benched.pop(r, None)
+
+
+def fleet_exposition(fleet: Fleet, texts: list[str | None]) -> bytes:
+    """The text exposition of the front end's own series (catalogue ``moescope_fleet_*``, per rank) and of the
+    ranks' own ``texts`` (None: not read), their families merged by name."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.parser import text_string_to_metric_families
+
+    spec = catalogue.BY_NAME
+    own = {name: (CounterMetricFamily if spec[name].kind == "counter" else GaugeMetricFamily)(
+        spec[name].family, spec[name].help, labels=list(spec[name].all_labels)) for name in FLEET_SERIES}
+    merged: dict[str, object] = {}
+    for r, text in enumerate(texts):
+        base = [fleet.model, str(r)]
+        for name, value in zip(FLEET_SERIES, (fleet.dealt[r], fleet.outstanding[r], r not in fleet.benched,
+                                              text is not None)):
+            own[name].add_metric(base, float(value))
+        for family in text_string_to_metric_families(text or ""):
+            have = merged.setdefault(family.name, family)
+            if have is not family:
+                have.samples.extend(family.samples)
+
+    class Families:
+        def collect(self):
+            yield from own.values()
+            yield from merged.values()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(Families())
+    return generate_latest(registry)
 
 
 def _error(exc: APIError) -> JSONResponse:
@@ -327,6 +365,20 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
                                else r.text)
         return JSONResponse({"ranks": answers})
 
+    async def rank_metrics(r: int, url: str | None) -> str | None:
+        if url is None:
+            return None
+        try:
+            got = await fleet.client.get(url + "/metrics", timeout=HEALTH_TIMEOUT_S)
+        except httpx.HTTPError:
+            return None
+        return got.text if got.status_code == 200 else None
+
+    async def metrics(request: Request) -> Response:
+        """The front end's series and every rank's serving series, in one exposition (module doc)."""
+        texts = await asyncio.gather(*(rank_metrics(r, u) for r, u in enumerate(fleet.discover())))
+        return Response(fleet_exposition(fleet, texts), media_type=TEXT)
+
     async def not_found(request: Request, exc) -> Response:
         return _error(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
                                code="not_found"))
@@ -334,7 +386,8 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
     routes = [Route(p, forward, methods=["POST"]) for p in
               ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
     routes += [Route(p, any_rank, methods=["GET"]) for p in ("/v1/models", "/version")]
-    routes += [Route("/health", health, methods=["GET"]), Route("/ready", health, methods=["GET"])]
+    routes += [Route("/health", health, methods=["GET"]), Route("/ready", health, methods=["GET"]),
+               Route("/metrics", metrics, methods=["GET"])]
     if debug:
         routes.append(Route("/debug/{what}", debug, methods=["POST"]))
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
