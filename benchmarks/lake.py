@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
     rounds, replicas = args.rounds, 2 if args.quick else args.replicas
-    tiny_n, ds_n, ds_tokens = (50, 2, 24) if args.quick else (2000, 20, 240)
+    tiny_n, ds_n, ds_tokens = (24, 2, 12) if args.quick else (2000, 20, 240)
     out = args.out
     report: dict = {"machine": "shared 2-core CPU machine (other jobs running): figures are noisy",
                     "quick": args.quick, "replicas": replicas}

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/device_checks.sh: cuda)")
     args = _results.parse(ap, argv, lambda a: "overhead" if a.device == "cpu" else f"overhead-{a.device}")
     rounds, out = args.rounds, args.out
-    workloads = [("tiny-demo", 1, 8), ("tiny-demo", 16, 48)]
+    workloads = [("tiny-demo", 1, 4 if args.quick else 8), ("tiny-demo", 16, 16 if args.quick else 48)]
     if not args.quick:
         workloads.append(("deepseek-v3-shape", 16, 16))
     models = {name: loader.build_model(name, device=args.device) for name in {w[0] for w in workloads}}

@@ -18,15 +18,26 @@ from conftest import ROOT
 
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 QUICK_TIMEOUT_S = 900  # a quick run is a smoke run: minutes at most, even on a busy 2-core CI machine
+# Benchmarks whose --quick run a test of their own makes and checks in detail (not run twice): name -> that test.
+QUICK_TESTED_ELSEWHERE = {"serve": ("test_serve.py", "test_load_benchmark_quick_runs")}
 
 
 def test_the_directory_holds_the_benchmarks():
     assert len(BENCHMARKS) >= 8, BENCHMARKS
 
 
+@pytest.mark.parametrize("name", sorted(QUICK_TESTED_ELSEWHERE))
+def test_a_benchmark_left_out_here_has_its_quick_run_tested_elsewhere(name):
+    module, test = QUICK_TESTED_ELSEWHERE[name]
+    source = (ROOT / "tests" / module).read_text()
+    body = source[source.index(f"def {test}("):]
+    body = body[:body.find("\ndef ", 1)]
+    assert f'"{name}.py"' in body and '"--quick"' in body, f"{module}::{test} no longer runs {name}.py --quick"
+
+
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("path", [p for p in BENCHMARKS if p.stem not in QUICK_TESTED_ELSEWHERE], ids=lambda p: p.stem)
 def test_benchmark_runs_in_quick_mode(path, tmp_path):
     # Without a --quick in its source a benchmark would run its full length here (or ignore the flag): fail first.
     # (No separate `--help` run: each costs a torch import; argparse rejects an unknown --quick below anyway.)
