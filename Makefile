@@ -10,9 +10,10 @@ TORCH ?= torch==2.13.0
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
+# --no-compile: each module is byte-compiled when first imported, not all of torch at install time.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-compile "$(TORCH)"
+	$(BIN)/pip install -q --disable-pip-version-check --no-compile -e '.[test]'
 	touch $@
 
 install: $(VENV)/.installed

@@ -20,9 +20,10 @@ def pytest_configure(config):
 # Modules that run alone (the second phase of .ci/pytest; the rest run two at a time under pytest-xdist): each runs
 # several demos and real servers at once, sized for two cores, and judges detection or timing that a test beside
 # it would starve (the matrix rows, the twenty 2-rank runs, diagnose's scenario demos, slow-rank attribution in
-# demos and serve fleets, the alert delivered within its `for`).
+# demos and serve fleets, a hung rank told from a dead one by its heartbeats, the alert delivered within its
+# `for`). (test_serve_fleet_faults judges no timing: its fleets wait on events, and it shares the machine well.)
 SERIAL = {"test_detection_matrix", "test_lockstep_end", "test_diagnose", "test_parallel", "test_alerting_e2e",
-          "test_serve_fleet", "test_serve_fleet_faults"}
+          "test_serve_fleet"}
 
 
 def pytest_collection_modifyitems(config, items):
