@@ -75,7 +75,7 @@ def build_model(model: str = "tiny-demo", *, weights: str | None = "auto", devic
         weights = model if weights == "auto" else weights
     else:
         cfg = resolve(model)
-        if weights == "auto":  # tiny-demo
+        if weights == "auto":  # the shipped weights' config (routers_cache.to_balance)
             weights = str(weights_io.DEMO_WEIGHTS)
     if overrides and balanced is None:
         cfg = cfg.replace(**overrides)
