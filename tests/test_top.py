@@ -174,7 +174,8 @@ def test_tmux_80x24_screen_shows_tiles_heatmap_and_quits():
         cmd = f"{sys.executable} -m moescope top 127.0.0.1:{port} --interval 0.5; echo EXITED; sleep 30"
         subprocess.run([tmux, "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
 
-        text = wait_screen(tmux, session, lambda text: "L3 " in text and "excess CV 0." in text)
+        # the footer (key help) is drawn after the first poll's rows: wait for the whole screen, not its first paint
+        text = wait_screen(tmux, session, lambda text: "L3 " in text and "excess CV 0." in text and "quit" in text)
         assert f"127.0.0.1:{port} ok" in text and "excess CV 0." in text and "3 layers x 8 experts" in text, text
         assert all(f"L{la} " in text for la in (1, 2, 3)) and "quit" in text, text  # rows and key help fit
         assert all(len(line) <= 80 for line in text.splitlines())
