@@ -17,7 +17,7 @@ def pytest_configure(config):
                                                           "traces.sqlite"))
 
 
-# Modules that run alone (the second phase of .ci/pytest; the rest run two at a time under pytest-xdist): each runs
+# Modules that run alone (the second phase of .ci/pytest; the rest run three at a time under pytest-xdist): each runs
 # several demos and real servers at once, sized for two cores, and judges detection or timing that a test beside
 # it would starve (the matrix rows, the twenty 2-rank runs, diagnose's scenario demos, slow-rank attribution in
 # demos and serve fleets, a hung rank told from a dead one by its heartbeats, the alert delivered within its

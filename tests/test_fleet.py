@@ -305,3 +305,18 @@ def test_two_replicas_of_one_model_keep_their_own_rank_load_in_the_recording_rul
     assert got.keys() == direct.keys() and len(got) == 2 * len(layers)
     for key, value in got.items():
         assert value == pytest.approx(direct[key], rel=1e-9), key
+
+
+@pytest.mark.integration
+def test_fewer_requests_than_ranks_leave_a_rank_idle_and_the_summary_whole():
+    """`demo --world-size 2 --requests 1`: rank 1 serves nothing (it routed no token, its load has no layers); the
+    merged summary still holds every layer, each the one request's forwarded tokens x k (it used to fail on the
+    idle rank's missing layers)."""
+    demo = run_cli("demo", "--no-tui", "--world-size", "2", "--requests", "1", "--rate", "0", "--traces", "none",
+                   "--metrics-port", "-1", "--json", timeout=300)
+    assert demo.returncode == 0, demo.stderr[-2000:]
+    s = json.loads(demo.stdout)
+    assert s["completed"] == 1 and [r["completed"] for r in s["ranks"]] == [1, 0]
+    fed = s["ranks"][0]["tokens"]["prompt"] + s["ranks"][0]["tokens"]["output"] - 1
+    assert set(s["expert_load"]) == set(s["tokens_dropped"]) == {"1", "2", "3"}
+    assert all(sum(counts) == fed * TOP_K for counts in s["expert_load"].values()), s["expert_load"]
