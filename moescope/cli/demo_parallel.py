@@ -179,14 +179,18 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     merged["request_ids"] = sorted(i for s in summaries for i in s["request_ids"])
     merged["requests_detail"] = sorted((d for s in summaries for d in s["requests_detail"]),
                                        key=lambda d: d["request_id"])
-    # a rank that served no request (fewer requests than ranks) routed nothing: its load has no layers
-    widths = {layer: len(counts) for s in summaries for layer, counts in s["expert_load"].items()}
-    load = {layer: [sum(s["expert_load"].get(layer, [0] * n)[e] for s in summaries) for e in range(n)]
-            for layer, n in sorted(widths.items(), key=lambda kv: int(kv[0]))}
-    merged["expert_load"] = load
+    # summed over the ranks that routed each layer: a rank that served no request (fewer requests than ranks)
+    # routed nothing and its summary has no layers
+    load: dict[str, list[int]] = {}
+    dropped: dict[str, int] = {}
+    for s in summaries:
+        for layer, counts in s["expert_load"].items():
+            load[layer] = [a + b for a, b in zip(load.get(layer, [0] * len(counts)), counts)]
+        for layer, n in s["tokens_dropped"].items():
+            dropped[layer] = dropped.get(layer, 0) + n
+    merged["expert_load"] = load = dict(sorted(load.items(), key=lambda kv: int(kv[0])))
     merged["expert_load_cv"] = {layer: round(stats.load_cv(c), 4) for layer, c in load.items()}
-    merged["tokens_dropped"] = {layer: sum(s["tokens_dropped"].get(layer, 0) for s in summaries)
-                                for layer in sorted({la for s in summaries for la in s["tokens_dropped"]}, key=int)}
+    merged["tokens_dropped"] = dict(sorted(dropped.items(), key=lambda kv: int(kv[0])))
     return merged
 
 

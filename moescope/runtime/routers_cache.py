@@ -15,10 +15,11 @@ import os
 from pathlib import Path
 
 from moescope.progress import note
+from moescope.runtime import weights as weights_io
 from moescope.runtime.config import MoEConfig, resolve
 
 BALANCE_VERSION = 3  # bump when the procedure changes: cached or shipped results of an older one are not reused
-SHIPPED = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED = weights_io.ASSETS
 
 
 def cache_dir() -> Path:
@@ -45,16 +46,6 @@ def found(cfg: MoEConfig, seed: int) -> list[Path]:
     return [p for p in (SHIPPED / name, cache_dir() / name) if p.is_file()]
 
 
-def shipped_weights_config() -> MoEConfig:
-    """The config of the trained weights moescope ships (``assets/tiny-demo.safetensors``), read from the file's
-    safetensors header without torch (an 8-byte length, then JSON whose ``__metadata__`` holds the config)."""
-    from moescope.runtime.config import from_dict
-
-    with open(SHIPPED / "tiny-demo.safetensors", "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return from_dict(json.loads(header["__metadata__"]["moescope_config"]), source="shipped weights")
-
-
 def to_balance(model: str, weights: str | None, **overrides) -> MoEConfig | None:
     """The config whose routers ``loader.build_model(model, weights=weights, **overrides)`` balances, or None
     where it loads weights (a ``.safetensors`` model, a weights file, or, for a model whose config is the shipped
@@ -62,7 +53,7 @@ def to_balance(model: str, weights: str | None, **overrides) -> MoEConfig | None
     if weights != "auto" or model.endswith(".safetensors"):
         return None
     cfg = resolve(model)
-    shipped = shipped_weights_config()
+    shipped = weights_io.read_config(weights_io.DEMO_WEIGHTS)  # torch-free: the header's config
     if cfg.replace(name=shipped.name) == shipped:
         return None
     return cfg.replace(**overrides) if overrides else cfg

@@ -1,23 +1,31 @@
-"""Saving and loading model weights: safetensors only (no pickle), config stored in the file's metadata."""
+"""Saving and loading model weights: safetensors only (no pickle), config stored in the file's metadata. Importing
+this module does not import torch (``read_config`` runs before a first build says it is loading)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from moescope.errors import BadInput
 from moescope.runtime.config import MoEConfig, from_dict
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEMO_WEIGHTS = ASSETS / "tiny-demo.safetensors"
+MAX_HEADER = 100_000_000  # safetensors' own limit on the JSON header
+
+if TYPE_CHECKING:
+    import torch
 
 
-def save(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype = torch.float16,
+def save(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None = None,
          extra: dict[str, str] | None = None) -> Path:
-    """Write the model's parameters (cast to ``dtype`` to keep the file small) and its config."""
+    """Write the model's parameters (cast to ``dtype``, float16 by default, to keep the file small) and its
+    config."""
+    import torch
     from safetensors.torch import save_file
+
+    dtype = torch.float16 if dtype is None else dtype
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -30,16 +38,18 @@ def save(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype = torch
 
 
 def read_config(path: str | Path) -> MoEConfig:
-    """The config stored in a weights file's metadata."""
-    from safetensors import safe_open
-
+    """The config stored in a weights file's metadata, read from the safetensors header (an 8-byte little-endian
+    length, then that much JSON whose ``__metadata__`` holds it) without torch."""
     path = Path(path)
     try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 0 < size <= MAX_HEADER:
+                raise ValueError(f"header size {size}")
+            meta = json.loads(f.read(size)).get("__metadata__") or {}
     except FileNotFoundError:
         raise BadInput(f"weights file {path} does not exist") from None
-    except Exception as exc:
+    except (OSError, ValueError, AttributeError) as exc:
         raise BadInput(f"weights file {path} is not a readable safetensors file: {exc}") from None
     if "moescope_config" not in meta:
         raise BadInput(f"weights file {path} has no moescope config in its metadata")
@@ -48,6 +58,7 @@ def read_config(path: str | Path) -> MoEConfig:
 
 def load_into(model: torch.nn.Module, path: str | Path) -> None:
     """Copy the file's tensors into ``model`` (cast to the model's dtype); every name and shape must match."""
+    import torch
     from safetensors.torch import load_file
 
     path = Path(path)
