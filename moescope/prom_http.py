@@ -9,6 +9,7 @@ why; ``.reason`` holds the why alone, for callers that show a status instead of 
 
 from __future__ import annotations
 
+import http.client
 import json
 import urllib.error
 import urllib.parse
@@ -38,7 +39,9 @@ def get(url: str, what: str, timeout: float, *, error_body: bool = False) -> byt
             except OSError:
                 pass
         raise Unreachable(what, url, f"HTTP {exc.code} {exc.reason}") from None
-    except (urllib.error.URLError, OSError, ValueError) as exc:  # refused, DNS, timeout, a malformed URL
+    # refused, DNS, timeout, a malformed URL (OSError, ValueError); a server that died mid-answer or does not
+    # speak HTTP (http.client's IncompleteRead, BadStatusLine: neither is an OSError)
+    except (OSError, ValueError, http.client.HTTPException) as exc:
         raise Unreachable(what, url, getattr(exc, "reason", exc)) from None
 
 

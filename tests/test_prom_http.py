@@ -49,3 +49,44 @@ def test_an_unreachable_server_is_one_line_and_keeps_its_reason():
 def test_a_server_that_is_not_prometheus_is_unreachable(prometheus):
     with pytest.raises(prom_http.Unreachable, match="not JSON"):
         prom_http.query(prometheus.url + "/metrics#", "up")  # text, not the query API's JSON
+
+
+def _dies_mid_answer(answer: bytes):
+    """A server that answers ``answer`` once, then closes the connection: what an exporter killed in the middle of
+    a scrape leaves the client reading."""
+    import socket
+    import threading
+
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = srv.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(answer)
+        srv.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return f"127.0.0.1:{srv.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nmoescope_",  # IncompleteRead: cut in the body
+    b"",  # RemoteDisconnected: closed before answering
+    b"garbage\r\n\r\n",  # BadStatusLine: not HTTP at all
+])
+def test_a_server_that_dies_mid_answer_is_unreachable_not_a_crash(answer):
+    """`top` polls every interval; an exporter killed in the middle of a scrape must read as unreachable (the
+    CI once saw `top` stop polling: http.client raised past the client's error type)."""
+    endpoint = _dies_mid_answer(answer)
+    with pytest.raises(prom_http.Unreachable) as err:
+        prom_http.exposition(endpoint, timeout=5)
+    assert "\n" not in str(err.value) and err.value.reason
+
+
+def test_the_top_poller_shows_a_scrape_cut_short_as_a_status():
+    from moescope.tui.top_data import Poller
+
+    endpoint = _dies_mid_answer(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nmoescope_")
+    frame = Poller([endpoint], timeout=5).poll()
+    assert frame.endpoints[endpoint].startswith("unreachable: ")
