@@ -14,18 +14,21 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from moescope.capture.observer import Observer
+from moescope.prom_http import Unreachable
 
 T = TypeVar("T")
 _MISSING = object()
 
 
 def wait_until(probe: Callable[[], T], *, timeout: float, what: str, until: Callable[[T], object] = bool,
-               interval: float = 0.3, ignore: tuple[type[BaseException], ...] = (OSError,),
+               interval: float = 0.3, ignore: tuple[type[BaseException], ...] = (OSError, Unreachable),
                alive: Callable[[], bool] | None = None) -> T:
     """Call ``probe`` until ``until(value)`` holds (by default: the value is truthy) and return the value.
     ``ignore``: exceptions that mean "not yet" (a server still starting). ``alive``: returns False when waiting is
     pointless (the process under test exited). Gives up after ``timeout`` s with an AssertionError naming
-    ``what`` and the last value seen (so a probe that returns its readings explains a failure)."""
+    ``what`` and the last value seen (so a probe that returns its readings explains a failure). By default a
+    socket error and moescope's own ``Unreachable`` (a server slow to answer a query, on a loaded machine) are
+    "not yet"."""
     deadline, last = time.monotonic() + timeout, _MISSING
     while True:
         try:

@@ -113,7 +113,7 @@ class Prometheus(_Server):
         self.url = f"http://127.0.0.1:{self.port}"
         try:
             wait_http(self.url + "/-/ready")
-        except prom_http.Unreachable:
+        except AssertionError:  # wait_http gave up (it fails with the last error seen)
             self.stop()
             raise RuntimeError("prometheus did not become ready: "
                                + (tmp / "prometheus.log").read_text()[-2000:]) from None
@@ -198,7 +198,7 @@ class Alertmanager(_Server):
         self.address = f"127.0.0.1:{self.port}"
         try:
             wait_http(f"http://{self.address}/-/ready")
-        except prom_http.Unreachable:
+        except AssertionError:  # wait_http gave up (it fails with the last error seen)
             self.stop()
             raise RuntimeError("alertmanager did not start: "
                                + (tmp / "alertmanager.log").read_text()[-2000:]) from None

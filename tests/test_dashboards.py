@@ -112,12 +112,14 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
     try:
         proc = popen_cli("demo", "--no-tui", "--requests", "16", "--rate", "0", "--world-size", "2", "--cache-size",
                          "4", "--capacity-factor", "1.0", "--metrics-port", str(port), "--rebalance-steps", "10",
-                         "--linger", "30", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         "--linger", "600", "--json", stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # (Both linger far beyond the test, killed at its end: a run that ended would go stale in Prometheus
+        # between the wait below and the last query on a loaded machine.)
         # A single-process demo beside it: the canary (flip ratio) and drift series (expert parallel runs
         # have no canary yet), and a hot expert (expert 3 of layer 1) for the hot-expert panels.
         single = popen_cli("demo", "--no-tui", "--requests", "12", "--rate", "0", "--metrics-port", str(port + 2),
                            "--baseline", str(baseline), "--canary-interval", "0.2", "--scenario", "hot=1:3:4",
-                           "--linger", "30", "--traces", "none", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           "--linger", "600", "--traces", "none", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # The serving row: a real `moescope serve` (its API port's /metrics), answering streamed requests.
         serve = popen_cli("serve", "--port", str(port + 3), "--metrics-port", "-1", "--traces", "none",
                           "--canary-interval", "0", "--max-batch", "2", stdout=subprocess.DEVNULL,

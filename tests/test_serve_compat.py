@@ -227,7 +227,7 @@ def test_unbounded_queue_answers_every_request(server):
 def test_any_request_id_is_accepted_with_a_distinct_store_key(server):
     async def two_at_once():
         async with httpx.AsyncClient(timeout=120) as c:
-            body = {"model": ALIASES[0], "prompt": "same id", "max_tokens": 40, "temperature": 0,
+            body = {"model": ALIASES[0], "prompt": "same id", "max_tokens": 160, "temperature": 0,
                     "ignore_eos": True}
             return await asyncio.gather(*(c.post(server.url + "/v1/completions", json=body,
                                                  headers={"x-request-id": "dup-1"}) for _ in range(2)))

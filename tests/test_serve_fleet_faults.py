@@ -211,7 +211,8 @@ def test_a_client_that_goes_away_cancels_its_request_on_the_rank(tmp_path):
 
 def _stand_in(state: dict):
     """A stand-in rank for the front end's dealing: answers completions 200 while ``state["ok"]``, else 503
-    engine_unhealthy before admitting (as serve's own refusal); /health alike."""
+    engine_unhealthy before admitting (as serve's own refusal); /health alike. A prompt "slow" is held until
+    ``state["release"]`` is set."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, PlainTextResponse
     from starlette.routing import Route
@@ -220,8 +221,8 @@ def _stand_in(state: dict):
                            "code": "engine_unhealthy"}}
 
     async def complete(request):
-        if json.loads(await request.body())["prompt"] == "slow":
-            await asyncio.sleep(2)
+        if json.loads(await request.body())["prompt"] == "slow":  # held until the test releases it
+            await asyncio.to_thread(state["release"].wait, 60)
         state["seen"] += 1
         return JSONResponse({"ok": True}) if state["ok"] else JSONResponse(unhealthy, status_code=503)
 
@@ -253,11 +254,12 @@ def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
     rank 2's address refuses connections. Every request is answered by rank 1 (the refusals came before admission:
     retried there), rank 0 is asked once and rank 2 never twice; once rank 0's /health passes it is dealt again. A
     request id in flight is refused (409) whichever rank the second would go to."""
-    states = [{"ok": False, "seen": 0, "rank": 0}, {"ok": True, "seen": 0, "rank": 1}]
+    states = [{"ok": False, "seen": 0, "rank": 0, "release": threading.Event()},
+              {"ok": True, "seen": 0, "rank": 1, "release": threading.Event()}]
     stand_ins = [_serve_app(_stand_in(st)) for st in states]
-    closed = server.bind("127.0.0.1", 0)  # bound, never listening: connections are refused
+    closed = socket.socket()  # bound, never listening: connections are refused (kept to the end: no one else
+    closed.bind(("127.0.0.1", 0))  # takes the port meanwhile)
     dead_url = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    closed.close()
     for r, url in enumerate([stand_ins[0][0], stand_ins[1][0], dead_url]):
         fleet_mod.address_file(tmp_path, r).write_text(url)
     fleet = fleet_mod.Fleet(3, tmp_path, MODEL)
@@ -299,12 +301,17 @@ def test_a_rank_that_refuses_leaves_rotation_until_its_health_passes(tmp_path):
                for _ in range(2)]
         assert [r.status_code for r in dup] == [409, 409]
         assert {r.json()["error"]["code"] for r in dup} == {"duplicate_request_id"}
+        for st in states:
+            st["release"].set()
         slow.join(30)
         wait_until(lambda: fleet.in_flight, until=lambda ids: not ids, timeout=10, what="no id in flight",
                    interval=0.02)
     finally:
+        for st in states:  # (a failed assertion must not leave a handler waiting)
+            st["release"].set()
         for srv in (front_server, *(u for _, u in stand_ins)):
             srv.should_exit = True
+        closed.close()
 
 
 @pytest.mark.integration

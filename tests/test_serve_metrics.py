@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import threading
-import time
 
 import httpx
 import openai
@@ -209,8 +208,9 @@ def test_vllm_dashboard_queries_answer_through_the_documented_relabel(server, tm
         missing = [q for q in VLLM_QUERIES if not prom.query(q.replace("$m", MODEL))]
         assert not missing, missing
         assert not prom.query('{__name__=~"moescope_serve_.+"}')  # every serving series was renamed
-        time.sleep(2.5)  # (idle: a scrape or two after the last request)
-        total = prom.scalar(f'vllm:generation_tokens_total{{model_name="{MODEL}"}}')
-        assert total == value(scrape(server), "generation_tokens_total")
+        # idle now: Prometheus's next scrapes hold the exporter's total (the server's own, read directly)
+        served = value(scrape(server), "generation_tokens_total")
+        wait_until(lambda: prom.scalar(f'vllm:generation_tokens_total{{model_name="{MODEL}"}}'),
+                   until=lambda total: total == served, timeout=30, what="Prometheus's total = the exporter's")
     finally:
         prom.stop()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import subprocess
+import time
 
 import httpx
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import wait_until
 from test_serve import MODEL, Serve, _cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -88,11 +90,27 @@ def test_routed_experts_curl_and_bad_values(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def exporter_counts(server: Serve) -> dict[tuple[int, int], float]:
-    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).text
+def _scraped_counts(server: Serve) -> dict[tuple[int, int], float]:
+    text = httpx.get(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=30).text
     return {(int(s.labels["layer"]), int(s.labels["expert"])): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples
             if s.name == "moescope_expert_tokens_total"}
+
+
+def exporter_counts(server: Serve) -> dict[tuple[int, int], float]:
+    """The exporter's counts once settled: the engine flushes its last partial interval when it goes idle, just
+    after the response is sent, so a scrape right after an answer may precede that flush. Two scrapes half a
+    second apart that agree (the server idle between them) hold every step served."""
+    last = [_scraped_counts(server)]
+
+    def settled():
+        time.sleep(0.5)
+        now = _scraped_counts(server)
+        same, last[0] = now == last[0], now
+        return same
+
+    wait_until(settled, timeout=30, what="the exporter's counts settled", interval=0)
+    return last[0]
 
 
 def dump(server: Serve) -> tuple[np.ndarray, dict]:
@@ -106,7 +124,7 @@ def test_distribution_dump_equals_the_exporter_and_the_store_over_the_window(ser
     assert httpx.post(server.url + "/stop_expert_distribution_record", timeout=30).status_code == 400  # not on
     client = server.client()
     client.completions.create(model=MODEL, prompt="before the window", max_tokens=5)  # not in the window
-    before = exporter_counts(server)  # the server is idle: every step is summarised by the scrape
+    before = exporter_counts(server)  # the server idle: every step served is in the counts
     assert httpx.post(server.url + "/start_expert_distribution_record", timeout=30).status_code == 200
     ids = [client.completions.create(model=MODEL, prompt=f"window {i} " * (i + 1), max_tokens=4 + 3 * i,
                                      temperature=0.9, seed=i).id for i in range(5)]

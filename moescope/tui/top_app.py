@@ -94,6 +94,7 @@ class TopApp(App):
         self.worst_first = False
         self.offset = 0  # first overview row shown
         self.paused = False
+        self._polling = False  # a poll is in flight (set and cleared on the app's thread)
         self.polls = 0
 
     def compose(self) -> ComposeResult:
@@ -108,14 +109,19 @@ class TopApp(App):
         self._tick()
 
     def _tick(self) -> None:
-        if not self.paused:
-            self.run_worker(self._poll, thread=True, exclusive=True, group="poll")
+        # one poll at a time: a poll slower than the interval (a loaded exporter, a large exposition) makes the
+        # next tick wait, never run beside it (the poller keeps the previous scrape for rates: two at once would
+        # interleave it). A Textual thread worker cannot be cancelled, so `exclusive` would not prevent that.
+        if not self.paused and not self._polling:
+            self._polling = True
+            self.run_worker(self._poll, thread=True, group="poll")
 
     def _poll(self) -> None:
         frame = self.poller.poll()
         self.call_from_thread(self.show, frame)
 
     def show(self, frame: Frame) -> None:
+        self._polling = False
         self.frame = frame
         if self.first_frame is None:
             self.first_frame = frame
