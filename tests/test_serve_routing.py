@@ -101,16 +101,13 @@ def exporter_counts(server: Serve) -> dict[tuple[int, int], float]:
     """The exporter's counts once settled: the engine flushes its last partial interval when it goes idle, just
     after the response is sent, so a scrape right after an answer may precede that flush. Two scrapes half a
     second apart that agree (the server idle between them) hold every step served."""
-    last = [_scraped_counts(server)]
-
-    def settled():
+    def two_scrapes():
+        first = _scraped_counts(server)
         time.sleep(0.5)
-        now = _scraped_counts(server)
-        same, last[0] = now == last[0], now
-        return same
+        return first, _scraped_counts(server)
 
-    wait_until(settled, timeout=30, what="the exporter's counts settled", interval=0)
-    return last[0]
+    return wait_until(two_scrapes, until=lambda pair: pair[0] == pair[1], timeout=30, interval=0,
+                      what="the exporter's counts settled")[1]
 
 
 def dump(server: Serve) -> tuple[np.ndarray, dict]:
