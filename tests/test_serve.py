@@ -329,8 +329,12 @@ def test_chat_bad_input_and_request_ids(server):
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory):
-    """One batch slot, one queue place: deterministic queueing, 429 and cancellation."""
-    s = Serve(tmp_path_factory.mktemp("small"), "--max-batch", "1", "--max-queue", "1", name="small", metrics=True)
+    """One batch slot, one queue place: deterministic queueing, 429 and cancellation. The switch-jitter scenario
+    (an expert cache miss waits 20-60 ms on a slow tier: ~25 ms a token) makes a 400-token request take ~10 s and a
+    200-token one ~5 s on any machine, so each surely outlives what the tests do meanwhile (unloaded, tiny-demo
+    makes 400 tokens in 0.75 s, within the 1 s a client waits below: a fresh-clone run saw it answered whole)."""
+    s = Serve(tmp_path_factory.mktemp("small"), "--max-batch", "1", "--max-queue", "1", "--scenario", "switch-jitter",
+              name="small", metrics=True)
     yield s
     assert s.stop() == 0
     assert "Traceback" not in s.log(), s.log()
@@ -339,7 +343,7 @@ def small(tmp_path_factory):
 def test_full_queue_answers_429_with_retry_after(small):
     async def main():
         async with httpx.AsyncClient(base_url=small.url, timeout=120) as c:
-            body = {"model": MODEL, "prompt": "long", "max_tokens": 400, "temperature": 0}  # outlives the refusals
+            body = {"model": MODEL, "prompt": "long", "max_tokens": 200, "temperature": 0}  # ~5 s: outlives refusals
             running = asyncio.ensure_future(c.post("/v1/completions", json=body))
             await asyncio.to_thread(small.wait_health, lambda h: h["running"] == 1)
             queued = asyncio.ensure_future(c.post("/v1/completions", json={**body, "max_tokens": 2}))
