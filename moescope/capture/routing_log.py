@@ -15,7 +15,7 @@ import torch
 from moescope.capture.observer import Observer
 
 if TYPE_CHECKING:
-    from moescope.runtime.router import RoutingDecision
+    from moescope.capture.decision import RoutingDecision
 
 FORMAT = "moescope-routing-v1"
 

@@ -36,7 +36,7 @@ import torch
 from moescope.capture.observer import Observer
 
 if TYPE_CHECKING:
-    from moescope.runtime.router import RoutingDecision
+    from moescope.capture.decision import RoutingDecision
 
 
 @dataclass(frozen=True)

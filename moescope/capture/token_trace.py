@@ -18,7 +18,7 @@ import numpy as np
 from moescope.capture.observer import Observer
 
 if TYPE_CHECKING:
-    from moescope.runtime.router import RoutingDecision
+    from moescope.capture.decision import RoutingDecision
 
 
 def row_dtype(top_k: int, n_experts: int) -> np.dtype:
@@ -38,6 +38,7 @@ class TraceArrays:
     raw: np.ndarray  # [T, L, itemsize] uint8, a view into the batch's buffer (concatenates at C speed)
     dtype: np.dtype  # row_dtype(k, n_experts)
     n_experts: int
+    scored: bool = True  # entropy and margin come from the router's scores (False: NaN meaning unknown)
 
     def records(self, raw: np.ndarray | None = None) -> np.ndarray:
         """``raw`` (this step's, or a concatenation of such slices) as [T, L] records (a copy when strided)."""
@@ -90,7 +91,8 @@ def pack(traces: Sequence[StepTrace]) -> list[TraceArrays | None]:
             tr = traces[i]
             n_layers, n_tok = len(tr.decisions), tr.decisions[0][1].ids.shape[0]
             out[i] = TraceArrays(layers=tuple(layer for layer, _ in tr.decisions), dtype=dtype, n_experts=n_exp,
-                                 raw=raw[off:off + n_layers * n_tok].reshape(n_layers, n_tok, -1).transpose(1, 0, 2))
+                                 raw=raw[off:off + n_layers * n_tok].reshape(n_layers, n_tok, -1).transpose(1, 0, 2),
+                                 scored=all(d.scored for _, d in tr.decisions))
             off += n_layers * n_tok
     return out
 

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
+from moescope.capture.decision import RoutingDecision, entropy_margin
 from moescope.errors import BadInput
 from moescope.metrics.state import ModelInfo
-from moescope.runtime.router import RoutingDecision, RoutingRule, entropy_margin
 
 ROUTER_NAMES = ("gate", "router")
 
@@ -212,7 +212,7 @@ class HFAdapter:
             # the runtime's definitions (docs/metrics.md): entropy of the router's scores normalised to sum 1,
             # margin of the two best scores; sigmoid routers score with the sigmoid, the others the softmax
             scores = probs if layer.scoring == "softmax" else torch.sigmoid(logits.float())
-            entropy, margin = entropy_margin(scores, RoutingRule(scoring=layer.scoring))
+            entropy, margin = entropy_margin(scores, layer.scoring)
             nonfinite = (~torch.isfinite(logits)).sum()
         else:  # no logits to judge certainty by: report NaN (unknown), never a made-up number
             entropy = margin = torch.full((n,), float("nan"), device=ids.device)

@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 from moescope.capture.observer import FanOut, Observer
+from moescope.capture.records import RequestRecord, StepRecord
 from moescope.errors import BadInput, MoescopeError
 from moescope.runtime import tokenizer
 from moescope.runtime.model import KVCache, MoETransformer, Segment
@@ -27,48 +28,6 @@ from moescope.runtime.router import extend_prefix_key
 from moescope.runtime.traffic import TrafficRequest
 
 log = logging.getLogger("moescope.runtime")
-
-
-@dataclass(frozen=True)
-class RequestRecord:
-    """A finished request: what it asked, what it got, how long each phase took (seconds)."""
-
-    request_id: str
-    prompt: str
-    output: str
-    prompt_tokens: tuple[int, ...]
-    output_tokens: tuple[int, ...]
-    arrival: float  # engine clock
-    queue_s: float
-    prefill_s: float
-    ttft_s: float
-    token_latencies_s: tuple[float, ...]  # per output token: first = ttft, then gaps between tokens
-    total_s: float
-    # "length", "eos", "max_seq_len", "stop" (a stop string), "cancelled" (``Engine.cancel``), "timeout"
-    # (``timeout_s``) or "error" (its sampling failed, or ``cancel(reason="error")`` after a step failed on it); a
-    # request that ends before its first token has ttft_s 0 and no token latencies.
-    finish_reason: str
-    domain: str | None = None
-    tenant: str | None = None
-    truncated_prompt: bool = False
-
-    @property
-    def n_output(self) -> int:
-        return len(self.output_tokens)
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One forward of the engine. ``segments`` maps the flat batch back to requests:
-    (request_id, first position, n tokens) in order."""
-
-    index: int
-    phase: str  # "prefill" or "decode"
-    started: float
-    seconds: float
-    n_tokens: int
-    segments: tuple[tuple[str, int, int], ...]
-    kv_tokens: int = 0  # positions held in the running requests' KV caches after the step (the working set)
 
 
 @dataclass

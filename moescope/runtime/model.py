@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moescope.capture.decision import RoutingDecision
 from moescope.capture.observer import NOOP, Observer
 from moescope.runtime.config import MoEConfig
 from moescope.runtime.experts import DenseFFN, Experts
-from moescope.runtime.router import Router, RoutingDecision, RoutingRule
+from moescope.runtime.router import Router, RoutingRule
 from moescope.runtime.timing import LayerTimer
 
 

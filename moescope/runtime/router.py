@@ -15,43 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-@dataclass(frozen=True)
-class RoutingDecision:
-    """What the router decided for one forward of one MoE layer (all tensors on the model's device).
-
-    Attributes:
-        ids: [T, k] int64 chosen experts, best first.
-        weights: [T, k] float32 gate weights, renormalised over the k choices; 0 where the slot was dropped.
-        kept: [T, k] bool, False where the capacity limit dropped the slot.
-        entropy: [T] router entropy normalised by log(E) (0 = certain, 1 = uniform).
-        margin: [T] top-1 minus top-2 probability.
-        nonfinite: [] int64 count of NaN/Inf router logits.
-        dropped: [] int64 count of dropped slots.
-        n_experts: E.
-        active_ids: [T, k] ``ids`` with dropped slots replaced by the sentinel E (computed by no expert);
-            the same tensor as ``ids`` when nothing can be dropped.
-    """
-
-    ids: torch.Tensor
-    weights: torch.Tensor
-    kept: torch.Tensor
-    entropy: torch.Tensor
-    margin: torch.Tensor
-    nonfinite: torch.Tensor
-    dropped: torch.Tensor
-    n_experts: int
-    active_ids: torch.Tensor | None = None
-    rerouted: dict | None = None  # mitigation -> [] int64 slots it changed ("load", "smoothing")
-
-    def __post_init__(self) -> None:
-        if self.active_ids is None:  # computed once here, read by the experts and every probe
-            object.__setattr__(self, "active_ids", torch.where(self.kept, self.ids,
-                                                               torch.full_like(self.ids, self.n_experts)))
-
-    @property
-    def n_tokens(self) -> int:
-        return self.ids.shape[0]
+from moescope.capture.decision import RoutingDecision, entropy_margin
 
 
 def expert_capacity(n_tokens: int, top_k: int, n_experts: int, capacity_factor: float) -> int:
@@ -180,23 +144,6 @@ class RoutingRule:
 PLAIN = RoutingRule()
 
 
-def entropy_margin(scores: torch.Tensor, rule: RoutingRule) -> tuple[torch.Tensor, torch.Tensor]:
-    """Normalised entropy [T] of the router's score distribution and the top-1 minus top-2 score [T].
-
-    Softmax scores are a distribution already; sigmoid scores are normalised to sum 1 for the entropy (the
-    share of affinity each expert holds). The margin is in the scores' own units (a probability, or an
-    affinity in [0, 1]); both ignore the correction bias and the group limit (the router's own confidence).
-    """
-    n_tokens, n_experts = scores.shape
-    if n_experts == 1:
-        return torch.zeros(n_tokens, device=scores.device), scores[:, 0]
-    p = scores if rule.scoring == "softmax" else scores / scores.sum(-1, keepdim=True)
-    # xlogy gives 0*log(0) = 0 for experts with zero probability.
-    entropy = -torch.special.xlogy(p, p).sum(-1) / math.log(n_experts)
-    top2 = torch.topk(scores, 2, dim=-1).values
-    return entropy, top2[:, 0] - top2[:, 1]
-
-
 def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
           capacity_factor: float | None = None, select=None, canonical_ties: bool = False,
           rule: RoutingRule = PLAIN, bias: torch.Tensor | None = None) -> RoutingDecision:
@@ -235,7 +182,7 @@ def route(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
         entropy = -torch.special.xlogy(scores, scores).sum(-1) / math.log(n_experts)
         margin = top_p[:, 0] - top_p[:, 1]
     else:
-        entropy, margin = entropy_margin(scores, rule)
+        entropy, margin = entropy_margin(scores, rule.scoring)
     kept, weights, dropped, active = _apply_capacity(ids, weights, n_experts, capacity_factor)
     return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=entropy, margin=margin,
                            nonfinite=nonfinite, dropped=dropped, n_experts=n_experts, active_ids=active,

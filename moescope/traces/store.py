@@ -53,7 +53,8 @@ CREATE TABLE IF NOT EXISTS requests (
     ids BLOB, weights BLOB, entropy BLOB, margin BLOB, miss BLOB, step BLOB,
     steps TEXT                      -- JSON: [{phase, seconds, layer_s: {layer: [router, experts, a2a]}, run, index,
                                     --        t (unix s), rss (bytes), kv (KV-cache tokens held after the step),
-                                    --        peer_wait: {layer: [s per peer]}}]
+                                    --        peer_wait: {layer: [s per peer]},
+                                    --        scored: false where the engine gave no router scores}]
 );
 CREATE INDEX IF NOT EXISTS requests_started ON requests(started);
 CREATE INDEX IF NOT EXISTS requests_total ON requests(total_s);
@@ -530,7 +531,11 @@ def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None
     steps = json.loads(r["steps"] or "[]") if steps is None else steps
     # Flags judge every stored layer; the entries hold the selected ones. Whole arrays become lists at once:
     # at 58 layers x 300 tokens a Python loop per number would cost a second.
-    nonfinite = (~np.isfinite(ent)).any(1).tolist()
+    nonfinite = (~np.isfinite(ent)).any(1)
+    unscored = [j for j, st in enumerate(steps) if isinstance(st, dict) and st.get("scored") is False]
+    if unscored and len(step):  # steps whose engine gave no router scores: NaN there is unknown, not non-finite
+        nonfinite &= ~np.isin(np.asarray(step), unscored)
+    nonfinite = nonfinite.tolist()
     dropped = (ids == r["n_experts"]).any((1, 2)).tolist()
     missed = miss.any(1).tolist()
     ids_l = ids[:, sel].tolist()

@@ -155,6 +155,8 @@ class TraceWriter(Observer):
             entry = {"phase": step.phase, "seconds": step.seconds, "index": step.index, "run": self.run_id,
                      "layer_s": {str(layer): [*times.get(layer, (None, None)), a2a.get(layer)] for layer in a.layers},
                      "t": round(trace.t, 4), "rss": rss, "kv": getattr(step, "kv_tokens", None)}
+            if not a.scored:  # the engine gave no router scores: NaN entropy/margin mean unknown, not non-finite
+                entry["scored"] = False
             if trace.peer_wait:
                 entry["peer_wait"] = {str(k): [round(w, 6) for w in v] for k, v in trace.peer_wait.items()}
             self._steps[step.index] = _Step(a, json.dumps(entry), len(step.segments))
@@ -177,7 +179,7 @@ class TraceWriter(Observer):
             rows = first.records(np.concatenate([st.arrays.raw[o:o + n] for st, o, n in slices]))  # [T, L]
             arrays = {name: np.ascontiguousarray(rows[name]) for name in ("ids", "weights", "entropy", "margin",
                                                                            "miss")}
-            if not np.isfinite(arrays["entropy"]).all():
+            if all(st.arrays.scored for st, _, _ in slices) and not np.isfinite(arrays["entropy"]).all():
                 flags.append("nonfinite")
             if (arrays["ids"] == first.n_experts).any():
                 flags.append("dropped")

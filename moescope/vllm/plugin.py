@@ -1,0 +1,257 @@
+"""The plugin's assembly, in each vLLM process where a model runner executes: settings from the environment,
+the one wrap of the model runner's ``execute_model`` (vLLM has no per-step hook for plugins), and on a runner's
+first step the adapter attached through ``moescope.instrument`` (the same assembly point as ``moescope demo``).
+
+Never harm vLLM: a bad setting, an unsupported vLLM, a model without MoE layers, a port already taken, a store
+that cannot be opened: each is one log line (``moescope.vllm``) and moescope stays off in that worker; an error
+on the step path is counted (``errors``), logged once, and never raised into vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("vllm.moescope")  # under vLLM's logger: its handlers and format, in its log
+
+# The vLLM releases this plugin was run against (its tests build these): another release is refused with one
+# line naming it, and vLLM serves as usual. MOESCOPE_VLLM_ANY_VERSION=1 tries anyway.
+SUPPORTED = ("0.32.",)
+DEFAULT_TRACE_SAMPLE = 0.1
+
+
+class SettingsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The plugin's configuration, read from ``MOESCOPE_*`` environment variables (docs/vllm.md)."""
+
+    port: int | None = None
+    addr: str = "127.0.0.1"
+    traces: str | None = None
+    sample: float = DEFAULT_TRACE_SAMPLE
+    model_name: str | None = None
+    baseline: str | None = None
+    window_s: float = 60.0
+
+    @classmethod
+    def from_env(cls, env=None) -> "Settings":
+        env = os.environ if env is None else env
+
+        def number(name, kind, default):
+            raw = env.get(name, "").strip()
+            if not raw:
+                return default
+            try:
+                return kind(raw)
+            except ValueError:
+                raise SettingsError(f"{name}={raw!r} is not a {kind.__name__}") from None
+
+        port = number("MOESCOPE_METRICS_PORT", int, None)
+        if port is not None and not 0 < port <= 65535:
+            raise SettingsError(f"MOESCOPE_METRICS_PORT must be 1..65535, got {port}")
+        sample = number("MOESCOPE_TRACE_SAMPLE", float, DEFAULT_TRACE_SAMPLE)
+        if not 0 <= sample <= 1:
+            raise SettingsError(f"MOESCOPE_TRACE_SAMPLE must be within 0..1, got {sample}")
+        window = number("MOESCOPE_WINDOW_S", float, 60.0)
+        if not window > 0:
+            raise SettingsError(f"MOESCOPE_WINDOW_S must be > 0, got {window}")
+        baseline = env.get("MOESCOPE_BASELINE") or None
+        if baseline is not None and not Path(baseline).is_file():
+            raise SettingsError(f"MOESCOPE_BASELINE={baseline!r}: no such file")
+        return cls(port=port, addr=env.get("MOESCOPE_METRICS_ADDR") or "127.0.0.1",
+                   traces=env.get("MOESCOPE_TRACES") or None, sample=sample,
+                   model_name=env.get("MOESCOPE_MODEL_NAME") or None, baseline=baseline, window_s=window)
+
+
+_installed = False
+_lock = threading.Lock()
+
+
+def install() -> bool:
+    """Wrap the model runner's ``execute_model`` once per process; False (and one log line) where moescope
+    stays off."""
+    global _installed
+    with _lock:
+        if _installed:
+            return True
+        try:
+            Settings.from_env()
+        except SettingsError as e:
+            log.warning("moescope: off: %s", e)
+            return False
+        try:
+            import vllm
+            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+        except Exception as e:  # noqa: BLE001 (an import that fails for any reason leaves vLLM as it is)
+            log.warning("moescope: off: cannot import vLLM's model runner (%s: %s)", type(e).__name__, e)
+            return False
+        version = getattr(vllm, "__version__", "?")
+        if not version.startswith(SUPPORTED) and os.environ.get("MOESCOPE_VLLM_ANY_VERSION") != "1":
+            log.warning("moescope: off: vLLM %s is not a supported version (%s; MOESCOPE_VLLM_ANY_VERSION=1 "
+                        "tries anyway)", version, ", ".join(v + "x" for v in SUPPORTED))
+            return False
+        # A graph compiled with moescope's capture op never serves a process without it, nor the reverse
+        # (moescope.vllm.capture): vLLM's compile cache is off here and in the processes this one starts.
+        os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
+        try:
+            from moescope.vllm import capture
+
+            capture.install_hook()
+        except Exception as e:  # noqa: BLE001
+            log.warning("moescope: off: cannot watch vLLM's MoE layers (%s)", _one_line(e))
+            return False
+        original = GPUModelRunner.execute_model
+        if getattr(original, "_moescope", False):
+            _installed = True
+            return True
+
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            worker = _worker(self)
+            if worker is None:
+                return original(self, scheduler_output, *args, **kwargs)
+            worker.before(self, scheduler_output)
+            try:
+                return original(self, scheduler_output, *args, **kwargs)
+            finally:
+                worker.after(self, scheduler_output)
+
+        execute_model._moescope = True
+        execute_model.__wrapped__ = original
+        GPUModelRunner.execute_model = execute_model
+        _installed = True
+        return True
+
+
+_OFF = object()
+
+
+def _worker(runner):
+    """The runner's moescope state, set up on its first step (after vLLM's start-up forwards); None when off."""
+    state = runner.__dict__.get("_moescope")
+    if state is None:
+        state = runner.__dict__["_moescope"] = _start(runner) or _OFF
+    return None if state is _OFF else state
+
+
+class Worker:
+    """One model runner's instrumentation: the adapter, the instrumentation it feeds, the error count."""
+
+    def __init__(self, adapter, inst) -> None:
+        self.adapter = adapter
+        self.inst = inst
+        self.errors = 0
+
+    def _failed(self, where: str) -> None:
+        self.errors += 1
+        if self.errors == 1:
+            log.exception("moescope: %s failed (counted; vLLM goes on; further errors at debug)", where)
+        else:
+            log.debug("moescope: %s failed", where, exc_info=True)
+
+    def before(self, runner, scheduler_output) -> None:
+        try:
+            self.adapter.begin_step(scheduler_output, runner.requests)
+        except Exception:
+            self.adapter._rows = 0
+            self._failed("step start")
+
+    def after(self, runner, scheduler_output) -> None:
+        try:
+            self.adapter.end_step(scheduler_output, list(runner.input_batch.req_ids), runner.requests)
+        except Exception:
+            self._failed("step end")
+
+
+def _ranks(vllm_config) -> tuple[int, int]:
+    """(data-parallel rank, tensor-parallel rank) of this worker."""
+    tp_rank = 0
+    try:
+        from vllm.distributed import parallel_state
+
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    except Exception:  # noqa: BLE001 (no distributed state: a single process)
+        tp_rank = 0
+    return int(getattr(vllm_config.parallel_config, "data_parallel_rank", 0) or 0), int(tp_rank)
+
+
+def _served_name(vllm_config) -> str | None:
+    name = getattr(vllm_config.model_config, "served_model_name", None)
+    if isinstance(name, (list, tuple)):
+        name = name[0] if name else None
+    return name or getattr(vllm_config.model_config, "model", None)
+
+
+def _start(runner):
+    """Attach to a runner's model: one log line either way."""
+    try:
+        settings = Settings.from_env()
+        vllm_config = runner.vllm_config
+        dp_rank, tp_rank = _ranks(vllm_config)
+        if tp_rank != 0:
+            # Tensor-parallel ranks route the same tokens as their rank 0: counting them too would count every token
+            # tp times (vLLM issue 22167's trap). Rank 0 of each data-parallel rank reports its tokens.
+            log.info("moescope: tensor-parallel rank %d routes the tokens rank 0 reports: not exported", tp_rank)
+            return None
+        from moescope.api import instrument
+        from moescope.config import Config, Metrics, Traces
+        from moescope.vllm.adapter import VLLMAdapter
+
+        served = _served_name(vllm_config)
+        tokenizer = _tokenizer(vllm_config) if settings.traces else None
+        adapter = VLLMAdapter(runner.get_model(), served_name=served, tokenizer=tokenizer)
+        port = None if settings.port is None else settings.port + dp_rank
+        traces = None
+        if settings.traces:
+            traces = Traces(_rank_path(settings.traces, dp_rank), sample=settings.sample)
+        config = Config(metrics=Metrics(port=port, addr=settings.addr, model_name=settings.model_name or served,
+                                        rank=dp_rank, window_s=settings.window_s, baseline=settings.baseline),
+                        traces=traces)
+        inst = instrument(adapter, config)
+    except Exception as e:  # noqa: BLE001 (whatever it is, vLLM serves on without moescope)
+        log.warning("moescope: off in this worker: %s", _one_line(e))
+        return None
+    worker = Worker(adapter, inst)
+    inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {"vllm_step": worker.errors}
+                                       if worker.errors else {})
+    log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),
+             adapter.n_experts, adapter.top_k, served, dp_rank,
+             f"; metrics on {settings.addr}:{port}" if port is not None else "",
+             f"; traces to {traces.path} (sample {traces.sample})" if traces is not None else "")
+    return worker
+
+
+def _with(source, extra):
+    return lambda: {**(source() if source else {}), **extra()}
+
+
+def _one_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def _rank_path(path: str, rank: int) -> str:
+    """Rank 0 writes where it was told; data-parallel rank r > 0 beside it (a lake directory takes every rank)."""
+    from moescope.traces import lake
+
+    if rank == 0 or lake.is_lake(path):
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
+
+
+def _tokenizer(vllm_config):
+    """The model's tokenizer, for the trace's text (None: the trace keeps token ids only)."""
+    try:
+        from transformers import AutoTokenizer
+
+        mc = vllm_config.model_config
+        return AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=bool(mc.trust_remote_code))
+    except Exception as e:  # noqa: BLE001
+        log.info("moescope: no tokenizer for trace text (%s)", _one_line(e))
+        return None
