@@ -66,10 +66,63 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
             advance()
 
 
-def save(report, path: Path) -> None:
+def provenance(packages: Iterable[str] = ("torch",)) -> dict:
+    """How a results file was made: the commit (and whether the tree had uncommitted changes), the exact command,
+    the date, the machine (cores, load average, CPU model, GPU if any) and the versions of ``packages``."""
+    import datetime
+    import os
+    import platform
+    import shlex
+    import subprocess
+    import sys
+    from importlib import metadata
+
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], cwd=RESULTS.parent.parent, capture_output=True, text=True,
+                                  timeout=10).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            return None
+
+    cpu = None
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+                   None)
+    except OSError:
+        pass
+    gpu = None
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 (no torch, no driver: no GPU to name)
+        gpu = None
+    versions = {}
+    for name in packages:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain",
+                                                                                             "--", "moescope",
+                                                                                             "benchmarks")),
+            "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], RESULTS.parent.parent)
+                                                         if sys.argv and sys.argv[0] else "python",
+                                                         *sys.argv[1:]]),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": {"cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
+                        "cpu": cpu, "gpu": gpu, "platform": platform.platform(),
+                        "python": platform.python_version()},
+            "packages": versions}
+
+
+def save(report, path: Path, packages: Iterable[str] = ("torch",)) -> None:
+    """Write ``report`` (a dict gets ``provenance``: ``provenance(packages)``, unless it has one)."""
+    if isinstance(report, dict) and "provenance" not in report:
+        report = {**report, "provenance": provenance(packages)}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")
 
 
-__all__ = ["RESULTS", "parser", "parse", "path", "progress", "save", "track"]
+__all__ = ["RESULTS", "parser", "parse", "path", "progress", "provenance", "save", "track"]

@@ -110,6 +110,7 @@ def install() -> bool:
         if getattr(original, "_moescope", False):
             _installed = True
             return True
+        _wrap_load_model()
 
         def execute_model(self, scheduler_output, *args, **kwargs):
             worker = _worker(self)
@@ -129,6 +130,31 @@ def install() -> bool:
 
 
 _OFF = object()
+
+
+def _wrap_load_model() -> None:
+    """Set up right after a runner loads its model (so the exporter serves from start-up, before any request),
+    for the model runner classes of this build (the CPU runner loads its own way)."""
+    classes = []
+    for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                         ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")):
+        try:
+            classes.append(getattr(__import__(module, fromlist=[name]), name))
+        except Exception:  # noqa: BLE001 (a runner this build does not have)
+            continue
+    for cls in classes:
+        original = cls.__dict__.get("load_model")
+        if original is None or getattr(original, "_moescope", False):
+            continue
+
+        def load_model(self, *args, _original=original, **kwargs):
+            out = _original(self, *args, **kwargs)
+            _worker(self)  # never raises: a failure is one log line and moescope stays off here
+            return out
+
+        load_model._moescope = True
+        load_model.__wrapped__ = original
+        cls.load_model = load_model
 
 
 def _worker(runner):
@@ -217,6 +243,9 @@ def _start(runner):
         log.warning("moescope: off in this worker: %s", _one_line(e))
         return None
     worker = Worker(adapter, inst)
+    import atexit
+
+    atexit.register(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
     inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {"vllm_step": worker.errors}
                                        if worker.errors else {})
     log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),

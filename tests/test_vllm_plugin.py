@@ -1,0 +1,69 @@
+"""The vLLM plugin's parts that need no vLLM server: its settings, the id the client sees, the entry point, and that
+it stays inert unless configured. (The real server tests: tests/test_vllm.py.)"""
+
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from moescope.vllm import adapter, plugin
+
+
+def test_the_entry_point_is_registered_in_vllms_plugin_group():
+    eps = {ep.name: ep.value for ep in entry_points(group="vllm.general_plugins")}
+    assert eps.get("moescope") == "moescope.vllm:register"
+
+
+@pytest.mark.parametrize("engine_id, client", [
+    # completions: "cmpl-<id>-<prompt index>-<8 random>" (vllm/v1/engine/input_processor.py, completion/serving.py)
+    ("cmpl-8bfe1d2fe463b768-0-1a2b3c4d", "cmpl-8bfe1d2fe463b768"),
+    ("cmpl-8bfe1d2fe463b768-1-1a2b3c4d", "cmpl-8bfe1d2fe463b768-1"),
+    # chat: "chatcmpl-<id>-<8 random>", a client's X-Request-Id kept whole
+    ("chatcmpl-5f0e-abcd-9e8d7c6b", "chatcmpl-5f0e-abcd"),
+    ("chatcmpl-my-own-id-0-0badf00d", "chatcmpl-my-own-id-0"),
+    ("cmpl-my-req-0-00000000", "cmpl-my-req"),
+])
+def test_client_id_is_the_responses_id(engine_id, client):
+    assert adapter.client_id(engine_id) == client
+
+
+@pytest.mark.parametrize("env, error", [
+    ({"MOESCOPE_METRICS_PORT": "abc"}, "MOESCOPE_METRICS_PORT='abc' is not a int"),
+    ({"MOESCOPE_METRICS_PORT": "70000"}, "must be 1..65535"),
+    ({"MOESCOPE_TRACES": "x.sqlite", "MOESCOPE_TRACE_SAMPLE": "2"}, "within 0..1"),
+    ({"MOESCOPE_WINDOW_S": "0"}, "MOESCOPE_WINDOW_S must be > 0"),
+    ({"MOESCOPE_BASELINE": "/nonexistent/baseline.json"}, "no such file"),
+])
+def test_bad_settings_are_one_clear_line(env, error):
+    with pytest.raises(plugin.SettingsError, match=error.replace("(", r"\(").replace(".", r"\.")):
+        plugin.Settings.from_env(env)
+
+
+def test_settings_defaults_and_values():
+    s = plugin.Settings.from_env({"MOESCOPE_METRICS_PORT": "9500", "MOESCOPE_TRACES": "/tmp/t/",
+                                  "MOESCOPE_MODEL_NAME": "m"})
+    assert (s.port, s.addr, s.traces, s.sample, s.model_name, s.window_s) == (9500, "127.0.0.1", "/tmp/t/",
+                                                                             plugin.DEFAULT_TRACE_SAMPLE, "m", 60.0)
+
+
+def test_unconfigured_plugin_imports_nothing_heavy():
+    """A plain `vllm serve` without MOESCOPE_* variables: the entry point returns at once, importing neither vLLM
+    nor torch nor moescope's sinks (run in a fresh interpreter)."""
+    code = ("import os, sys\n"
+            "for k in list(os.environ):\n"
+            "    k.startswith('MOESCOPE_') and os.environ.pop(k)\n"
+            "import moescope.vllm as v; v.register()\n"
+            "heavy = [m for m in ('torch', 'vllm', 'moescope.metrics', 'moescope.vllm.plugin') if m in sys.modules]\n"
+            "print(heavy)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_rank_paths_keep_every_ranks_traces_apart(tmp_path):
+    assert plugin._rank_path(str(tmp_path / "t.sqlite"), 0) == str(tmp_path / "t.sqlite")
+    assert plugin._rank_path(str(tmp_path / "t.sqlite"), 1) == str(tmp_path / "t.rank1.sqlite")
+    lake = tmp_path / "lake"
+    lake.mkdir()
+    assert plugin._rank_path(str(lake), 1) == str(lake)  # a lake takes every rank's files
