@@ -222,9 +222,12 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
                    "moescope_gpu_memory_total_bytes"), "10m",
                   f"memory predicted over capacity ({t.memory_capacity_bytes / 2**30:g} GiB RSS, the GPU's total) "
                   f"within {t.memory_horizon_s // 3600}h, from a {t.memory_window_s // 60}-minute trend"),
-        AlertSpec("MoEExporterDown", 'up{job=~"moescope.*"} == 0', "critical", "A moescope exporter is down.",
+        # A target that was up in the last day and stopped, not one nothing has ever served: a config that lists
+        # more ranks' ports than run (the shipped prometheus.yml lists :9400-9403 for up to four ranks) never pages.
+        AlertSpec("MoEExporterDown", 'up{job=~"moescope.*"} == 0 and max_over_time(up{job=~"moescope.*"}[1d]) == 1',
+                  "critical", "A moescope exporter is down.",
                   "Prometheus cannot scrape {{ $labels.instance }} (job {{ $labels.job }}).", ("up",), "1m",
-                  "a scrape target fails"),
+                  "a scrape target that was up within a day fails"),
         AlertSpec("MoEExporterAbsent", 'absent(up{job=~"moescope.*"})', "critical",
                   "No moescope exporter is scraped at all.",
                   "Prometheus has no moescope scrape target: check the scrape configuration.", ("up",), "5m",
