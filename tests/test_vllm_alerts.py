@@ -1,0 +1,151 @@
+"""Alerts on vLLM, end to end: a real vLLM server with the plugin -> a real Prometheus evaluating moescope's generated
+rules -> a real Alertmanager (the repo's routing) -> a webhook. The faults live in the checkpoint itself (one
+expert of one layer made hot by scaling its gate row; a layer whose gate sends nearly every token to the same
+experts); healthy traffic on the healthy checkpoint delivers only the Watchdog. `top --once` and `diagnose
+--prometheus` name the same layer and expert.
+
+Qwen3-MoE with 16 experts at top-2 here: a hot expert can exceed 4x its fair share only where E/k > 4
+(thresholds.hot_factor; at 8 experts top-2 an expert's share is capped at 4x and collapse is the alert for it).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import yaml
+
+import vllm_models
+from conftest import ROOT
+from helpers import run_cli
+from moescope.alerts import rules
+from servers import Alertmanager, Prometheus, Webhook, free_port, wait_http
+from test_vllm import PROMPTS
+from vllm_server import serve
+
+pytestmark = [pytest.mark.vllm, pytest.mark.integration]
+
+HOT = (2, 5, 4.0)  # (layer, expert, the gate-row scale of vllm_models.build)
+COLLAPSE_LAYER = 2
+WINDOW_S = 20  # the exporter's routing window (MOESCOPE_WINDOW_S): tens of requests a window at this rate
+WARMUP_S = WINDOW_S  # a first window full of traffic before Prometheus scrapes (as production's `for` would)
+ROUTING_ALERTS = {"MoEExpertHot", "MoEExpertCollapse", "MoEExpertLoadImbalance", "MoEDeadExperts",
+                  "MoERoutingDrift", "MoERoutingFlips", "MoERouterNonFiniteLogits", "MoETokensDropped",
+                  "MoEActivationRatioLow"}
+
+
+class Traffic:
+    """Broad traffic in a background thread: every prompt, sampled, until stopped."""
+
+    def __init__(self, server) -> None:
+        from openai import OpenAI
+
+        self.client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60)
+        self.model, self.done, self.sent = server.name, threading.Event(), 0
+        self.errors: list[str] = []
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        i = 0
+        while not self.done.is_set():
+            try:
+                self.client.completions.create(model=self.model, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24,
+                                               temperature=1.0, seed=i)
+                self.sent += 1
+            except Exception as e:  # noqa: BLE001 (kept and asserted on: the server must answer every one)
+                self.errors.append(repr(e))
+            i += 1
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.done.set()
+        self.thread.join(timeout=60)
+
+
+def _watch(tmp_path, model_dir, until, watch_s: float, during=None, traces=None):
+    """Serve ``model_dir`` with the plugin under broad traffic, Prometheus (the repo's rules, every `for` 30-fold
+    shorter) -> Alertmanager -> webhook; watch until ``until(firing names)`` or ``watch_s``."""
+    rule_file = tmp_path / "rules.yml"
+    rule_file.write_text(yaml.safe_dump(rules.rules_document(rules.Thresholds(for_scale=1 / 30)), sort_keys=False))
+    hook = Webhook()
+    am = Alertmanager(tmp_path, ROOT / "collectors" / "alertmanager" / "alertmanager.yml", hook.port)
+    port = free_port()
+    env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_WINDOW_S": str(WINDOW_S)}
+    if traces is not None:
+        env.update(MOESCOPE_TRACES=str(traces), MOESCOPE_TRACE_SAMPLE="1")
+    prom = None
+    try:
+        with serve(model_dir, env, ["--no-enable-prefix-caching"], eager=True) as server, \
+                Traffic(server) as traffic:
+            wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
+            time.sleep(WARMUP_S)
+            prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rule_files=[str(rule_file)], alertmanager=am.address,
+                              extra_args=["--rules.alert.resend-delay=2s"])
+            deadline = time.monotonic() + watch_s
+            while time.monotonic() < deadline and not until(_firing(hook)):
+                time.sleep(1)
+            extra = during(prom, port) if during is not None else None
+            assert not traffic.errors, traffic.errors[:3]
+            assert traffic.sent > 0
+        return hook.alerts(), extra
+    finally:
+        if prom is not None:
+            prom.stop()
+        am.stop()
+        hook.stop()
+
+
+def _firing(hook) -> set[str]:
+    return {a["labels"]["alertname"] for _, a in hook.alerts() if a["status"] == "firing"}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("alert-models")
+    return {"healthy": vllm_models.build("qwen3_moe", root / "healthy", experts=16),
+            "hot": vllm_models.build("qwen3_moe", root / "hot", experts=16, hot=HOT),
+            "collapse": vllm_models.build("deepseek_v3", root / "collapse", collapse_layer=COLLAPSE_LAYER)}
+
+
+def test_healthy_traffic_delivers_only_the_watchdog(checkpoints, tmp_path):
+    alerts, _ = _watch(tmp_path, checkpoints["healthy"], lambda firing: False, watch_s=45)
+    names = {a["labels"]["alertname"] for _, a in alerts}
+    assert "Watchdog" in names  # the path works end to end
+    assert names == {"Watchdog"}, [(a["labels"], a["annotations"].get("summary")) for _, a in alerts]
+
+
+def test_a_hot_expert_in_the_checkpoint_pages_naming_it(checkpoints, tmp_path):
+    layer, expert, _ = HOT
+    store = tmp_path / "traces.sqlite"
+
+    def views(prom, port):
+        top = run_cli("top", f"127.0.0.1:{port}", "--once", timeout=60)
+        diag = run_cli("diagnose", "--prometheus", prom.url, "--json", "--traces", str(store), timeout=120)
+        return top, diag
+
+    alerts, (top, diag) = _watch(tmp_path, checkpoints["hot"], lambda firing: "MoEExpertHot" in firing, watch_s=90,
+                                 during=views, traces=store)
+    hot = [a for _, a in alerts if a["labels"]["alertname"] == "MoEExpertHot" and a["status"] == "firing"]
+    assert hot, [a["labels"]["alertname"] for _, a in alerts]
+    assert {(a["labels"]["layer"], a["labels"]["expert"]) for a in hot} == {(str(layer), str(expert))}
+    assert hot[0]["labels"]["model"] == "tiny"
+    assert hot[0]["annotations"]["runbook_url"].endswith("/playbooks/MoEExpertHot.md")
+    others = {a["labels"]["alertname"] for _, a in alerts} & ROUTING_ALERTS - {"MoEExpertHot"}
+    assert not others, others
+    assert top.returncode == 0 and f"L{layer}" in top.stdout and f"hot e{expert}" in top.stdout, top.stdout
+    report = json.loads(diag.stdout)
+    assert any("MoEExpertHot" in f["cause"] for f in report["findings"]), report["findings"]
+
+
+def test_a_collapsed_layer_pages_critical(checkpoints, tmp_path):
+    alerts, _ = _watch(tmp_path, checkpoints["collapse"], lambda firing: "MoEExpertCollapse" in firing, watch_s=90)
+    collapse = [(path, a) for path, a in alerts if a["labels"]["alertname"] == "MoEExpertCollapse"
+                and a["status"] == "firing"]
+    assert collapse, [a["labels"]["alertname"] for _, a in alerts]
+    assert {a["labels"]["layer"] for _, a in collapse} == {str(COLLAPSE_LAYER)}
+    assert all(path == "/critical" for path, _ in collapse)
