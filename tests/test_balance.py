@@ -173,3 +173,22 @@ def test_router_faults_bite_on_the_balanced_deepseek_shape(balanced, scenario):
             assert max(range(SHAPE.n_experts), key=faulty[layer].__getitem__) == 0
         else:
             assert stats.load_cv(faulty[layer]) > 2 * stats.load_cv(healthy[layer])
+
+
+@pytest.mark.parametrize("max_seq_len, shape", [(64, {}), (200, {"n_experts": 5, "top_k": 3, "n_layers": 3})])
+def test_a_short_context_config_builds_and_serves(cache_dir, tmp_path, max_seq_len, shape):
+    """Any valid config builds: the first build's calibration prompts are cut to the model's context (a prompt of
+    222 tokens once failed a max_seq_len of 200 with a traceback), and the model then serves a request."""
+    import yaml
+
+    from moescope.runtime.engine import Engine
+
+    path = tmp_path / "short.yaml"
+    path.write_text(yaml.safe_dump({"preset": "tiny-demo", "name": f"short-{max_seq_len}",
+                                    "max_seq_len": max_seq_len, "seed": 11, **shape}))
+    model = loader.build_model(str(path))  # not the shipped weights: a seeded init balanced here
+    assert model.cfg.max_seq_len == max_seq_len
+    requests = traffic.generate(traffic.TrafficConfig(seed=2), 2)
+    records = Engine(model, max_batch=2).run(requests, realtime=False)
+    assert len(records) == 2 and all(r.n_output >= 1 for r in records)
+    assert all(len(r.prompt_tokens) + r.n_output <= max_seq_len for r in records)

@@ -49,10 +49,11 @@ log = logging.getLogger("moescope.runtime")
 CALIBRATION_SEED = 104729  # calibration prompts come from another stream than any served traffic's seed
 
 
-def calibration_batch(seed: int, n_prompts: int) -> tuple[torch.Tensor, list[Segment]]:
-    """Held-out prompts of the default domain mix as one flat batch (tokens [T], one segment per prompt)."""
+def calibration_batch(seed: int, n_prompts: int, max_len: int | None = None) -> tuple[torch.Tensor, list[Segment]]:
+    """Held-out prompts of the default domain mix as one flat batch (tokens [T], one segment per prompt), each cut
+    to ``max_len`` tokens (the model's context: any valid config balances, however short its context)."""
     reqs = traffic.generate(traffic.TrafficConfig(seed=CALIBRATION_SEED + seed), n_prompts)
-    ids = [tokenizer.encode(r.prompt) for r in reqs]
+    ids = [tokenizer.encode(r.prompt)[:max_len] for r in reqs]
     return torch.tensor([t for seq in ids for t in seq], dtype=torch.long), [Segment(len(s)) for s in ids]
 
 
@@ -109,7 +110,7 @@ def balance_routing(model: MoETransformer, *, seed: int = 0, n_prompts: int = 96
     """Balance ``model``'s routing on calibration traffic, in place (see the module docstring). The capacity
     limit is a serving setting, not the model's: calibration runs without it (so a ``drop`` fault serves the
     same weights as the healthy model, and reuses their cache)."""
-    tokens, segments = calibration_batch(seed, n_prompts)
+    tokens, segments = calibration_batch(seed, n_prompts, model.cfg.max_seq_len)
     routers = [m for m in model.modules() if isinstance(m, Router)]
     limits = [r.capacity_factor for r in routers]
     # One intra-op thread: the same routers on every machine whatever its cores, and fast where cores are

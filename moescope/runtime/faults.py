@@ -207,7 +207,7 @@ def router_input(model, layer: int, n_prompts: int = HOT_CALIBRATION_PROMPTS, se
     from moescope.capture.observer import NOOP
     from moescope.runtime.balance import calibration_batch
 
-    tokens, segments = calibration_batch(seed, n_prompts)
+    tokens, segments = calibration_batch(seed, n_prompts, model.cfg.max_seq_len)
     router = next(m.router for m in model.moe_layers() if m.layer_index == layer)
     seen: list[torch.Tensor] = []
 
