@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,41 @@ def test_option_groups_hand_a_command_frozen_typed_objects():
     assert seen["instrument"].scenarios == ("hot", "drop=0.8")
     with pytest.raises(dataclasses.FrozenInstanceError):
         seen["model"].seed = 1
+
+
+@pytest.mark.parametrize("command", ["demo", "serve"])
+def test_a_taken_metrics_port_names_the_flag(command, capsys):
+    """The exporter's port is in use: one line, exit 2, naming the option that chose it (the library's own error
+    names no flag)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        argv = ["--requests", "1", "--rate", "0", "--no-tui"] if command == "demo" else ["--port", "0"]
+        assert main([command, *argv, "--metrics-port", str(port), "--traces", "none"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"moescope: error: cannot serve metrics on 127.0.0.1:{port}")
+    assert "pick another --metrics-port" in err
+
+
+def test_train_demo_writes_a_user_file_not_the_bundled_model(tmp_path, monkeypatch, capsys):
+    """The documented `moescope train-demo` line (no --out) leaves the package's bundled model alone: it writes
+    under the user's data directory and says how to use the file. (The training itself is stubbed: minutes.)"""
+    from moescope.runtime import train
+
+    written = []
+
+    def fake_main(out, cfg, *, log):
+        written.append(Path(out))
+        return {"specialisation": {"mean_pairwise_jsd_bits": {"1": 0.5}}}
+
+    monkeypatch.setattr(train, "main", fake_main)
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path / "data"))
+    assert main(["train-demo", "--steps", "1"]) == 0
+    assert written == [tmp_path / "data" / "moescope" / "tiny-demo.safetensors"]
+    assert written[0].parent.is_dir() and weights.ASSETS not in written[0].parents
+    assert f"--weights {written[0]}" in capsys.readouterr().out
+    assert main(["train-demo", "--out", str(tmp_path / "mine.safetensors")]) == 0  # an explicit --out is kept
+    assert written[-1] == tmp_path / "mine.safetensors"

@@ -194,6 +194,24 @@ def test_readme_tour_runs_as_written(tmp_path):
     assert run.returncode == 0 and (out / "summary.md").is_file() and (out / "overview.png").is_file(), run.stderr
 
 
+def test_quickstart_python_block_runs_as_written(tmp_path):
+    """The quickstart's "In Python" block, pasted into a fresh interpreter in an empty folder with a fresh HOME:
+    it defines what it uses, serves its requests and leaves them in the trace store it names."""
+    text = (DOCS / "quickstart.md").read_text()
+    block = re.search(r"```python\n(.*?)```", text[text.index("### In Python"):], re.S).group(1)
+    env = {**os.environ, "HOME": str(tmp_path), "XDG_DATA_HOME": str(tmp_path / "data")}
+    env.pop("MOESCOPE_TRACES", None)
+    run = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    from moescope.traces import store
+
+    ids = [line.split()[0] for line in run.stdout.splitlines() if not line.startswith("metrics on")]
+    assert len(ids) == 8 and run.stdout.startswith("metrics on http://127.0.0.1:"), run.stdout
+    stored = {r.request_id for r in store.list_requests(store.open_store(tmp_path / "traces.sqlite"), limit=100)}
+    assert stored == set(ids)
+
+
 def test_docs_tables_are_printed_from_their_results_files():
     """Every `<!-- table: benchmarks/X.py --markdown RESULTS -->` block holds exactly what that command prints."""
     sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -157,7 +157,11 @@ def test_compaction_merges_small_files_and_a_crash_mid_way_reads_nothing_twice(t
     files = sorted(tmp_path.rglob("*.parquet"))
     assert len(files) == 4 and len(before) == 8
     saved = {f: f.read_bytes() for f in files}
-    assert json.loads(_cli(capsys, "traces", "compact", str(tmp_path), "--json"))["compacted"] == []  # too young
+    young = json.loads(_cli(capsys, "traces", "compact", str(tmp_path), "--json"))
+    assert young == {"compacted": [], "too_young": 4}
+    said = _cli(capsys, "traces", "compact", str(tmp_path)).strip()  # says why nothing merged, and the way out
+    assert said.startswith(f"merged 0 files into 0 in {tmp_path}; skipped 4 files closed less than 10m ago"), said
+    assert "--min-age" in said
     out = json.loads(_cli(capsys, "traces", "compact", str(tmp_path), "--min-age", "0s", "--json"))
     assert [c["merged"] for c in out["compacted"]] == [4] and len(list(tmp_path.rglob("*.parquet"))) == 1
     assert store.list_requests(store.open_store(tmp_path), limit=100) == before

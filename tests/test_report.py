@@ -83,6 +83,17 @@ def test_heatmap_pixels_follow_the_load(tmp_path):
     assert a.shape == b.shape and np.abs(a - b).mean() > 0.001  # another load, other pixels
 
 
+def test_an_out_dir_ending_in_a_slash_names_one_summary_path(tmp_path, capsys):
+    """`--out report/` (as a shell completes it): the pointer to read is report/summary.md, no double slash."""
+    dump = tmp_path / "d.pt"
+    torch.save({"logical_count": torch.full((2, 1, 4), 5)}, dump)
+    out = tmp_path / "rep"
+    assert main(["report", "--import", str(dump), "--out", f"{out}/"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "//" not in line and line.endswith(f"start with {out / 'summary.md'}"), line
+    assert (out / "summary.md").is_file()
+
+
 def test_coactivation_top_pairs_equal_a_recomputation(drift_store, tmp_path):
     """coactivation.csv keeps each layer's TOP_PAIRS most co-chosen pairs: their counts equal the pairs counted
     token by token from load_request, and no pair left out was chosen together more often than one kept."""

@@ -111,6 +111,29 @@ def test_demo_json_carries_the_summary_of_its_own_counts(capsys):
         assert got["hot"] == []  # two requests: nothing is significant
 
 
+def test_the_text_summary_shows_the_capacity_drops_its_json_counts(capsys):
+    """A capacity-factor demo drops slots: the text summary says how many and at what rate per routed token (what
+    `top`'s dropped tile shows), from the counts --json carries; a run without drops says nothing of them."""
+    import json
+
+    from moescope.cli import main
+
+    args = ["demo", "--requests", "4", "--rate", "0", "--metrics-port", "-1", "--traces", "none",
+            "--capacity-factor", "0.5"]
+    assert main([*args, "--json"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    dropped = sum(s["tokens_dropped"].values())
+    routed = (s["tokens"]["prompt"] + s["tokens"]["output"] - s["completed"]) * len(s["expert_load"])
+    assert dropped > 0
+    summary.print_human(s)
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("dropped by the capacity limit"))
+    assert f": {dropped} slots, {dropped / routed:.1%} per routed token" in line, line
+    assert main([*args, "--no-tui"]) == 0  # the command's own text output
+    assert "dropped by the capacity limit: " in capsys.readouterr().out
+    assert main([*args[:-2], "--no-tui"]) == 0
+    assert "dropped" not in capsys.readouterr().out
+
+
 def test_the_demo_summary_judges_the_run_per_request_as_diagnose_does_from_its_store(tmp_path):
     """The demo's summary judges the whole run from the metrics state's per-request draws; the same run's
     requests read back from its trace store, judged by diagnose's function, give the same excess CV per layer."""

@@ -151,6 +151,37 @@ def test_top_once_on_an_unreachable_endpoint_is_exit_2(capsys):
     assert "127.0.0.1:1" in err and "unreachable" in err
 
 
+def test_top_once_cuts_lines_to_the_terminal_or_the_given_width_and_keeps_them_whole_when_piped(capsys,
+                                                                                                  monkeypatch):
+    """Piped (pytest captures stdout): every line whole, so the verdicts, the hot factor and the alert list past
+    column 80 are there; `--width N` cuts to N; on a terminal the width is the terminal's (`$COLUMNS` first)."""
+    from moescope.cli import main
+
+    exp = ScaleExporter()
+    try:
+        exp.feed(tokens_to_judge())
+        assert main(["top", exp.url, "--once", "--interval", "0.1"]) == 0
+        whole = capsys.readouterr().out.splitlines()
+        assert max(map(len, whole)) > 80 and not any(line.endswith("…") for line in whole)
+        skewed = next(line for line in whole if line.startswith(f"L{SKEWED} "))
+        assert "imbalanced" in skewed and "no baseline); hot e" in skewed, skewed  # past column 80
+        assert whole[-1].startswith(f"L{COLLAPSED} hot e{HOT_EXPERT} ") and f"E{HOT_EXPERT} " in whole[-1]
+        assert main(["top", exp.url, "--once", "--interval", "0.1", "--width", "60"]) == 0
+        cut = capsys.readouterr().out.splitlines()
+        assert max(map(len, cut)) <= 60 and len(cut) == len(whole)
+    finally:
+        exp.stop()
+    from moescope.cli.top_cmd import once_width
+
+    class Terminal:
+        def isatty(self):
+            return True
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert once_width(None, Terminal()) == 200 and once_width(100, Terminal()) == 100
+    assert once_width(None, object()) is None  # not a terminal: no cut
+
+
 def test_top_reads_prometheus_and_alertmanager(tmp_path):
     """The same tile values through a real Prometheus; firing alerts from a real Alertmanager."""
     import json

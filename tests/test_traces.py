@@ -73,6 +73,27 @@ def test_escape_sequences_are_shown_inert_in_every_output(tiny_cfg, tmp_path, ca
     assert "\x1b" not in text and "\\x1b]0;pwned\\x07" in text
 
 
+def test_trace_shows_domain_and_tenant_only_when_set(tiny_cfg, tmp_path, capsys):
+    """A served request has no domain or tenant: the header says nothing of them (no "domain None")."""
+    path = tmp_path / "t.sqlite"
+    model = MoETransformer(tiny_cfg).eval()
+    with moescope.instrument(model, observers=[TraceRecorder(path, model="tiny-demo")]):
+        engine = Engine(model, max_batch=2)
+        bare = engine.submit("hello", max_new_tokens=2)
+        half = engine.submit("hello", max_new_tokens=2, tenant="acme")
+        while engine.has_work:
+            engine.step()
+    from moescope.tui.trace_app import header_text
+
+    for rid, shown in ((bare, ""), (half, "  tenant acme")):
+        assert main(["trace", rid, "--traces", str(path), "--plain"]) == 0
+        head = capsys.readouterr().out.splitlines()[0]
+        assert "None" not in head and "domain" not in head
+        assert head.endswith(f"rank 0{shown}"), head
+        tui = header_text(store.load_request(store.open_store(path), rid)).plain.splitlines()[0]
+        assert "None" not in tui and "domain" not in tui and ("tenant acme" in tui) == bool(shown)
+
+
 def test_tui_pilot_navigate_anomaly_search_quit(tiny_cfg, tmp_path):
     import asyncio
 

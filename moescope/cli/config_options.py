@@ -206,6 +206,20 @@ def build_config(i: InstrumentOptions, model: ModelOptions, *, rank: int = 0, wo
         mitigations=mitigations, scenarios=i.scenarios, router_impl=i.router_impl, observers=tuple(observers))
 
 
+def instrumented(net, config):
+    """``moescope.instrument(net, config)`` for a command: a metrics port that cannot be bound is named by the flag
+    that chose it (the library's error names no flag)."""
+    import moescope
+    from moescope.metrics.exporter import BindError
+
+    try:
+        return moescope.instrument(net, config)
+    except BindError as exc:
+        rank = config.metrics.rank
+        own = f" (rank {rank} serves on --metrics-port + {rank})" if rank else ""
+        raise BadInput(f"{exc}; pick another --metrics-port{own} (0: any free port; -1: no exporter)") from None
+
+
 def build_model(model: ModelOptions, config):
     """The model the options name, with the scenarios' model overrides (``drop``: a capacity limit)."""
     return model.load(dtype=model.dtype, **config.model_overrides(model.capacity_factor))

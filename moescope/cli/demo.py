@@ -18,7 +18,7 @@ import click
 
 from moescope import stats
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
-                                         instrument_options, model_options)
+                                         instrument_options, instrumented, model_options)
 from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
 from moescope.cli.options import emit_json, json_option, option_group
 from moescope.cli.summary import build as _summary, print_human as _print_human
@@ -138,8 +138,6 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
     with ExitStack() as stack:
         import dataclasses
 
-        import moescope
-
         a2a = lockstep = stop = None
         if world > 1:  # join the group first: the rank's observers go into the instrumentation
             stop = demo_parallel.StopOnSignal()
@@ -147,7 +145,7 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
                                                               slow_rank, delay_ms, run.timeout)
             lockstep.rebalancer = demo_parallel.rebalancer(run)
             config = dataclasses.replace(config, observers=(a2a, monitor))
-        inst = stack.enter_context(moescope.instrument(net, config))
+        inst = stack.enter_context(instrumented(net, config))
         engine = inst.engine(max_batch=model.max_batch, seed=model.seed, decode=run.decode_mode, lockstep=lockstep)
         for line in inst.notices + ([f"metrics: {inst.exporter.url}"] if inst.exporter else []):
             click.echo(line, err=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from moescope.cli.layer_select import layers_option
@@ -29,4 +31,5 @@ def report_cmd(traces_path, import_path, since, out_dir, layers, as_json) -> Non
     if as_json:
         emit_json(summary)
     else:
-        echo(f"wrote {len(summary['files'])} files to {out_dir}; start with {out_dir}/summary.md")
+        out = Path(out_dir)  # "report/" names the same folder as "report": no "report//summary.md"
+        echo(f"wrote {len(summary['files'])} files to {out}; start with {out / 'summary.md'}")

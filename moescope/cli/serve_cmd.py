@@ -15,7 +15,7 @@ from contextlib import ExitStack
 import click
 
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
-                                         instrument_options, model_options)
+                                         instrument_options, instrumented, model_options)
 from moescope.cli.demo_parallel import fleet_settings, rank_options, validate_launch
 from moescope.errors import BadInput, MoescopeError
 
@@ -48,8 +48,6 @@ def assemble(stack: ExitStack, model: ModelOptions, config, ranks: RankSetup | N
     assembly point (``moescope.instrument``); everything it opens is closed by ``stack``. ``ranks``: this process is
     one expert-parallel rank (it joins the group and holds its experts first). Returns (engine, instrumentation,
     recorder or None, the rank's ``ExpertParallel`` or None)."""
-    import moescope
-
     asked = config.settings.asked()
     for key, name in DEMO_ONLY_SETTINGS.items():
         if key in asked:
@@ -65,7 +63,7 @@ def assemble(stack: ExitStack, model: ModelOptions, config, ranks: RankSetup | N
         a2a, monitor, ep = demo_parallel.setup_rank(stack, net, ranks.rank, ranks.world, ranks.placement_spec,
                                                     ranks.slow_rank, ranks.delay_ms, ranks.timeout)
         config = dataclasses.replace(config, observers=(a2a, monitor))
-    inst = stack.enter_context(moescope.instrument(net, config))
+    inst = stack.enter_context(instrumented(net, config))
     for line in inst.notices:
         click.echo(line, err=True)
     return inst.engine(max_batch=model.max_batch, seed=model.seed, lockstep=ep), inst, inst.recorder, ep

@@ -101,6 +101,7 @@ def build(records, load, dropped, wall_s, model, device, n_asked, draws=None, ba
         "expert_load_summary": per_layer,
         "judged": judged,
         "tokens_dropped": {str(layer): n for layer, n in dropped.items()},
+        "top_k": model.cfg.top_k,
     }
 
 
@@ -110,6 +111,9 @@ def print_human(s: dict) -> None:
                f"{s['wall_s']:.2f}s: {s['tokens']['output']} output tokens, {s['tokens_per_s']} tokens/s")
     click.echo(f"ttft p50 {lat['ttft_p50'] * 1e3:.1f} ms, p99 {lat['ttft_p99'] * 1e3:.1f} ms; per-token p50 "
                f"{(lat['per_token_p50'] or 0) * 1e3:.1f} ms, p99 {(lat['per_token_p99'] or 0) * 1e3:.1f} ms")
+    drops = drop_line(s)
+    if drops:
+        click.echo(drops)
     for line in load_lines(s):
         click.echo(line)
     if "expert_cache" in s:
@@ -126,6 +130,26 @@ def print_human(s: dict) -> None:
         click.echo(f"traces in {s['traces']}: `moescope requests`, `moescope trace {ids[0] if ids else 'ID'}`")
     if s.get("metrics_url"):
         click.echo(f"metrics were served on {s['metrics_url']} (--linger S keeps them up after the run)")
+
+
+def drop_line(s: dict) -> str | None:
+    """The slots the capacity limit dropped (``tokens_dropped``), or None when none was: the total, the share
+    as `top`'s ``dropped`` tile counts it (dropped slots per routed token, ``thresholds.drop_ratio``) and the
+    layers that dropped most."""
+    dropped = {layer: n for layer, n in (s.get("tokens_dropped") or {}).items() if n}
+    if not dropped:
+        return None
+    k = int(s.get("top_k") or 1)
+    load = s.get("expert_load") or {}
+
+    def per_token(layers) -> float:  # a routed token is k slots, each computed (in the load) or dropped
+        slots = sum(sum(load.get(la, ())) + (s["tokens_dropped"].get(la) or 0) for la in layers)
+        return sum(dropped.get(la, 0) for la in layers) * k / slots if slots else float("nan")
+
+    most = sorted(dropped, key=lambda la: (-dropped[la], int(la)))[:3]
+    return (f"dropped by the capacity limit: {sum(dropped.values())} slots, {per_token(s['tokens_dropped']):.1%} "
+            "per routed token (top's dropped); most in "
+            + ", ".join(f"L{la} {per_token([la]):.1%}" for la in most))
 
 
 def load_lines(s: dict) -> list[str]:

@@ -7,6 +7,19 @@ import click
 from moescope.errors import BadInput
 
 
+def once_width(given: int | None, stream=None) -> int | None:
+    """The columns ``--once`` cuts its lines to: ``--width``, else the terminal's (``$COLUMNS`` first) when
+    ``stream`` (stdout) is one, else None: piped, every line whole."""
+    import shutil
+    import sys
+
+    if given is not None:
+        return given
+    stream = sys.stdout if stream is None else stream
+    isatty = getattr(stream, "isatty", None)
+    return shutil.get_terminal_size().columns if isatty is not None and isatty() else None
+
+
 @click.command("top")
 @click.argument("endpoints", nargs=-1)
 @click.option("--prometheus", default=None, help="Read from this Prometheus server instead of endpoints.")
@@ -14,7 +27,9 @@ from moescope.errors import BadInput
 @click.option("--interval", type=click.FloatRange(min=0.1), default=1.0, show_default=True, help="Seconds per poll.")
 @click.option("--once", is_flag=True, help="Print one plain-text frame (two polls, --interval apart; every layer, "
               "worst first) and exit.")
-def top_cmd(endpoints, prometheus, alertmanager, interval, once) -> int:
+@click.option("--width", type=click.IntRange(min=20), default=None, metavar="N",
+              help="--once: cut lines to N columns [the terminal's width; piped: lines whole].")
+def top_cmd(endpoints, prometheus, alertmanager, interval, once, width) -> int:
     """Watch ENDPOINTS (host:port of each rank's exporter; default 127.0.0.1:9400) live."""
     import time
 
@@ -33,8 +48,9 @@ def top_cmd(endpoints, prometheus, alertmanager, interval, once) -> int:
         if not any(v == "ok" for v in f.endpoints.values()):  # nothing to show: say why, on one line (exit 2)
             raise BadInput("no metrics source answered: " + "; ".join(f"{u}: {e}" for u, e in f.endpoints.items()))
         worst = heatmap.sort_layers(f.routing, True)[0] if f.routing else None
-        for text in (status_text(f, False), tiles_text(f), heatmap.overview(f, 80, 0, worst_first=True),
-                     details_text(f, worst)):
+        cols = once_width(width)
+        for text in (heatmap.fit(status_text(f, False), cols), tiles_text(f, cols),
+                     heatmap.overview(f, cols, 0, worst_first=True), details_text(f, worst, cols)):
             click.echo(text.plain.rstrip("\n"))
         return 0
     from moescope.tui.top_app import TopApp

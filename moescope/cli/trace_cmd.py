@@ -8,13 +8,15 @@ from moescope.cli.layer_select import ALL, layers_option
 from moescope.cli.options import echo, emit_json, json_option, traces_option
 from moescope.traces import store
 from moescope.traces.sanitize import sanitize
+from moescope.tui import trace_grid
 
 
 def plain_lines(doc: dict) -> list[str]:
     """The plain-text rendering (also what the TUI shows, in widgets). Every string is sanitised."""
     t = doc["timings"]
-    lines = [f"request {sanitize(doc['request_id'])}  model {doc['model']}  rank {doc['rank']}  "
-             f"domain {doc['domain']}  tenant {doc['tenant']}",
+    tags = trace_grid.labels(doc)
+    lines = [f"request {sanitize(doc['request_id'])}  model {doc['model']}  rank {doc['rank']}"
+             + (f"  {tags}" if tags else ""),
              f"timings: queue {t['queue_s'] * 1e3:.1f} ms, prefill {t['prefill_s'] * 1e3:.1f} ms, "
              f"ttft {t['ttft_s'] * 1e3:.1f} ms, total {t['total_s'] * 1e3:.1f} ms; finish {doc['finish_reason']}; "
              f"flags: {','.join(doc['flags']) or '-'}" + (f"; trace id {doc['trace_id']}" if doc["trace_id"] else ""),

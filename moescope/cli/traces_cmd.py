@@ -79,8 +79,11 @@ def compact(lake_dir: str, min_age: str, target_size: str, as_json: bool) -> Non
     """Merge each partition's small files in LAKE_DIR into one (readers never see a request twice)."""
     from moescope.traces import lake
 
-    done = lake.compact(lake_dir, min_age_s=_age(min_age), target_bytes=_size(target_size))
+    young: list[str] = []
+    done = lake.compact(lake_dir, min_age_s=_age(min_age), target_bytes=_size(target_size), too_young=young)
     if as_json:
-        emit_json({"compacted": [{"file": str(p), "merged": n} for p, n in done]})
+        emit_json({"compacted": [{"file": str(p), "merged": n} for p, n in done], "too_young": len(young)})
     else:
-        echo(f"merged {sum(n for _, n in done)} files into {len(done)} in {lake_dir}")
+        why = (f"; skipped {len(young)} file{'s' * (len(young) != 1)} closed less than {min_age} ago (a live "
+               "writer may still add to them; --min-age changes the limit)") if young else ""
+        echo(f"merged {sum(n for _, n in done)} files into {len(done)} in {lake_dir}{why}")

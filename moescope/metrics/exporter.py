@@ -210,6 +210,15 @@ def _baseline_text(st: MetricsObserver, g, profile, extremes, hot, w: FamilyWrit
     return "".join(out)
 
 
+class BindError(BadInput):
+    """The exporter's address cannot be bound (a port in use, an address not on this host). The message names no
+    flag: a command that took the port from one (``--metrics-port``) says so where it catches this."""
+
+    def __init__(self, addr: str, port: int, reason: str) -> None:
+        super().__init__(f"cannot serve metrics on {addr}:{port}: {reason}")
+        self.addr, self.port, self.reason = addr, port, reason
+
+
 class Exporter:
     """An HTTP endpoint serving one rank's metrics. ``port=0`` picks a free port (see ``.port``)."""
 
@@ -265,7 +274,7 @@ class Exporter:
         try:
             self._server = http.server.ThreadingHTTPServer((self.addr, self.port), Handler)
         except OSError as exc:
-            raise BadInput(f"cannot serve metrics on {self.addr}:{self.port}: {exc.strerror or exc}") from None
+            raise BindError(self.addr, self.port, exc.strerror or str(exc)) from None
         self._server.daemon_threads = True
         self.port = self._server.server_port
         threading.Thread(target=self._server.serve_forever, name="moescope-metrics", daemon=True).start()

@@ -227,11 +227,12 @@ def enforce_retention(root: str | Path, replica: str | None = None, *, max_bytes
 
 
 def compact(root: str | Path, *, min_age_s: float = 600.0, target_bytes: int = 256 * 2**20,
-            now: float | None = None) -> list[tuple[Path, int]]:
+            now: float | None = None, too_young: list[str] | None = None) -> list[tuple[Path, int]]:
     """Merge each partition directory's small files (under ``target_bytes``, closed ``min_age_s`` ago or more:
     never a live writer's open ticks) into one ``c-<id>.parquet`` that names them in its footer, then delete
     them (and any file an earlier roll or compaction replaced but did not delete). Returns (new file, files
-    merged) per directory merged."""
+    merged) per directory merged. ``too_young``: a list that receives the small files left alone because they
+    closed less than ``min_age_s`` ago."""
     import uuid
 
     import pyarrow as pa
@@ -243,7 +244,10 @@ def compact(root: str | Path, *, min_age_s: float = 600.0, target_bytes: int = 2
         skipped: dict[str, str] = {}
         files = readable_files(d, skipped)
         leftover = [f for f in data_files(d) if f not in files and f not in skipped]
-        merge = [f for f in files if now - os.path.getmtime(f) >= min_age_s and os.path.getsize(f) < target_bytes]
+        small = [f for f in files if os.path.getsize(f) < target_bytes]
+        merge = [f for f in small if now - os.path.getmtime(f) >= min_age_s]
+        if too_young is not None:
+            too_young.extend(f for f in small if f not in merge)
         if len(merge) >= 2:
             table = pa.concat_tables([pq.read_table(f, schema=schema()) for f in merge])
             dst = Path(d) / f"c-{uuid.uuid4().hex[:12]}.parquet"

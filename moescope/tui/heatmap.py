@@ -23,6 +23,7 @@ from moescope.tui.routing import Band, LayerRouting, fold
 
 LEVEL_STYLE = {"ok": "green", "warn": "bold yellow", "bad": "bold white on red", "none": "dim"}
 ANNOTATION = 38  # characters right of the cells
+LAYOUT_WIDTH = 80  # the cells' room when no width is given (plain text, piped): lines are then not cut
 HEADER = 3  # the overview's header lines: shape and legend, the model in one line, what is judged
 
 
@@ -71,8 +72,11 @@ def _hot_words(r: LayerRouting, n: int = 1) -> str:
     return " ".join(f"e{e} {rel(v)}" for e, v in r.hot[:n])
 
 
-def fit(text: Text, width: int) -> Text:
-    """``text`` with every line cut to ``width`` cells (a terminal of that width shows it as is)."""
+def fit(text: Text, width: int | None) -> Text:
+    """``text`` with every line cut to ``width`` cells (a terminal of that width shows it as is); ``None``: every
+    line whole (plain text piped to a file or a program)."""
+    if width is None:
+        return text
     out = Text()
     for i, line in enumerate(text.split("\n", allow_blank=True)):
         line.truncate(width, overflow="ellipsis")
@@ -126,14 +130,15 @@ def _dead_shown(r: LayerRouting) -> bool:
     return levels.finite(r.dead_unexpected) and r.dead_unexpected > 0
 
 
-def overview(frame, width: int, height: int, selected: int | None = None, offset: int = 0,
+def overview(frame, width: int | None, height: int, selected: int | None = None, offset: int = 0,
              worst_first: bool = False) -> Text:
-    """Header (2 lines) + one row per layer from ``offset`` (``height`` lines in all; 0 = every layer)."""
+    """Header (2 lines) + one row per layer from ``offset`` (``height`` lines in all; 0 = every layer).
+    ``width`` None: the cells as at ``LAYOUT_WIDTH``, no line cut."""
     routing = frame.routing
     if not routing:
         return Text("waiting for routing data ...", style="dim")
     n_exp = frame.n_experts or 0
-    bands = n_bands(n_exp, max(8, width - ANNOTATION - 6)) if n_exp else 0
+    bands = n_bands(n_exp, max(8, (width or LAYOUT_WIDTH) - ANNOTATION - 6)) if n_exp else 0
     per = -(-n_exp // bands) if bands else 0
     what = (f"bands of {per}" if per > 1 else "a cell per expert") if bands else "no expert data"
     if frame.tier != "per-expert" and bands:
@@ -202,7 +207,7 @@ def layer_view(frame, layer: int | None, width: int, height: int) -> Text:
     return fit(out, width)
 
 
-def details(frame, layer: int | None, width: int = 80) -> Text:
+def details(frame, layer: int | None, width: int | None = 80) -> Text:
     """The selected layer's hottest and coldest experts (one line)."""
     out = Text()
     r = frame.routing.get(layer) if layer is not None else None

@@ -27,8 +27,10 @@ from moescope.tui.top_data import Frame, Poller
 LEVEL_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold white on red", "none": "dim"}
 
 
-def tiles_text(frame: Frame, width: int = 80) -> Text:
-    cell = width // 5
+def tiles_text(frame: Frame, width: int | None = 80) -> Text:
+    """Five tiles a row, ``width`` // 5 cells each; ``width`` None: laid out as at ``heatmap.LAYOUT_WIDTH``, no
+    line cut."""
+    cell = (width or heatmap.LAYOUT_WIDTH) // 5
     out = Text()
     for i, t in enumerate(frame.tiles):
         label = f"{t.name} "
@@ -53,7 +55,7 @@ def status_text(frame: Frame, paused: bool) -> Text:
     return out
 
 
-def details_text(frame: Frame, layer: int | None, width: int = 80) -> Text:
+def details_text(frame: Frame, layer: int | None, width: int | None = 80) -> Text:
     """The selected layer's named experts; all-to-all p99 per rank and the firing alerts."""
     out = heatmap.details(frame, layer, width)
     out.append("\n")

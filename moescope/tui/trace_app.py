@@ -27,8 +27,9 @@ def _ms(x) -> str:
 def header_text(doc: dict) -> Text:
     t = doc["timings"]
     flags = ",".join(doc["flags"]) or "-"
+    tags = trace_grid.labels(doc)
     return Text(
-        f"{sanitize(doc['request_id'])}  {doc['model']}  rank {doc['rank']}  {doc['domain']}/{doc['tenant']}  "
+        f"{sanitize(doc['request_id'])}  {doc['model']}  rank {doc['rank']}  {tags + '  ' if tags else ''}"
         f"flags {flags}\n"
         f"queue {_ms(t['queue_s'])} ms  prefill {_ms(t['prefill_s'])} ms  ttft {_ms(t['ttft_s'])} ms  "
         f"total {_ms(t['total_s'])} ms\n"

@@ -21,6 +21,12 @@ GROUP_COLOURS = ("red", "green", "blue", "magenta", "cyan", "yellow", "bright_wh
 LABEL = 14  # "  12 dec abc  " before the cells
 
 
+def labels(doc: dict) -> str:
+    """The request's domain and tenant, each only when set (a served request usually has neither), sanitised:
+    ``"domain code  tenant acme"``, ``"tenant acme"`` or ``""``."""
+    return "  ".join(f"{k} {sanitize(doc[k], keep_newlines=False)}" for k in ("domain", "tenant") if doc.get(k))
+
+
 def token_label(tok: dict) -> str:
     text = sanitize(tok["text"], keep_newlines=False)[:4]
     return f"{tok['index']:>4} {tok['phase'][:3]} {text:<4} "
