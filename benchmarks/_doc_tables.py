@@ -2,17 +2,21 @@
 
 A docs page holds a block
 
-    <!-- table: benchmarks/X.py --markdown benchmarks/results/Y.json -->
+    <!-- table: benchmarks/X.py --markdown benchmarks/results/Y.json [--section S] -->
     ...
     <!-- /table -->
 
-whose body is exactly what that command prints (run from the repository root with this Python).
-``python benchmarks/_doc_tables.py`` rewrites every block; ``--check`` exits 1 naming the blocks that differ
-(tests/test_docs.py runs it).
+whose body is what that command prints (run from the repository root with this Python), then one line of the
+results file's provenance (`provenance_line`): the commit, date, machine and command its `provenance` object
+records (benchmarks/_results.py `save()`), or, for a file from before save() recorded one, what the file does
+record and the command that re-runs it (`RERUN`).
+``python benchmarks/_doc_tables.py`` rewrites every block; ``--check`` exits 1 naming the blocks that differ and
+any page still holding a hand-typed figure table (a ``<!-- figures: ... -->`` marker) (tests/test_docs.py runs it).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -20,6 +24,83 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- table: (?P<cmd>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
+HAND_TYPED = "<!-- figures:"
+# The command that writes a results file from before provenance was recorded, where it is not
+# `python benchmarks/<stem>.py`.
+DEVICE = "`bash benchmarks/device_checks.sh` on a CUDA machine (its line `{}`)"
+RERUN = {
+    "cache-sim.json": "python benchmarks/cache.py --only sim",
+    "cache.json": "python benchmarks/cache.py --only serve",
+    "detection-matrix.json": "MOESCOPE_MATRIX_OUT=benchmarks/results/detection-matrix.json "
+                             ".venv/bin/python -m pytest tests/test_detection_matrix.py",
+    "detection-shapes-hot.json": "python benchmarks/detection.py --shapes qwen3-moe-shape,deepseek-v3-shape "
+                                 "--faults hot --parallel 2 --out benchmarks/results/detection-shapes-hot.json",
+    "serve-soak.json": "python benchmarks/serve.py --soak 300",
+    "serve-soak-30min.json": "python benchmarks/serve.py --soak 1800 --soak-warmup 120 --soak-clients 8 "
+                             "--soak-variants capture_on --out benchmarks/results/serve-soak-30min.json",
+    "serve-load64.json": "python benchmarks/serve.py --soak 300 --soak-clients 64 --soak-variants capture_on "
+                         "--out benchmarks/results/serve-load64.json",
+    "decode_step-cpu.json": "python benchmarks/decode_step.py --quick --out benchmarks/results/decode_step-cpu.json",
+    "router_kernel.json": DEVICE.format("benchmarks/router_kernel.py --quick"),
+    "decode_step-cuda.json": DEVICE.format("benchmarks/decode_step.py --quick"),
+    "overhead-cuda.json": DEVICE.format("benchmarks/overhead.py --device cuda --rounds 3"),
+    "tiny-demo.json": "moescope train-demo --out moescope/assets/tiny-demo.safetensors",
+}
+
+
+def _git_date(path: Path) -> str | None:
+    """The date of the last commit that wrote ``path`` (None outside a full clone)."""
+    try:
+        shallow = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=10).stdout.strip()
+        if shallow != "false":
+            return None
+        return subprocess.run(["git", "log", "-1", "--format=%cs", "--", str(path.relative_to(ROOT))], cwd=ROOT,
+                              capture_output=True, text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _machine(m) -> str:
+    if isinstance(m, str):
+        return m
+    parts = [f"{m['cores']} cores" if m.get("cores") else f"{m['cpus']} CPUs" if m.get("cpus") else None,
+             f"{m['cpu_threads']} intra-op thread(s)" if m.get("cpu_threads") else None,
+             m.get("cpu"), f"GPU {m['gpu']}" if m.get("gpu") else None,
+             "load average " + " / ".join(f"{x:g}" for x in m["load_average"]) if m.get("load_average") else None,
+             m.get("note")]
+    return ", ".join(p for p in parts if p)
+
+
+def _command(cmd: str) -> str:
+    first = cmd.split()[0] if cmd.split() else ""
+    return f"python {cmd}" if first.endswith(".py") else cmd
+
+
+def provenance_line(results: Path) -> str:
+    """One line saying how ``results`` was made, from what the file records."""
+    d = json.loads(results.read_text())
+    p = d.get("provenance") if isinstance(d, dict) else None
+    if p:
+        m = p.get("machine") or {}
+        pkgs = ", ".join(f"{k} {v}" for k, v in (p.get("packages") or {}).items() if v)
+        dirty = " with uncommitted changes" if p.get("uncommitted_changes") else ""
+        return (f"Provenance: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
+                f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.")
+    rerun = RERUN.get(results.name, f"python benchmarks/{results.stem}.py")
+    rerun = rerun if rerun.startswith("`") else f"`{rerun}`"
+    recorded = []
+    if isinstance(d, dict):
+        machine = d.get("machine") or ({"cpus": d["cpus"]} if d.get("cpus") else None)
+        torch = d.get("torch") or (machine.get("torch") if isinstance(machine, dict) else None)
+        recorded += [f"commit {d['commit']}" if d.get("commit") else None,
+                     f"date {d['date']}" if d.get("date") else None, _machine(machine) if machine else None,
+                     f"device {d['device']}" if d.get("device") else None, f"torch {torch}" if torch else None]
+        recorded = [r for r in recorded if r]
+    date = _git_date(results)
+    when = f"results from before {date}" if date else "results from before 2026-12-05, when files began recording it"
+    said = f"; the file records {', '.join(recorded)}" if recorded else ""
+    return f"(provenance not recorded: {when}{said}; re-run {rerun})"
 
 
 def render(cmd: str) -> str:
@@ -27,30 +108,42 @@ def render(cmd: str) -> str:
     if not argv or not argv[0].startswith("benchmarks/") or "--markdown" not in argv:
         raise SystemExit(f"doc table command must be `benchmarks/X.py --markdown RESULTS`: {cmd!r}")
     out = subprocess.run([sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    return out if out.endswith("\n") else out + "\n"
+    out = out.rstrip("\n") + "\n"
+    results = ROOT / argv[argv.index("--markdown") + 1]
+    return out + "\n" + provenance_line(results) + "\n"
 
 
 def blocks(text: str):
     return list(BLOCK.finditer(text))
 
 
+def pages() -> list[Path]:
+    return sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+
+
 def main() -> int:
     check = "--check" in sys.argv[1:]
-    stale = []
-    for page in sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]:
+    stale, hand = [], []
+    for page in pages():
         text = page.read_text()
+        if HAND_TYPED in text:
+            hand.append(str(page.relative_to(ROOT)))
         new = BLOCK.sub(lambda m: m.group(1) + render(m.group("cmd")) + m.group(4), text)
         if new != text:
             stale.append(str(page.relative_to(ROOT)))
             if not check:
                 page.write_text(new)
+    if hand:
+        print(f"hand-typed figure tables ({HAND_TYPED} ...) in: {', '.join(hand)} (print them from their results "
+              "file in a `<!-- table: ... -->` block, or remove them)", file=sys.stderr)
     if check and stale:
         print(f"tables out of date with their results files in: {', '.join(stale)} "
               "(python benchmarks/_doc_tables.py rewrites them)", file=sys.stderr)
+    if check and (stale or hand):
         return 1
     if not check:
         print(f"rewrote {len(stale)} page(s)" + (f": {', '.join(stale)}" if stale else ""))
-    return 0
+    return 1 if hand else 0
 
 
 if __name__ == "__main__":

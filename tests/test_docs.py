@@ -213,12 +213,18 @@ def test_quickstart_python_block_runs_as_written(tmp_path):
 
 
 def test_docs_tables_are_printed_from_their_results_files():
-    """Every `<!-- table: benchmarks/X.py --markdown RESULTS -->` block holds exactly what that command prints."""
+    """Every `<!-- table: benchmarks/X.py --markdown RESULTS -->` block holds exactly what that command prints and
+    the provenance line of its results file; a `<!-- figures: -->` (hand-typed) table fails the check."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import _doc_tables as doc_tables
 
-    found = [m for p in [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"] for m in doc_tables.blocks(p.read_text())]
+    found = [m for p in doc_tables.pages() for m in doc_tables.blocks(p.read_text())]
     assert found, "no generated tables in the docs"
+    # Each block ends with its results file's provenance line; no hand-typed figure table is left.
+    unsourced = [m.group("cmd") for m in found if not m.group("body").rstrip("\n").splitlines()[-1].startswith(
+        ("Provenance: commit", "(provenance not recorded:"))]
+    assert not unsourced, unsourced
+    assert not [p.name for p in doc_tables.pages() if doc_tables.HAND_TYPED in p.read_text()]
     run = subprocess.run([sys.executable, "benchmarks/_doc_tables.py", "--check"], cwd=ROOT, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr

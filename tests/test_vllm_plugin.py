@@ -29,7 +29,7 @@ def test_client_id_is_the_responses_id(engine_id, client):
 
 
 @pytest.mark.parametrize("env, error", [
-    ({"MOESCOPE_METRICS_PORT": "abc"}, "MOESCOPE_METRICS_PORT='abc' is not a int"),
+    ({"MOESCOPE_METRICS_PORT": "abc"}, "MOESCOPE_METRICS_PORT='abc' is not an integer"),
     ({"MOESCOPE_METRICS_PORT": "70000"}, "must be 1..65535"),
     ({"MOESCOPE_TRACES": "x.sqlite", "MOESCOPE_TRACE_SAMPLE": "2"}, "within 0..1"),
     ({"MOESCOPE_WINDOW_S": "0"}, "MOESCOPE_WINDOW_S must be > 0"),
@@ -67,3 +67,16 @@ def test_rank_paths_keep_every_ranks_traces_apart(tmp_path):
     lake = tmp_path / "lake"
     lake.mkdir()
     assert plugin._rank_path(str(lake), 1) == str(lake)  # a lake takes every rank's files
+
+
+def test_a_bad_setting_turns_the_plugin_off_with_one_line():
+    """What vLLM's plugin loader runs, in a fresh interpreter: a setting that does not parse is one warning naming
+    it, nothing raised, vLLM not even imported (its server then starts as without moescope)."""
+    code = ("import os, sys\n"
+            "os.environ['MOESCOPE_METRICS_PORT'] = 'not-a-port'\n"
+            "import moescope.vllm as v; v.register()\n"
+            "print('vllm' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == ["moescope: off: MOESCOPE_METRICS_PORT='not-a-port' is not an integer"], lines

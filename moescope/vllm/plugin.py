@@ -50,7 +50,7 @@ class Settings:
             try:
                 return kind(raw)
             except ValueError:
-                raise SettingsError(f"{name}={raw!r} is not a {kind.__name__}") from None
+                raise SettingsError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
 
         port = number("MOESCOPE_METRICS_PORT", int, None)
         if port is not None and not 0 < port <= 65535:

@@ -1,0 +1,244 @@
+"""The docs' tables of the CPU benchmarks whose scripts print none of their own, printed from their results files
+(json only: no torch, so `benchmarks/_doc_tables.py --check` stays quick):
+
+    python benchmarks/_tables.py --markdown benchmarks/results/overhead.json
+    python benchmarks/_tables.py --markdown benchmarks/results/runtime.json --section hf|grouped|serving
+    python benchmarks/_tables.py --markdown benchmarks/results/parallel.json
+    python benchmarks/_tables.py --markdown benchmarks/results/cache.json
+    python benchmarks/_tables.py --markdown benchmarks/results/cache-sim.json
+    python benchmarks/_tables.py --markdown benchmarks/results/mitigate.json --section load-aware|smoothing
+    python benchmarks/_tables.py --markdown benchmarks/results/traces.json
+    python benchmarks/_tables.py --markdown benchmarks/results/detection-matrix.json --section tiny-demo|shape
+    python benchmarks/_tables.py --markdown benchmarks/results/serve-soak.json      (any soak file of serve.py)
+    python benchmarks/_tables.py --markdown moescope/assets/tiny-demo.json          (the demo model's routing)
+
+(benchmarks/_doc_tables.py keeps the docs' blocks equal to what these print, with the file's provenance under
+each.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _pct(x: float) -> str:
+    return f"{x:.1%}"
+
+
+def overhead(d: dict, section: str | None) -> list[str]:
+    lines = [f"torch {d['torch']}, {d['threads']} intra-op thread(s); medians of {d['rounds']} interleaved rounds "
+             "of the per-round ratio instrumented / bare:", "",
+             "| workload | concurrent requests | requests | bare serving s | metrics ratio | metrics + traces ratio | "
+             "traces hook share of a step |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for w in d["workloads"]:
+        m, t = w["metrics"], w["metrics+traces"]
+        lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} | {w['bare_s']:.2f} | {m['ratio']:.3f}x | "
+                     f"{t['ratio']:.3f}x | {t['hook_share_of_step']:.2%} |")
+    return lines
+
+
+def runtime(d: dict, section: str | None) -> list[str]:
+    m = d["machine"]
+    if section == "hf":
+        s = d["shape"]
+        lines = [f"hidden {s['hidden']}, ffn {s['ffn']}, {s['experts']} experts, top-{s['top_k']}, {s['dtype']}; "
+                 f"torch {m['torch']} ({m['cpu_threads']} thread), transformers {d['transformers']}, medians of "
+                 f"{d['rounds']} rounds:", "",
+                 "| tokens/forward | moescope tok/s | HF eager tok/s | moescope / HF | max abs diff |",
+                 "|---:|---:|---:|---:|---:|"]
+        for r in d["results"]:
+            lines.append(f"| {r['tokens']} | {r['ours_tokens_per_s']:.0f} | {r['hf_tokens_per_s']:.0f} | "
+                         f"{r['speedup_vs_hf']:.2f}x | {r['max_abs_diff']:.1e} |")
+        lines += ["", f"Copy bandwidth in the same run: {d['copy_bandwidth_gb_s']:.1f} GB/s; the single-token floor "
+                  f"({s['top_k']} experts x {d['expert_bytes'] / 1e6:.1f} MB / bandwidth) is "
+                  f"{d['bandwidth_floor_1_token_s'] * 1e3:.2f} ms, and moescope's layer takes "
+                  f"{d['ours_1_token_over_floor']:.2f}x that."]
+        return lines
+    if section == "grouped":
+        rows = d["grouped"]
+        lines = [f"Medians of {d['rounds']} interleaved rounds; every row bit-equal: "
+                 f"{'yes' if all(r['bit_equal'] for r in rows) else 'NO'}.", "",
+                 "| experts | hidden x ffn | top-k | tokens | slots | grouped ms | loop ms | loop / grouped |",
+                 "|---:|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['experts']} | {r['hidden']} x {r['ffn']} | {r['top_k']} | {r['tokens']} | "
+                         f"{r['slots']} | {r['grouped_s'] * 1e3:.3f} | {r['loop_s'] * 1e3:.3f} | "
+                         f"{r['loop_over_grouped']:.2f}x |")
+        return lines
+    if section == "serving":
+        rows = d["serving"]
+        lines = [f"{rows[0]['requests']} requests queued at once, greedy:", "",
+                 "| model | experts path | MoE layers x experts | tokens/s | / tiny-demo |", "|---|---|---|---:|---:|"]
+        for r in rows:
+            lines.append(f"| {r['model']} | {r['experts_path']} | {r['moe_layers']} x {r['experts']} | "
+                         f"{r['tokens_per_s']:.1f} | {r['ratio_to_tiny_demo']:.3f}x |")
+        return lines
+    raise SystemExit("runtime.json: --section hf, grouped or serving")
+
+
+def parallel(rows: list, section: str | None) -> list[str]:
+    lines = ["| world size | rank | tokens/s | all-to-all s | share of run |", "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['world_size']} | {r['rank']} | {r['tokens_per_s']:.1f} | {r['all_to_all_s']:.3f} | "
+                     f"{r['all_to_all_share']:.1%} |")
+    return lines
+
+
+def cache(d: dict, section: str | None) -> list[str]:
+    c = d["config"]
+    lines = [f"{c['n_layers']} MoE layers x {c['n_experts']} experts, top-{c['top_k']}, hidden {c['hidden_size']}, "
+             f"ffn {c['ffn_size']}; {d['requests']} requests, max batch {d['max_batch']}, medians of {d['rounds']} "
+             "rounds:", "",
+             "| cache (experts/layer) | tier | tokens/s | vs all resident | token p50 ms | token p99 ms | hit rate | "
+             "load p50 ms | load p99 ms |", "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.2f}"
+
+    for r in d["rows"]:
+        lines.append(f"| {r['cache']} ({r['size']}) | {r['tier']} | {r['tokens_per_s']:.1f} | {r['vs_all']:.2f}x | "
+                     f"{r['token_p50_s'] * 1e3:.1f} | {r['token_p99_s'] * 1e3:.1f} | {r['hit_rate']:.3f} | "
+                     f"{ms(r['load_p50_s'])} | {ms(r['load_p99_s'])} |")
+    return lines
+
+
+def cache_sim(d: dict, section: str | None) -> list[str]:
+    return [f"Synthetic routing, {d['n_layers']} MoE layers x {d['n_experts']} experts, top-{d['top_k']}, "
+            f"{d['steps']} steps ({d['lookups']:,} lookups); medians of {d['rounds']} rounds:", "",
+            "| every size 1..E, one pass per policy | one size, per-size replay | every size, per-size replay "
+            "(estimated) | speed-up |", "|---:|---:|---:|---:|",
+            f"| {d['sweep_all_sizes_s']:.2f} s | {d['per_size_one_size_s']:.2f} s (size {d['compared_size']}) | "
+            f"{d['per_size_all_sizes_estimate_s']:.0f} s | {d['speedup_vs_per_size_all_sizes']:.0f}x |"]
+
+
+def _worst(by_layer: dict) -> float:
+    return max(by_layer.values())
+
+
+def mitigate(d: dict, section: str | None) -> list[str]:
+    if section == "load-aware":
+        lines = ["| traffic | load CV off (worst layer) | CV on (worst layer) | rerouted slots (per layer) | "
+                 "output tokens identical to unmitigated |", "|---|---:|---:|---|---:|"]
+        for name, r in d["load_aware"].items():
+            slots = " / ".join(f"{v:,}" for v in r["rerouted_slots"].values())
+            lines.append(f"| {name} | {_worst(r['cv_off']):.3f} | {_worst(r['cv_on']):.3f} | {slots} | "
+                         f"{_pct(r['tokens_identical'])} |")
+        return lines
+    if section == "smoothing":
+        s = d["smoothing"]
+        return ["| margin | canary flip rate under `jitter`, off (worst layer) | on (worst layer) | "
+                "healthy output identical with smoothing on |", "|---:|---:|---:|---:|",
+                f"| {s['margin']:g} | {_pct(_worst(s['jitter_flip_off']))} | {_pct(_worst(s['jitter_flip_on']))} | "
+                f"{_pct(s['healthy_tokens_identical'])} |"]
+    raise SystemExit("mitigate.json: --section load-aware or smoothing")
+
+
+def traces(d: dict, section: str | None) -> list[str]:
+    return ["| figure | value |", "|---|---:|",
+            f"| store | {d['requests']:,} requests, {d['tokens']:,} tokens |",
+            f"| write | {d['write_s']:.2f} s: {d['token_layer_records_per_s']:,.0f} token-layer records/s |",
+            f"| on disk | {d['store_bytes'] / 2**20:.1f} MiB: {d['bytes_per_token_layer']:.1f} bytes per "
+            "token-layer |",
+            f"| `moescope trace ID --json` (a subprocess) | {d['trace_json_cli_s']:.2f} s wall |",
+            f"| one request loaded in process | {d['load_request_in_process_s'] * 1e3:.1f} ms |",
+            f"| `moescope requests` (a subprocess) | {d['requests_cli_s']:.2f} s wall |",
+            f"| interpreter and import start-up alone | {d['startup_cli_s']:.2f} s |"]
+
+
+def _delivered(row: dict) -> str:
+    got = row["delivered"]
+    if not got:
+        return "none"
+    extra = [a for a in got if a != row["expected"]]
+    said = ", ".join(got)
+    return said + (f" (**{len(extra)} beyond the expected**)" if extra else "")
+
+
+def detection_matrix(d: dict, section: str | None) -> list[str]:
+    head = (f"`for` {d['for']}, scrape and rule evaluation every {d['scrape_and_eval_interval']}, seconds counted "
+            f"from Prometheus' first scrape after a {d['warmup_s']} s warm-up.")
+    if section == "tiny-demo":
+        lines = [f"tiny-demo; {head}", "", "| scenario | expected alert | alerts delivered (the Watchdog aside) | "
+                 "seconds to detect |", "|---|---|---|---:|"]
+        for name, r in sorted(d["matrix"].items(), key=lambda kv: (kv[0] != "healthy", kv[0])):
+            ttd = "-" if r["seconds_to_detect"] is None else f"{r['seconds_to_detect']:.1f}"
+            lines.append(f"| `{name}` | {r['expected'] or 'none'} | {_delivered(r)} | {ttd} |")
+        return lines
+    if section == "shape":
+        (shape,) = [k for k in d if k not in ("for", "scrape_and_eval_interval", "warmup_s", "matrix")]
+        rows = d[shape]
+        model = next(iter(rows.values())).get("model", shape)
+        lines = [f"{model}; {head}", "", "| scenario | expected alert | alerts delivered (the Watchdog aside) | "
+                 "seconds to detect | `diagnose` named (exit) |", "|---|---|---|---:|---|"]
+        for name, r in sorted(rows.items(), key=lambda kv: (kv[0] != "healthy", kv[0])):
+            ttd = "-" if r["seconds_to_detect"] is None else f"{r['seconds_to_detect']:.1f}"
+            scen = f"`{name}`" + (f" (`{r['scenario']}`)" if r.get("scenario") else "")
+            named = ", ".join(r.get("diagnose_named") or []) or "nothing"
+            lines.append(f"| {scen} | {r['expected'] or 'none'} | {_delivered(r)} | {ttd} | {named} "
+                         f"({r.get('diagnose_exit')}) |")
+        return lines
+    raise SystemExit("detection-matrix.json: --section tiny-demo or shape")
+
+
+def soak(d: dict, section: str | None) -> list[str]:
+    lines = [f"{d['model']}, max batch {d['max_batch']}, {d['max_tokens']} tokens per request, "
+             f"{d['clients_per_server']} closed-loop streaming clients per server, {d['seconds']:g} s, RSS slope "
+             f"fitted after a {d['warmup_s']:g} s warm-up; {d['cpus']} CPUs, torch {d['torch']}:", "",
+             "| server | requests (after warm-up) | errors | 429s | RSS start -> after warm-up -> end | "
+             "slope per 1,000 requests | growth after warm-up | in the trace store at the end |",
+             "|---|---|---:|---:|---|---:|---:|---:|"]
+    for name, r in d["results"].items():
+        lines.append(f"| {name.replace('_', ' ')} | {r['requests']:,} ({r['requests_after_warmup']:,}) | "
+                     f"{r['errors']} | {r.get('rejected_429', '-')} | {r['rss_mb_start']:.1f} -> "
+                     f"{r['rss_mb_after_warmup']:.1f} -> {r['rss_mb_end']:.1f} MB | "
+                     f"{r['rss_kb_per_1000_requests']:+,.0f} KB | {r['growth_after_warmup_pct']:+.2f}% | "
+                     f"{format(r['stored_of_answered'], ',') if 'stored_of_answered' in r else '-'} |")
+    return lines
+
+
+def demo_model(d: dict, section: str | None) -> list[str]:
+    loads = d["expert_load_by_domain"]
+    layers = sorted(next(iter(loads.values())), key=int)
+    n = len(next(iter(next(iter(loads.values())).values())))
+    lines = [f"| layer | domain | {' | '.join(f'e{i}' for i in range(n))} |", "|---|---|" + "---:|" * n]
+    for layer in layers:
+        for dom, by_layer in loads.items():
+            shares = by_layer[layer]
+            top = max(range(n), key=lambda i: shares[i])
+            cells = [f"**{round(x * 100)}**" if i == top else f"{round(x * 100)}" for i, x in enumerate(shares)]
+            lines.append(f"| {layer} | {dom} | {' | '.join(cells)} |")
+    jsd = d["specialisation"]["mean_pairwise_jsd_bits"]
+    t = d["train"]
+    lines += ["", f"Mean pairwise Jensen-Shannon divergence between the domains' loads, per layer: "
+              f"{', '.join(f'{jsd[k]:.2f}' for k in sorted(jsd, key=int))} bits ({t['steps']} training steps, "
+              f"load-balancing loss {t['aux_coef']:g})."]
+    return lines
+
+
+RENDER = {"overhead": overhead, "runtime": runtime, "parallel": parallel, "cache": cache, "cache-sim": cache_sim,
+          "mitigate": mitigate, "traces": traces, "detection-matrix": detection_matrix, "tiny-demo": demo_model}
+
+
+def render(path: Path, section: str | None) -> str:
+    d = json.loads(path.read_text())
+    stem = path.stem.removesuffix("-quick")
+    fn = soak if isinstance(d, dict) and d.get("mode") == "soak" else RENDER.get(stem)
+    if fn is None:
+        raise SystemExit(f"no table for {path}")
+    return "\n".join(fn(d, section)) + "\n"
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--markdown", metavar="RESULTS", type=Path, required=True)
+    ap.add_argument("--section", default=None)
+    args = ap.parse_args(argv)
+    print(render(args.markdown, args.section), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
