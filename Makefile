@@ -80,9 +80,10 @@ $(VLLM_ENV)/.installed: $(VENV)/.installed
 vllm-env: $(VLLM_ENV)/.installed
 
 # The vLLM tests (a real vLLM OpenAI server with the plugin, checkpoints built at test time): pytest runs in the
-# main venv and starts servers from .vllm/ (tests/vllm_server.py).
+# main venv and starts servers from .vllm/ (tests/vllm_server.py), two at a time (a server's start-up is mostly
+# single-threaded imports in three processes: two starting together take little longer than one).
 test-vllm: $(VLLM_ENV)/.installed system-deps
-	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm
+	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
 
 bench: install
 	$(BIN)/python benchmarks/runtime.py

@@ -22,7 +22,7 @@ from conftest import ROOT
 from helpers import run_cli
 from moescope.alerts import rules
 from servers import Alertmanager, Prometheus, Webhook, free_port, wait_http
-from test_vllm import PROMPTS
+from test_vllm import PROMPTS, _needs_vllm  # noqa: F401 (the fixture applies here too)
 from vllm_server import serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]

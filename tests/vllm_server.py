@@ -32,7 +32,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-VLLM_PYTHON = ROOT / ".vllm" / "bin" / "python"
+VLLM_PYTHON = Path(os.environ.get("MOESCOPE_VLLM_PYTHON") or ROOT / ".vllm" / "bin" / "python")
 
 DEFAULT_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "16",
                 "--gpu-memory-utilization", "0.3", "--enforce-eager"]
