@@ -104,12 +104,25 @@ def _firing(hook) -> set[str]:
     return {a["labels"]["alertname"] for _, a in hook.alerts() if a["status"] == "firing"}
 
 
+class _Checkpoints:
+    """Each test builds only the checkpoint it serves (a build calibrates every router: tens of seconds), once."""
+
+    BUILD = {"healthy": lambda root: vllm_models.build("qwen3_moe", root, experts=16),
+             "hot": lambda root: vllm_models.build("qwen3_moe", root, experts=16, hot=HOT),
+             "collapse": lambda root: vllm_models.build("deepseek_v3", root, collapse_layer=COLLAPSE_LAYER)}
+
+    def __init__(self, factory) -> None:
+        self.factory, self.built = factory, {}
+
+    def __getitem__(self, name: str):
+        if name not in self.built:
+            self.built[name] = self.BUILD[name](self.factory.mktemp(name) / name)
+        return self.built[name]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    root = tmp_path_factory.mktemp("alert-models")
-    return {"healthy": vllm_models.build("qwen3_moe", root / "healthy", experts=16),
-            "hot": vllm_models.build("qwen3_moe", root / "hot", experts=16, hot=HOT),
-            "collapse": vllm_models.build("deepseek_v3", root / "collapse", collapse_layer=COLLAPSE_LAYER)}
+    return _Checkpoints(tmp_path_factory)
 
 
 def test_healthy_traffic_delivers_only_the_watchdog(checkpoints, tmp_path):
