@@ -116,10 +116,13 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
         # (Both linger far beyond the test, killed at its end: a run that ended would go stale in Prometheus
         # between the wait below and the last query on a loaded machine.)
         # A single-process demo beside it: the canary (flip ratio) and drift series (expert parallel runs
-        # have no canary yet), and a hot expert (expert 3 of layer 1) for the hot-expert panels.
-        single = popen_cli("demo", "--no-tui", "--requests", "12", "--rate", "0", "--metrics-port", str(port + 2),
+        # have no canary yet), and a hot expert (expert 3 of layer 1) for the hot-expert panels. It serves a
+        # steady 2 requests/s until killed: the hot-expert series exists only while the 60 s window holds requests
+        # (12 requests at once, then lingering, left an empty window when the wait below took over a minute on a
+        # loaded machine, and the hot-expert panels came back empty: a fresh-clone run of 2026-12-05).
+        single = popen_cli("demo", "--no-tui", "--rate", "2", "--duration", "600", "--metrics-port", str(port + 2),
                            "--baseline", str(baseline), "--canary-interval", "0.2", "--scenario", "hot=1:3:4",
-                           "--linger", "600", "--traces", "none", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                           "--traces", "none", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         # The serving row: a real `moescope serve` (its API port's /metrics), answering streamed requests.
         serve = popen_cli("serve", "--port", str(port + 3), "--metrics-port", "-1", "--traces", "none",
                           "--canary-interval", "0", "--max-batch", "2", stdout=subprocess.DEVNULL,

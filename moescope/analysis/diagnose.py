@@ -14,17 +14,24 @@ the no-baseline bar) and where the traffic seen cannot tell. Checks, in the stor
 - drift: Jensen-Shannon divergence against the baseline (else the window's earlier half) beyond its sampling
   noise, attributed to the domains/tenants whose share moved;
 - non-deterministic routing: positions with an identical prefix (same token ids from the start) must route
-  identically in any deterministic model; the share of such positions whose expert set differs;
+  identically in any deterministic model; the share of such positions whose expert set differs, compared within
+  one writer run only (another run may serve another router: a fault, a new checkpoint);
 - dropped slots: stored expert id == E (capacity overflow);
 - cache thrash: per forward and layer, the experts used and which of them were misses (the miss bitmask);
 - slow expert fetches: expert time of forwards with misses against forwards without, per miss;
 - slow rank: per-peer wait recorded at each dispatch (entry skew between ranks);
 - memory growth: resident memory sampled per step, its linear trend.
+
+Which requests: a store often holds several writer runs (each process that wrote it: a healthy run, then a
+fault run; an old run that dropped tokens). ``select_runs`` picks the latest by default (the run of the most
+recent request, with any run written alongside it), one given run, or all of them; the report says which and
+what it left out.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -33,6 +40,7 @@ import numpy as np
 
 from moescope import sampling, stats
 from moescope.analysis import baseline as bl
+from moescope.errors import BadInput
 from moescope.thresholds import DEFAULT, Thresholds
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
@@ -72,14 +80,16 @@ class Window:
     step_of: list[np.ndarray]  # [n] -> global step key index
     steps: list[dict]  # unique steps (by run, index)
     n_prompt: list[int] = field(default_factory=list)
+    run: list[str | None] = field(default_factory=list)  # per request: the writer run that stored it
 
 
-def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=None) -> Window:
-    """The newest ``limit`` routed requests (one model); corrupt rows are skipped into ``corrupt``."""
+def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=None, runs=None) -> Window:
+    """The newest ``limit`` routed requests (one model); corrupt rows are skipped into ``corrupt``. ``runs``:
+    only the requests of these writer runs (``select_runs``; None: every run)."""
     from moescope.traces.store import CorruptRows, iter_routed
 
     corrupt = CorruptRows() if corrupt is None else corrupt
-    rows = list(iter_routed(conn, since=since, limit=limit, newest=True, corrupt=corrupt))
+    rows = list(iter_routed(conn, since=since, limit=limit, newest=True, corrupt=corrupt, runs=runs))
     if not rows:
         raise corrupt.nothing_left("the trace store holds no routed requests in this window (run `moescope demo`, "
                                    "or widen --since)")
@@ -94,6 +104,7 @@ def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=
             continue  # another model's requests: diagnose one model at a time
         w.ids.append(r.request_id)
         w.n_prompt.append(r.n_prompt)
+        w.run.append(r.run)
         started.append(r.started)
         w.domain.append(r.domain)
         w.tenant.append(r.tenant)
@@ -448,20 +459,24 @@ def _check_drift(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray
 
 def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
     """Identical prefixes must route identically: compare every position whose whole prefix (from the first
-    token) another stored request shares."""
-    first: dict[tuple, tuple[int, int]] = {}  # prefix hash -> (request, position) seen first
+    token) another stored request of the same writer run shares. Determinism is a property of one model state:
+    two runs may serve different routers (a fault, a new checkpoint), so prefixes are never compared across
+    runs."""
+    first: dict[tuple, tuple[int, int]] = {}  # (run, prefix hash) -> (request, position) seen first
     compared = flipped = 0
     by_layer = np.zeros(len(w.layers), dtype=np.int64)
     examples: list[str] = []
+    runs = w.run if len(w.run) == len(w.ids) else [None] * len(w.ids)
     for i, toks in enumerate(w.tokens):
         finite = np.isfinite(w.entropy[i]).all(1)
         h = 0
+        run = runs[i]
         sets = np.sort(w.routing[i], axis=2)
         for pos, tok in enumerate(toks.tolist()):
             h = hash((h, tok))
-            seen = first.get(h)
+            seen = first.get((run, h))
             if seen is None:
-                first[h] = (i, pos)
+                first[(run, h)] = (i, pos)
                 continue
             j, p = seen
             if not (finite[pos] and np.isfinite(w.entropy[j][p]).all()):
@@ -480,13 +495,16 @@ def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
         return []
     ratio = flipped / compared
     bar = t.flip_ratio
+    n_runs = len(set(runs))
+    within = {"compared_within": "one run" if n_runs == 1 else f"each of {n_runs} runs (never across)"}
     if ratio <= bar:
         return [Finding("jitter", "info", "Routing is deterministic on shared prefixes", 0.0,
-                        {"positions_compared": compared, "flipped": flipped, "flip_ratio": round(ratio, 4)})]
+                        {"positions_compared": compared, "flipped": flipped, "flip_ratio": round(ratio, 4),
+                         **within})]
     return [Finding("jitter", "warning", "Routing is not deterministic: identical prefixes route differently",
                     ratio / bar,
                     {"positions_compared": compared, "flipped": flipped, "flip_ratio": round(ratio, 4),
-                     "by_layer": {w.layers[j]: int(v) for j, v in enumerate(by_layer)}, "threshold": bar},
+                     "by_layer": {w.layers[j]: int(v) for j, v in enumerate(by_layer)}, "threshold": bar, **within},
                     examples, "MoERoutingFlips")]
 
 
@@ -688,11 +706,102 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
                     "MoEMemoryGrowth")]
 
 
+# -- which runs a diagnosis judges ----------------------------------------------------------------------------
+
+ALL_RUNS = "all"
+
+
+@dataclass
+class RunChoice:
+    """The writer runs a diagnosis judges, out of those stored in its window (``store.routed_runs``)."""
+
+    how: str  # "latest" | "given" | "all"
+    judged: list  # [store.RunSpan] judged
+    stored: list  # [store.RunSpan] every run in the window, newest first
+    alongside: int = 0  # (latest) runs written while the latest one was: a launch's ranks, a fleet's replicas
+
+    @property
+    def ids(self) -> list[str] | None:
+        """The ``runs`` filter of ``load_window`` (None: every run)."""
+        return None if self.how == "all" else [r.run for r in self.judged]
+
+    @property
+    def left_out(self) -> list:
+        judged = {r.run for r in self.judged}
+        return [r for r in self.stored if r.run not in judged]
+
+    def as_dict(self, requests: int) -> dict:
+        """``requests``: those the window judged (read and checked; other runs' rows are counted as stored)."""
+        left = self.left_out
+        return {"selected": self.how, "judged": [r.run for r in self.judged], "alongside": self.alongside,
+                "left_out": {"runs": len(left), "requests": sum(r.requests for r in left)},
+                "other_runs": [{"run": r.run, "requests": r.requests, "from": r.first, "to": r.last} for r in left],
+                "line": self.line(requests)}
+
+    def line(self, requests: int) -> str:
+        """One line: which run(s) were judged (``requests`` of them), and what was left out."""
+        n = f"{requests} request{'s' * (requests != 1)}"
+        if self.how == "all":
+            k = len(self.stored)
+            if not k:
+                return f"judged {n} (their steps name no writer run)"
+            return f"judged all {k} run{'s' * (k != 1)} ({n}); identical prefixes compared within each run"
+        first = self.judged[0].run
+        if self.how == "given":
+            head = f"judged run {first} (--run; {n})"
+        elif self.alongside:
+            names = ", ".join(r.run for r in self.judged[1:])
+            head = f"judged the latest run {first} and {self.alongside} written alongside it ({names}; {n})"
+        else:
+            head = f"judged the latest run {first} ({n})"
+        left = self.left_out
+        if not left:
+            return head + "; no other run in the window"
+        m = sum(r.requests for r in left)
+        return (f"{head}; left out {m} request{'s' * (m != 1)} of {len(left)} other run{'s' * (len(left) != 1)} "
+                "(--run ID for another, --run all for every run)")
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def select_runs(conn, run: str | None = None, *, since: float | None = None) -> RunChoice:
+    """The runs to judge: ``run`` None, the latest (the run of the most recent request, with any run written
+    alongside it: its span overlaps the latest's); ``ALL_RUNS``, every run; else that run id (or a unique prefix
+    of one). An id the window does not hold is ``BadInput`` naming the stored runs."""
+    from moescope.traces.store import routed_runs
+
+    stored = routed_runs(conn, since=since)
+    if run == ALL_RUNS:
+        return RunChoice("all", list(stored), stored)
+    if run is None:
+        if not stored:  # load_window says the window holds nothing
+            return RunChoice("all", [], stored)
+        latest = stored[0]
+        judged = [latest] + [r for r in stored[1:] if r.last >= latest.first]
+        return RunChoice("latest", judged, stored, len(judged) - 1)
+    match = [r for r in stored if r.run == run] or [r for r in stored if r.run.startswith(run)]
+    if len(match) == 1:
+        return RunChoice("given", match, stored)
+    window = " in this window" if since is not None else ""
+    if not stored:
+        raise BadInput(f"--run {run}: the trace store holds no routed requests{window}")
+    shown = match if match else stored
+    listed = ", ".join(f"{r.run} ({r.requests} requests, {_when(r.first)} to {_when(r.last)})"
+                       for r in shown[:8]) + (f", and {len(shown) - 8} more" if len(shown) > 8 else "")
+    what = f"--run {run} matches {len(match)} runs" if match else f"no run {run} in the trace store{window}"
+    raise BadInput(f"{what}; stored runs, newest first: {listed} (or --run all)")
+
+
 def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=None,
-             thresholds: Thresholds = DEFAULT, prometheus: str | None = None, corrupt=None) -> dict:
+             thresholds: Thresholds = DEFAULT, prometheus: str | None = None, corrupt=None,
+             run: str | None = None) -> dict:
     """Ranked findings. ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load}): the reference of
-    imbalance, hot and dead experts and drift, as the exporter's."""
-    w = load_window(conn, since=since, limit=limit, corrupt=corrupt)
+    imbalance, hot and dead experts and drift, as the exporter's. ``run``: which writer run to judge
+    (``select_runs``): None the latest, ``ALL_RUNS`` every run, else a run id."""
+    choice = select_runs(conn, run, since=since)
+    w = load_window(conn, since=since, limit=limit, corrupt=corrupt, runs=choice.ids)
     per_request = _request_counts(w)
     j = judge_requests(per_request, w.layers, w.top_k, baseline, thresholds)
     findings = [*_check_nonfinite(w), *_check_load(w, thresholds, j, per_request),
@@ -710,5 +819,6 @@ def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=No
     n_tokens = sum(len(x) for x in w.tokens)
     return {"model": w.model, "requests": len(w.ids), "routed_tokens": n_tokens, "layers": w.layers,
             "window": {"from": float(w.started.min()), "to": float(w.started.max())},
+            "runs": choice.as_dict(len(w.ids)),
             "alarming": sum(f.severity != "info" for f in findings),
             "findings": [f.as_dict() for f in findings]}

@@ -32,21 +32,28 @@ def _brief(evidence: dict) -> str:
               "structural CV, hot and dead experts against its shares, drift against its load (else: the "
               "no-baseline bar, the fair share, and the window's earlier half).")
 @click.option("--prometheus", default=None, help="Prometheus URL: add its firing moescope alerts as evidence.")
+@click.option("--run", "run", default=None, metavar="ID|all",
+              help="Which writer run to judge (each process that wrote the store is one run; a store often holds "
+              "a healthy run and a fault run, or an old one): a run id (or a unique prefix), or `all`. Default: "
+              "the latest run (with any run written alongside it: a launch's ranks). Identical prefixes are "
+              "compared within a run, never across.")
 @json_option
-def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, as_json) -> None:
+def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, run, as_json) -> None:
     """Name what is wrong, with evidence and the playbook to follow. Exit 1 when something is."""
     from moescope.analysis import baseline as bl
     from moescope.analysis.diagnose import diagnose
 
     baseline = bl.load(baseline_path) if baseline_path else None
     with read_store(traces_path) as (conn, corrupt):
-        report = diagnose(conn, since=since, limit=limit, baseline=baseline, prometheus=prometheus, corrupt=corrupt)
+        report = diagnose(conn, since=since, limit=limit, baseline=baseline, prometheus=prometheus, corrupt=corrupt,
+                          run=run)
     report["corrupt_rows"] = corrupt.count
     if as_json:
         emit_json(report)
     else:
         echo(f"{report['model']}: {report['requests']} requests, {report['routed_tokens']} routed tokens, "
              f"layers {','.join(map(str, report['layers']))}")
+        echo(report["runs"]["line"])
         if not report["alarming"]:
             echo("nothing alarming found")
         for i, f in enumerate(report["findings"], 1):

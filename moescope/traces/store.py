@@ -345,6 +345,12 @@ class Routed:
     def steps(self) -> list[dict]:
         return json.loads(self.steps_json or "[]")
 
+    @property
+    def run(self) -> str | None:
+        """The id of the writer run that stored this request (its steps' ``run``: one run per request), as
+        ``RUN_SQL`` reads it; None when its steps name none."""
+        first = next((st["run"] for st in self.steps if isinstance(st, dict) and "run" in st), None)
+        return first if isinstance(first, str) and first else None
 
     def check(self) -> None:
         """Raise ``CorruptRow`` unless every column decodes and agrees with the token counts: what the readers
@@ -416,10 +422,53 @@ _SHAPE = "coalesce(layers, '') = coalesce(?, '') AND coalesce(top_k, -1) = coale
     "coalesce(n_experts, -1) = coalesce(?, -1)"
 
 
+# The writer run of a stored request, in SQL both engines read (SQLite, DuckDB over the lake): the first ``"run"``
+# key's string value in the head of its ``steps`` JSON (the writer puts ``run`` among a step's first keys, and a
+# request's steps share one run), without decoding the JSON or the routing arrays. NULL where the head names none.
+_HEAD = "substr(steps, 1, 512)"
+_AFTER = f"ltrim(substr({_HEAD}, instr({_HEAD}, '\"run\"') + 5), ' :')"
+_VALUE = f"substr({_AFTER}, 2)"  # after the opening quote
+RUN_SQL = (f"(CASE WHEN instr({_HEAD}, '\"run\"') > 0 AND substr({_AFTER}, 1, 1) = '\"' AND instr({_VALUE}, '\"') > 1 "
+           f"THEN substr({_VALUE}, 1, instr({_VALUE}, '\"') - 1) END)")
+
+
+@dataclass(frozen=True)
+class RunSpan:
+    """One writer run's stored requests that carry routing: its id, how many rows (as stored: not checked), and
+    the arrival of its first and last."""
+
+    run: str
+    requests: int
+    first: float
+    last: float
+
+
+def routed_runs(conn, *, since: float | None = None) -> list[RunSpan]:
+    """The writer runs of the stored requests that carry routing (started at or after ``since``), newest first
+    (by their last request's arrival): one SQL query over the head of each row's steps, the routing never
+    decoded. Rows whose steps name no run (none of our writers makes one: corrupt) belong to no run; readers
+    given ``runs`` read them with any run, where their check skips them."""
+    where, args = "ids IS NOT NULL", []
+    if since is not None:
+        where += " AND started >= ?"
+        args.append(since)
+    spans: dict[str, list] = {}  # run -> [requests, first, last]
+    for run, started in _rows(conn, f"SELECT {RUN_SQL}, started FROM requests WHERE {where}", args):
+        if not (isinstance(run, str) and run and _is_time(started)):  # corrupt: counted where the rows are read
+            continue
+        span = spans.setdefault(run, [0, started, started])
+        span[0] += 1
+        span[1], span[2] = min(span[1], started), max(span[2], started)
+    out = [RunSpan(run, n, float(first), float(last)) for run, (n, first, last) in spans.items()]
+    out.sort(key=lambda r: (-r.last, -r.first, r.run))
+    return out
+
+
 def iter_routed(conn, *, since: float | None = None, limit: int | None = None, newest: bool = False,
-                corrupt: CorruptRows | None = None) -> Iterator[Routed]:
+                corrupt: CorruptRows | None = None, runs=None) -> Iterator[Routed]:
     """The stored requests that carry routing, oldest first; ``since``: started at or after; ``limit``: at most
-    that many rows, the oldest (or with ``newest`` the newest, still yielded oldest first).
+    that many rows, the oldest (or with ``newest`` the newest, still yielded oldest first); ``runs``: only the
+    requests of these writer runs (ids as ``routed_runs`` gives them; None: every run).
 
     One model shape at a time (layers, top-k, experts: what the readers stack arrays by): the shape most
     requests in the window have; requests of other shapes are left out, with one note on stderr. Every
@@ -430,6 +479,10 @@ def iter_routed(conn, *, since: float | None = None, limit: int | None = None, n
     if since is not None:
         where += " AND started >= ?"
         args.append(since)
+    if runs is not None:  # (and the rows that name no run: corrupt ones, skipped below with their warning)
+        runs = list(runs)
+        where += f" AND ({RUN_SQL} IS NULL" + (f" OR {RUN_SQL} IN ({', '.join('?' * len(runs))})" if runs else "") + ")"
+        args += runs
     shapes = list(_rows(conn, f"SELECT layers, top_k, n_experts, COUNT(*) FROM requests WHERE {where} "
                               "GROUP BY layers, top_k, n_experts ORDER BY COUNT(*) DESC, MAX(started) DESC", args))
     for shape in [sh for sh in shapes if not _valid_shape(*sh[:3])]:  # corrupt, not another model
