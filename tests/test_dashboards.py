@@ -134,11 +134,14 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
             return {"targets": prom.scalar('count(moescope_build_info{model="tiny-demo"})'),
                     "steps": prom.scalar('sum(moescope_steps_total{model="tiny-demo"})'),
                     "served": prom.scalar('sum(moescope_serve_e2e_request_latency_seconds_count{model="tiny-demo"})'),
+                    # the hot expert is exported once the window holds enough finished requests to call it
+                    # significant: on a loaded machine that takes longer than the other series
+                    "hot": prom.scalar('count(moescope_expert_hot_factor_ratio{model="tiny-demo"})'),
                     "2-rank run": "running" if proc.poll() is None else proc.returncode}
 
         wait_until(readings, timeout=240, what="every target's series in Prometheus while the runs linger",
-                   until=lambda r: r["targets"] == 3 and r["steps"] and r["served"] and r["2-rank run"] == "running",
-                   interval=1)
+                   until=lambda r: r["targets"] == 3 and r["steps"] and r["served"] and r["hot"]
+                   and r["2-rank run"] == "running", interval=1)
         time.sleep(6)  # a few more scrapes: rates need several samples
         failures = check_panels(prom, "tiny-demo", "1")
         assert not failures, "\n".join(failures)

@@ -81,8 +81,7 @@ class VLLMAdapter:
         self._rows = 0  # real (unpadded) rows of the forward in flight; 0 outside a step: captures ignored
         self._step = 0
         self._t0 = 0.0
-        self._live: dict[str, _Live] = {}
-        self._ids: dict[str, str] = {}  # engine id -> client id
+        self._live: dict[str, _Live] = {}  # engine request id -> the request (its client id among the rest)
         # Per-row-count constants of a decision (what vLLM does not tell: weights, scores), shared by every layer
         # and step of that many rows: immutable after construction, so one allocation serves them all.
         self._consts: dict[int, tuple] = {}
@@ -142,10 +141,8 @@ class VLLMAdapter:
         for engine_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
             self._finish(engine_id, requests.get(engine_id), now)
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-            rid = client_id(new.req_id)
-            self._ids[new.req_id] = rid
             params = getattr(new, "sampling_params", None)
-            self._live[new.req_id] = _Live(rid, list(new.prompt_token_ids or ()),
+            self._live[new.req_id] = _Live(client_id(new.req_id), list(new.prompt_token_ids or ()),
                                            getattr(params, "max_tokens", None), now)
         self._rows = int(scheduler_output.total_num_scheduled_tokens)
         self._t0 = now
@@ -171,7 +168,7 @@ class VLLMAdapter:
                 prefill = True
             if live is not None and first + n >= n_prompt:  # this forward made one of its tokens
                 live.token_times.append(now)
-            segments.append((self._ids.get(engine_id) or client_id(engine_id), first, n))
+            segments.append((live.request_id if live is not None else client_id(engine_id), first, n))
         step = StepRecord(index=self._step, phase="prefill" if prefill else "decode", started=self._t0,
                           seconds=now - self._t0, n_tokens=rows, segments=tuple(segments))
         self._step += 1
@@ -180,7 +177,6 @@ class VLLMAdapter:
 
     def _finish(self, engine_id: str, state, now: float) -> None:
         live = self._live.pop(engine_id, None)
-        rid = self._ids.pop(engine_id, None)
         if live is None or self.observer is None:
             return
         out = list(getattr(state, "output_token_ids", ()) or ()) if state is not None else []
@@ -188,7 +184,7 @@ class VLLMAdapter:
         first = times[0] if times else now
         lat = tuple([first - live.arrival] + [b - a for a, b in zip(times, times[1:])]) if out else ()
         reason = "length" if live.max_tokens is not None and len(out) >= live.max_tokens else "stop"
-        record = RequestRecord(request_id=rid or live.request_id, prompt=self._text(live.prompt_ids),
+        record = RequestRecord(request_id=live.request_id, prompt=self._text(live.prompt_ids),
                                output=self._text(out), prompt_tokens=tuple(live.prompt_ids),
                                output_tokens=tuple(out), arrival=live.arrival, queue_s=0.0,
                                prefill_s=first - live.arrival if out else now - live.arrival,
