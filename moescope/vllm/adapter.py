@@ -199,7 +199,3 @@ class VLLMAdapter:
             return self.tokenizer.decode(ids)
         except Exception:
             return ""
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._live)
