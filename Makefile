@@ -30,7 +30,14 @@ system-deps:
 # Lint and the docs site first (seconds; a failure stops here), then the whole suite (every benchmark's --quick
 # included: tests/test_benchmarks.py), then the HF adapter tests again on transformers 4.57 (module names and
 # router outputs differ between 4.x and 5.x) in a second venv.
-test: lint docs test-main test-hf457 test-vllm
+# The vLLM environment (~2 minutes of downloads and unpacking) is built in the background while the main suite
+# runs; its log is build/vllm-env.log.
+test: lint docs
+	@mkdir -p build
+	@($(MAKE) --no-print-directory vllm-env > build/vllm-env.log 2>&1; echo $$? > build/vllm-env.rc) & \
+	$(MAKE) --no-print-directory test-main; main=$$?; wait; \
+	if [ "$$(cat build/vllm-env.rc)" != 0 ]; then tail -n 40 build/vllm-env.log; echo "make vllm-env failed"; exit 1; fi; \
+	[ $$main -eq 0 ] && $(MAKE) --no-print-directory test-hf457 && $(MAKE) --no-print-directory test-vllm
 
 lint: install
 	$(BIN)/ruff check .

@@ -3,8 +3,8 @@ openai-SDK streaming clients; throughput and server CPU per token ratios, metric
 
 One checkpoint (tests/vllm_models.py ``build("qwen3_moe", dir)``: 4 MoE layers x 8 experts, top-2), three real
 vLLM OpenAI servers of it (the CPU build in .vllm/, tests/vllm_server.py's ``VLLMServer`` and its defaults, plus
-``--no-enable-prefix-caching`` and ``--max-num-seqs``), started one after the other and then left idle while
-another is loaded:
+``--no-enable-prefix-caching`` and ``--max-num-seqs``), started together and then each left idle while another is
+loaded:
 
 - ``off``: no ``MOESCOPE_*`` variable at all (every one of this process' is scrubbed: the plugin stays inert);
 - ``metrics``: ``MOESCOPE_METRICS_PORT`` (moescope's exporter in the worker);
@@ -47,9 +47,12 @@ import tempfile
 import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _results
+
+from moescope.progress import progress
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT / "tests"))  # the vLLM server and checkpoint helpers the vLLM tests use
@@ -350,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         per_round: dict[str, list[dict]] = {name: [] for name in CONFIGS}
         orders = []
         try:
-            for name in _results.track(CONFIGS, "vllm: start the three servers, one at a time"):
+            for name in CONFIGS:
                 server = VLLMServer(model_dir, _free_port(), env_extra=config_env[name], args=server_args,
                                     name="tiny-qwen", timeout=600, log_path=tmp / f"{name}.log")
                 # exactly this config's MOESCOPE_* variables: never this process' own (a MOESCOPE_TRACES of the
@@ -358,7 +361,13 @@ def main(argv: list[str] | None = None) -> int:
                 server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_")}
                 server.env.update(config_env[name])
                 servers[name] = server
-                server.start()
+            # Started together (a start is mostly single-threaded imports and compilation: three at once take
+            # little longer than one), then warmed up and checked one at a time. The load times are recorded,
+            # not compared.
+            with progress("vllm: start the three servers together", 1), ThreadPoolExecutor(len(CONFIGS)) as pool:
+                for f in [pool.submit(s.start) for s in servers.values()]:
+                    f.result()
+            for name, server in servers.items():
                 load_s[name] = round(server.load_seconds, 1)
                 w = run_load(server.url, server.name, args.concurrency, args.concurrency, args.max_tokens)
                 warmup[name] = {"requests": args.concurrency, "tokens": w["tokens"], "errors": w["errors"],

@@ -263,6 +263,16 @@ def test_device_summary_path_equals_the_host_path(tiny_cfg):
                     want[dr[row] if isinstance(dr, np.ndarray) else dr, e] += 1
         np.testing.assert_array_equal(host_draws[:, i], want[:, :6])  # dropped slots are no draw's load
         np.testing.assert_array_equal(host[i, :7], want.sum(0))
+        assert host[i, 7] == pytest.approx(sum(float(v) for d in decs for v in d.entropy.tolist()), rel=1e-6)
+        assert host[i, 8] == pytest.approx(sum(float(v) for d in decs for v in d.margin.tolist()), rel=1e-6)
+    # Layers need not hold the same decisions (one routed in fewer forwards, one with an empty forward): each
+    # layer's row is its own, as summarising it alone gives.
+    uneven = {1: items[1][:1], 2: items[2], 3: [(route(torch.randn(0, 6), 2), 0), (by_layer[1][2], 1)]}
+    together, together_draws = RoutingProbe._host(uneven, 6, 3)
+    for i, (layer, its) in enumerate(uneven.items()):
+        alone, alone_draws = RoutingProbe._host({layer: its}, 6, 3)
+        np.testing.assert_allclose(together[i], alone[0], rtol=1e-12)
+        np.testing.assert_array_equal(together_draws[:, i], alone_draws[:, 0])
 
 
 def per_request(rec: Recording, layers) -> dict:
