@@ -228,3 +228,22 @@ def test_docs_tables_are_printed_from_their_results_files():
     run = subprocess.run([sys.executable, "benchmarks/_doc_tables.py", "--check"], cwd=ROOT, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_gpu_statements_quote_the_device_log():
+    """What the docs say ran on a GPU is what benchmarks/results/device-checks.log shows: each call's pytest
+    summary and each error the log holds are quoted in docs/runtime.md, and no page claims more ("every test
+    passed") than the log does. The log is the reference: the docs are checked against it, never the reverse."""
+    log = (ROOT / "benchmarks" / "results" / "device-checks.log").read_text()
+    runtime = " ".join((DOCS / "runtime.md").read_text().split())  # wrapped lines read as one
+    summaries = re.findall(r"^(\d+ (?:passed|failed)(?:, \d+ \w+)*) in [\d.]+s", log, re.M)
+    errors = re.findall(r"^(?:E\s+)?(?:\w+: )?(\w*[Ee]rror: .+)$", log, re.M)
+    errors = [e for e in errors if not e.startswith("AssertionError")]  # pytest's wrapper of the TypeError below
+    assert summaries and errors, "the log no longer has the shape this test reads"
+    unquoted = [s for s in summaries if f"`{s}" not in runtime]
+    unquoted += [e for e in errors if " ".join(e.split()[:6]) not in runtime]
+    assert not unquoted, f"device-checks.log lines the docs do not quote: {unquoted}"
+    failed = sum(int(n) for n in re.findall(r"(\d+) failed", " ".join(summaries)))
+    for page in [README, *DOCS.glob("*.md")]:
+        text = " ".join(page.read_text().split())
+        assert not (failed and re.search(r"every `-m gpu` test passed|gpu`-marked tests passed", text)), page
