@@ -22,7 +22,7 @@ from moescope.runtime import traffic
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 from moescope.thresholds import DEFAULT
-from moescope.traces import lake, store
+from moescope.traces import convert, store
 from moescope.traces.recorder import TraceRecorder
 
 N_PROMPTS = 6  # each served twice per run
@@ -158,7 +158,7 @@ def test_an_unknown_run_is_one_line_naming_the_stored_runs(two_routers, capsys):
 
 def test_the_lake_knows_each_requests_run_as_the_sqlite_store_does(two_routers, tmp_path):
     path, (run_a, _), (run_b, _), _ = two_routers
-    lake.convert(path, tmp_path / "lake")
+    convert.sqlite_to_lake(path, tmp_path / "lake")
     for src in (path, tmp_path / "lake"):
         conn = store.open_store(src)
         runs = store.routed_runs(conn)

@@ -21,7 +21,7 @@ from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_
                                          instrument_options, instrumented, model_options)
 from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
 from moescope.cli.options import emit_json, json_option, option_group
-from moescope.cli.summary import build as _summary, print_human as _print_human
+from moescope.cli.summary import build as _summary, print_human as _print_human, save_baseline
 from moescope.errors import BadInput
 
 
@@ -181,37 +181,6 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
     else:
         _print_human(summary)
     return None
-
-
-def save_baseline(path: str, summary: dict, model_name: str, run_started: float) -> None:
-    """The run's baseline profile: from its own requests in the trace store (per-request routing: the
-    structural CV, design effect and share spread), else from the run's totals (a v1-equivalent profile). An
-    expert-parallel run's summary is every rank's: a store that holds only some ranks' requests (a SQLite store
-    is rank 0's) gives way to the totals, which count every rank's tokens."""
-    from moescope.analysis import baseline as bl
-    from moescope.traces import store
-
-    profile = None
-    if summary.get("traces"):
-        conn = store.open_store(summary["traces"])
-        try:
-            profile = bl.from_store(conn, since=run_started - 1.0, only=set(summary["request_ids"]))
-            if summary.get("world_size", 1) > 1 and max(lp.draws for lp in profile.layers.values()) < len(
-                    summary["request_ids"]):
-                click.echo("baseline: the trace store holds only some ranks' requests", err=True)
-                profile = None
-        except BadInput as exc:
-            click.echo(f"baseline: the trace store gave no profile ({exc})", err=True)
-        finally:
-            conn.close()
-    if profile is None:
-        profile = bl.from_loads({int(k): v for k, v in summary["expert_load"].items()}, model_name)
-        click.echo("baseline: from the run's totals only (no per-request routing in a trace store): no share "
-                   "spread or design effect, structural CV from the multinomial expectation", err=True)
-    else:
-        n = max(lp.draws for lp in profile.layers.values())
-        click.echo(f"baseline: {n} of {len(summary['request_ids'])} requests from the trace store", err=True)
-    bl.save(path, profile)
 
 
 def _workload(run: DemoOptions, seed: int, shift: dict | None, world: int):

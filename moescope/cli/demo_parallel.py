@@ -101,7 +101,7 @@ def launch(ctx: click.Context, world_size: int, placement, timeout: float, model
     """Run the ranks under torchrun's agent, merge their summaries and print them. A failed run: every failed
     rank's own error (and, when it died without one, the tail of its stderr), the first to fail first, then
     ``RanksFailed``."""
-    from moescope.cli.summary import print_human
+    from moescope.cli.summary import print_human, save_baseline
     from moescope.parallel.spawn import run_ranks
 
     run_started = time.time()
@@ -118,8 +118,6 @@ def launch(ctx: click.Context, world_size: int, placement, timeout: float, model
     merged["ranks"] = [s["rank"] for s in summaries]
     merged["peer_wait_matrix_s"] = [s["rank"]["peer_wait_s"] for s in summaries]
     if ctx.params.get("save_baseline"):  # every rank's counts (the ranks write none)
-        from moescope.cli.demo import save_baseline
-
         save_baseline(ctx.params["save_baseline"], merged, model.cfg.name, run_started)
     if as_json:
         emit_json(merged)

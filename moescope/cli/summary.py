@@ -4,7 +4,9 @@ Compact at any shape: per MoE layer one line (load CV, experts with no slot, the
 hottest and coldest few with their share of the layer's slots) whether the model has 8 experts or 256, and
 one line for the whole model first. ``--json`` holds all of it (``expert_load_summary``, ``judged``) and every
 count (``expert_load``). cli/demo.py calls ``build`` and ``print_human``; demo_parallel prints merged ranks
-with ``print_human``.
+with ``print_human``. ``save_baseline`` writes a run's baseline file (``--save-baseline``) from its summary: here
+so that both cli/demo.py (one process) and demo_parallel (the launcher, from every rank's summary) call it
+without demo_parallel importing cli/demo.py back.
 
 Imbalance, hot and dead experts are judged as the alert rules judge them: ``diagnose.judge`` (the exporter's
 ``sampling`` functions and the ``Thresholds`` methods). The run's draws are its requests: given per request
@@ -20,6 +22,7 @@ import click
 import numpy as np
 
 from moescope import stats
+from moescope.errors import BadInput
 from moescope.thresholds import DEFAULT
 from moescope.tui.routing import NAMED, named
 
@@ -197,3 +200,34 @@ def load_lines(s: dict) -> list[str]:
         lines.append(f"  L{layer:<{width}} cv {v['cv']:.3f} no slot {v['no_slot']:>3} dead {d:>3}  "
                      f"hot {few(v['hottest'])}  cold {few(v['coldest'])}")
     return lines
+
+
+def save_baseline(path: str, summary: dict, model_name: str, run_started: float) -> None:
+    """The run's baseline profile: from its own requests in the trace store (per-request routing: the
+    structural CV, design effect and share spread), else from the run's totals (a v1-equivalent profile). An
+    expert-parallel run's summary is every rank's: a store that holds only some ranks' requests (a SQLite store
+    is rank 0's) gives way to the totals, which count every rank's tokens."""
+    from moescope.analysis import baseline as bl
+    from moescope.traces import store
+
+    profile = None
+    if summary.get("traces"):
+        conn = store.open_store(summary["traces"])
+        try:
+            profile = bl.from_store(conn, since=run_started - 1.0, only=set(summary["request_ids"]))
+            if summary.get("world_size", 1) > 1 and max(lp.draws for lp in profile.layers.values()) < len(
+                    summary["request_ids"]):
+                click.echo("baseline: the trace store holds only some ranks' requests", err=True)
+                profile = None
+        except BadInput as exc:
+            click.echo(f"baseline: the trace store gave no profile ({exc})", err=True)
+        finally:
+            conn.close()
+    if profile is None:
+        profile = bl.from_loads({int(k): v for k, v in summary["expert_load"].items()}, model_name)
+        click.echo("baseline: from the run's totals only (no per-request routing in a trace store): no share "
+                   "spread or design effect, structural CV from the multinomial expectation", err=True)
+    else:
+        n = max(lp.draws for lp in profile.layers.values())
+        click.echo(f"baseline: {n} of {len(summary['request_ids'])} requests from the trace store", err=True)
+    bl.save(path, profile)

@@ -21,9 +21,9 @@ def traces() -> None:
 @json_option
 def convert(src: str, dst: str, as_json: bool) -> None:
     """Copy the SQLite trace store SRC into the trace lake DST (a directory; other replicas' files kept)."""
-    from moescope.traces import lake
+    from moescope.traces.convert import sqlite_to_lake
 
-    n, files = lake.convert(src, dst)
+    n, files = sqlite_to_lake(src, dst)
     if as_json:
         emit_json({"requests": n, "files": files, "lake": dst})
     else:

@@ -410,34 +410,3 @@ def open_lake(path: str | os.PathLike, *, warn=None) -> LakeConn:
         duck.execute("CREATE VIEW requests AS SELECT * EXCLUDE (file_row_number), file_row_number AS rowid FROM "
                      f"read_parquet({files_sql}, hive_partitioning=true, union_by_name=true, file_row_number=true)")
     return LakeConn(duck, skipped, n)
-
-
-def convert(src: str | Path, dst: str | Path, *, batch: int = 256) -> tuple[int, int]:
-    """Copy a SQLite store's requests into a lake (one rolled file per partition and model); returns (requests,
-    files). Rows are read in batches of ``batch``; the source is only read."""
-    import uuid
-
-    from moescope.traces import store
-
-    conn = store.open_store(src)
-    cols = [name for name, _ in _COLUMNS]
-    writers: dict[tuple[str | None, int], LakeWriter] = {}
-    n = 0
-    try:
-        cur = conn.execute(f"SELECT {', '.join(cols)} FROM requests ORDER BY started")
-        while chunk := cur.fetchmany(batch):
-            rows = [dict(zip(cols, r)) for r in chunk]
-            by_writer: dict[tuple, list] = {}
-            for r in rows:
-                by_writer.setdefault((r["model"], r["rank"] or 0), []).append(r)
-            for (model, rank), part in by_writer.items():
-                if (model, rank) not in writers:
-                    writers[model, rank] = LakeWriter(dst, model=model, rank=rank, run_id=uuid.uuid4().hex[:12],
-                                                      roll_s=float("inf"), replica=f"{Path(src).stem}-r{rank}")
-                writers[model, rank].write(part)
-            n += len(rows)
-    finally:
-        conn.close()
-    for w in writers.values():
-        w.close()
-    return n, len(data_files(str(dst)))
