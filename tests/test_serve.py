@@ -208,6 +208,39 @@ def test_sdk_sync_whole_and_streamed(server):
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == server.stored(chunks[0].id)["output"]
 
 
+def test_every_token_is_its_own_chunk_with_32_streams_at_once(server):
+    """32 openai-SDK streams at once (temperature 1: bytes that complete no character on their own too): each
+    stream's chunks are its tokens, one each (the finish chunk may come alone: N or N + 1 chunks for N tokens,
+    never fewer), however far behind the engine the handlers fall; joined, the text is what the trace store
+    holds for the request (the reference: the engine's own output tokens, decoded)."""
+
+    async def one(client, i):
+        pieces, usage, ids = [], None, set()
+        stream = await client.completions.create(model=MODEL, prompt=f"def f{i}(x):", max_tokens=24, stream=True,
+                                                 temperature=1.0, stream_options={"include_usage": True})
+        async for chunk in stream:
+            ids.add(chunk.id)
+            if chunk.choices:
+                pieces.append(chunk.choices[0].text)
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return ids.pop(), pieces, usage
+
+    async def all_at_once():
+        client = server.async_client()
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(all_at_once())
+    for rid, pieces, n_tokens in results:
+        doc = server.stored(rid)
+        assert n_tokens == _n_output(doc) > 0
+        assert n_tokens <= len(pieces) <= n_tokens + 1, (rid, n_tokens, pieces)
+        assert "".join(pieces) == doc["output"]
+
+
 def test_stop_string_trims_the_answer_and_the_store_keeps_it(server, greedy):
     ref = greedy("import os", 30)
     from moescope.runtime import tokenizer

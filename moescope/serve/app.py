@@ -100,27 +100,38 @@ class _JobResponse(StreamingResponse):
 
 
 async def _events(service: Service, job: Job, created: int, routed_from: int | None = None):
+    """The event stream: one chunk per generated token, sent when the handler sees it. A token's chunk carries
+    the text that token completes (empty while a character's bytes, or a held-back stop string, are incomplete:
+    vLLM sends such chunks too); the last token's chunk carries the finish reason and whatever was held. When the
+    handler falls behind the engine (many streams on a busy machine) the tokens of several steps reach it
+    together: they still go out as one chunk each, never merged. A chat stream's first chunk also carries the
+    role."""
     kind, p, model = job.params.kind, job.params, job.params.model or service.limits.name
     asm = TextAssembler(p.stop)
     first = kind == "chat"  # the role chunk goes with the first token (after admission), as vLLM sends it
+
+    def event(text: str, finish: str | None = None) -> dict:
+        nonlocal first
+        doc = responses.chunk(kind, job.request_id, created, model, text, finish, first=first)
+        first = False
+        return doc
+
     while True:
         tokens, record = await job.stream.next()
-        text = "".join(asm.feed(t) for t in tokens)
-        if first and (tokens or record is not None):
-            first = False
-            yield responses.sse(responses.chunk(kind, job.request_id, created, model, text, first=True))
-            text = ""
+        last = tokens[-1:] if record is not None else []  # the final token goes out with the finish reason
+        for t in tokens[:len(tokens) - len(last)]:
+            yield responses.sse(event(asm.feed(t)))
         if record is None and not job.stream.failed:
-            if text:
-                yield responses.sse(responses.chunk(kind, job.request_id, created, model, text))
             continue
         if record is None or record.finish_reason not in FINISH_REASONS:
             yield responses.sse(_ended_error(record).body())  # mid-stream errors: an error event, then [DONE]
         else:
-            text += asm.finish(record.finish_reason)
-            last = responses.chunk(kind, job.request_id, created, model, text, FINISH_REASONS[record.finish_reason])
-            _add_routed(service, job, last, routed_from)
-            yield responses.sse(last)
+            text = "".join(asm.feed(t) for t in last) + asm.finish(record.finish_reason)
+            if first:  # a chat answer that ended at its first chunk: the role first, alone, as before
+                yield responses.sse(event(""))
+            doc = event(text, FINISH_REASONS[record.finish_reason])
+            _add_routed(service, job, doc, routed_from)
+            yield responses.sse(doc)
             if p.include_usage:
                 yield responses.sse(responses.chunk(kind, job.request_id, created, model, record=record))
         yield responses.sse("[DONE]")
