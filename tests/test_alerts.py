@@ -62,11 +62,34 @@ def test_promtool_check_and_unit_tests_pass():
     suites = cases.suites()
     for s in rules.specs():
         expected = {"always fires"} if s.name == "Watchdog" else {c.name for c in suites[s.name].all()}
+        if s.name in unit_tests.HYSTERESIS_CHECKED:
+            expected |= {c.name for c in unit_tests.hysteresis_cases(suites[s.name].fires, s.for_)}
         assert {n.split(" ", 1)[1] for n in names if n.split(" ", 1)[0] == s.name} == expected
         if s.name != "Watchdog":
             suite = suites[s.name]
             assert suite.fires.fires and not suite.healthy.fires and not suite.boundary.fires, s.name
     assert "recording rules sum over ranks" in names
+
+
+def test_hysteresis_cases_fail_on_rules_without_it(tmp_path):
+    """The cases that check hysteresis are not vacuous: on the same rules with ``keep_firing_for`` removed,
+    promtool fails exactly the "gone for less than its for and back" case of every checked alert."""
+    import yaml
+
+    promtool = require("promtool", "prometheus")
+    doc = rules.rules_document()
+    for group in doc["groups"]:
+        for rule in group["rules"]:
+            rule.pop("keep_firing_for", None)
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    tests = unit_tests.tests_document()
+    tests["rule_files"] = [str(tmp_path / "rules.yml")]
+    (tmp_path / "t.yml").write_text(yaml.safe_dump(tests, sort_keys=False))
+    run = subprocess.run([promtool, "test", "rules", str(tmp_path / "t.yml")], capture_output=True, text=True)
+    assert run.returncode != 0
+    failed = set(re.findall(r"name: (.+?),\n", run.stdout + run.stderr))
+    assert failed == {f"{a} gone for less than its for and back: still firing, never resolved"
+                      for a in unit_tests.HYSTERESIS_CHECKED}, run.stdout[-3000:]
 
 
 # (Thresholds field, the promtool case that sits exactly on it)

@@ -240,7 +240,7 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
 
 def markdown_table(t: Thresholds = DEFAULT) -> str:
     """docs/alerts.md's table of the rules (a test checks the doc holds it as generated)."""
-    rows = ["| alert | severity | for | fires when |", "|---|---|---|---|"]
+    rows = ["| alert | severity | for (and keep firing for) | fires when |", "|---|---|---|---|"]
     for s in specs(t):
         rows.append(f"| `{s.name}` | {s.severity} | {s.for_ or '-'} | {s.judges} |")
     return "\n".join(rows)
@@ -279,6 +279,11 @@ def rules_document(t: Thresholds = DEFAULT) -> dict:
         rule = {"alert": s.name, "expr": s.expr}
         if s.for_:
             rule["for"] = _scaled(s.for_, t.for_scale) if t.for_scale else s.for_
+            # Hysteresis: a page clears only after its condition has been false as long as it had to be true to
+            # fire. A value hovering at its bar (a window's sampling noise either side) keeps one alert firing
+            # instead of firing, resolving and firing again; a series that vanishes for a scrape or two (a hot
+            # expert's gauge is exported only while significant) does not resolve the page either.
+            rule["keep_firing_for"] = rule["for"]
         rule["labels"] = {"severity": s.severity}
         rule["annotations"] = {"summary": s.summary, "description": s.description,
                                "runbook_url": f"{RUNBOOK_BASE}/{s.name}.md"}

@@ -35,8 +35,41 @@ def tests_document(t: Thresholds = DEFAULT) -> dict:
             continue
         suite = by_name[s.name]
         tests += [_test(s, suite, c) for c in suite.all()]
+        if s.name in HYSTERESIS_CHECKED:
+            tests += [_test(s, suite, c) for c in hysteresis_cases(suite.fires, s.for_)]
     tests.append(_recording_test())
     return {"rule_files": ["../moescope-rules.yml"], "evaluation_interval": "1m", "tests": tests}
+
+
+# The gauge-judged alerts whose hysteresis (``keep_firing_for`` = ``for``) the unit tests check on series that
+# vanish and come back (their ``fires`` cases are constant gauges).
+HYSTERESIS_CHECKED = ("MoEExpertHot", "MoEExpertLoadImbalance", "MoEExpertCollapse", "MoERankLoadImbalance",
+                      "MoERoutingDrift", "MoEDeadExperts")
+
+
+def hysteresis_cases(fires: Case, for_: str) -> tuple[Case, Case]:
+    """From an alert's ``fires`` case (constant gauges, 1-minute samples): its series vanish (staleness markers)
+    for a minute less than the alert's ``for`` and come back, and the page is still firing a minute after they
+    return (without hysteresis it would be pending again); gone for good, it resolves a minute after ``for`` has
+    passed since the last evaluation that saw them."""
+    minutes = int(for_[:-1]) * {"m": 1, "h": 60}[for_[-1]]
+    assert for_[-1] in "mh" and minutes >= 2, for_
+    up = minutes + 2  # fired (its for passed) and seen a minute more
+    const = {}
+    for name, values in fires.series.items():
+        samples = {x.split("x")[0] if "x" in x and "+" not in x and "-" not in x else x for x in values.split()}
+        assert len(samples) == 1, f"{name}: a hysteresis case needs a constant series, not {values!r}"
+        const[name] = samples.pop()  # "0.9x20" (promtool: 0.9, 21 times) -> one sample of 0.9
+
+    def series(gap: int, after: int) -> dict:
+        return {name: " ".join([x] * up + ["stale"] * gap + [x] * after) for name, x in const.items()}
+
+    flap = series(minutes - 1, 5)
+    gone = series(2 * minutes + 5, 0)
+    return (Case("gone for less than its for and back: still firing, never resolved", flap, fires.fires,
+                 eval_time=f"{up + minutes - 1 + 1}m"),
+            Case("gone for good: resolves once its for has passed", gone,
+                 eval_time=f"{up - 1 + minutes + 1}m"))
 
 
 def _recording_test() -> dict:
