@@ -227,6 +227,44 @@ def test_top_reads_prometheus_and_alertmanager(tmp_path):
         demo.wait()
 
 
+def test_top_prometheus_shows_the_live_token_rate(tmp_path):
+    """Through Prometheus, tokens/s is the live rate from the first poll on, between scrapes too (counters change
+    in Prometheus only at its scrapes: two polls a scrape apart differ by nothing), and it is the rate Prometheus
+    itself computes over the same window of the same samples (the reference: its own rate())."""
+    from servers import Prometheus
+
+    window = 16  # s: eight scrapes; the reference's window lies wholly within the samples (rate() divides by the
+    # whole window, so over a window longer than the series' life it reads low)
+
+    port = free_port()
+    url = f"127.0.0.1:{port}"
+    demo = _demo(port, "--rate", "8", "--duration", "120")
+    prom = None
+    try:
+        wait_http(f"http://{url}/metrics", timeout=90)
+        prom = Prometheus(tmp_path, [url], scrape_interval="2s")
+        first = wait_until(lambda: prom.query("moescope_router_tokens_total"), timeout=30, what="the counters")
+        layer = min(int(s["metric"]["layer"]) for s in first)
+        time.sleep(window + 6)
+        poller = Poller([], prometheus=prom.url, rate_window_s=window)
+        rate = f'sum(rate(moescope_router_tokens_total{{layer="{layer}"}}[{window}s]))'
+        for _ in range(10):  # compare when no scrape lands between the reference and the poll
+            want = prom.scalar(rate)
+            got = [poller.poll(), poller.poll()]  # the first poll, then one at once after it (same samples)
+            if prom.scalar(rate) == want:
+                break
+        rates = [next(t.value for t in f.tiles if t.name == "tokens/s") for f in got]
+        assert want and want > 0
+        # Prometheus extrapolates to the window's edges, we divide by the span the samples cover: the same rate
+        # within the share of the window one scrape interval is
+        assert all(r is not None and r == pytest.approx(want, rel=2 / window) for r in rates), (rates, want)
+    finally:
+        if prom is not None:
+            prom.stop()
+        demo.kill()
+        demo.wait()
+
+
 def test_tmux_80x24_screen_shows_tiles_heatmap_and_quits():
     """A real terminal (tmux, 80x24), as over SSH: the screen reads, nothing overflows, q quits."""
     import os

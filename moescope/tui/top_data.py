@@ -379,12 +379,29 @@ def firing_alerts(alertmanager: str, timeout: float = 2.0) -> list[str]:
     return sorted(out)
 
 
+# `top --prometheus`: rates over this window of Prometheus' own samples (the rules' rate window is 1m; a minute at
+# the usual 15 s scrape interval holds four samples).
+PROMETHEUS_RATE_WINDOW_S = 60
+
+
+def _key(metric: dict) -> tuple[str, frozenset]:
+    """A Prometheus result's series as ``Samples`` keys it: its name and labels less job and instance (the
+    exporters of one model merge, as when scraped directly)."""
+    m = dict(metric)
+    name = m.pop("__name__")
+    for k in ("job", "instance"):
+        m.pop(k, None)
+    return name, frozenset(m.items())
+
+
 class Poller:
     """Polls the sources; keeps the previous scrape for rates. Errors become statuses, never exceptions."""
 
     def __init__(self, endpoints: list[str], *, prometheus: str | None = None, alertmanager: str | None = None,
-                 thresholds: Thresholds = DEFAULT, timeout: float = 2.0) -> None:
+                 thresholds: Thresholds = DEFAULT, timeout: float = 2.0,
+                 rate_window_s: int = PROMETHEUS_RATE_WINDOW_S) -> None:
         self.endpoints, self.prometheus, self.alertmanager = endpoints, prometheus, alertmanager
+        self.rate_window_s = rate_window_s  # --prometheus: the window of its samples rates are taken over
         self.thresholds, self.timeout = thresholds, timeout
         self._prev: Samples | None = None
         self._prev_at = 0.0
@@ -395,22 +412,39 @@ class Poller:
         """The same metric names, from a Prometheus server: the latest value of every moescope series."""
         out: Samples = {}
         for s in prom_http.query(self.prometheus, '{__name__=~"moescope_.+"}', self.timeout):
-            m = dict(s["metric"])
-            name = m.pop("__name__")
-            for k in ("job", "instance"):
-                m.pop(k, None)
-            key = (name, frozenset(m.items()))
+            key = _key(s["metric"])
             out[key] = out.get(key, 0.0) + float(s["value"][1])
         return out
+
+    def _prometheus_before(self, cur: Samples) -> Samples:
+        """What the counters of ``cur`` held ``rate_window_s`` ago, from the samples Prometheus keeps:
+        each series' increase over the window (resets counted as restarts from zero) per second of the span its
+        samples cover, times the window. Counters only change in Prometheus at its scrapes, so the difference of
+        two polls a second apart is zero most of the time (`top --prometheus` showed 0 tokens/s while the demo
+        served ~540); the window's own samples give the live rate from a single poll. Gauges: as now."""
+        w = self.rate_window_s
+        counters = '{__name__=~"moescope_.+(_total|_bucket|_count|_sum)"}'
+        per_s: dict = {}
+        for s in prom_http.query(self.prometheus, f"{counters}[{w}s]", self.timeout):
+            values = [(float(t), float(v)) for t, v in s.get("values", [])]
+            if len(values) < 2 or values[-1][0] <= values[0][0]:
+                continue
+            increase = sum(b if b < a else b - a for (_, a), (_, b) in zip(values, values[1:]))
+            key = _key(s["metric"])
+            per_s[key] = per_s.get(key, 0.0) + increase / (values[-1][0] - values[0][0])
+        return {k: v - per_s[k] * w if k in per_s else v for k, v in cur.items()}
 
     def poll(self) -> Frame:
         now = time.monotonic()
         merged: Samples = {}
         status: dict[str, str] = {}
         sources = [self.prometheus] if self.prometheus else self.endpoints
+        before: Samples | None = None
         for src in sources:
             try:
                 got = self._from_prometheus() if self.prometheus else scrape(src, self.timeout)
+                if self.prometheus:
+                    before = self._prometheus_before(got)
                 status[src] = "ok"
             except (OSError, ValueError, KeyError) as exc:
                 status[src] = f"unreachable: {getattr(exc, 'reason', exc)}"
@@ -419,11 +453,13 @@ class Poller:
                 merged[k] = merged.get(k, 0.0) + v if "_total" in k[0] or "_bucket" in k[0] else max(
                     merged.get(k, v), v)
         ok = any(v == "ok" for v in status.values())
-        prev = self._prev if ok else None
+        prev, prev_counts, dt = self._prev if ok else None, self._prev_counts, now - self._prev_at
+        if before is not None:  # Prometheus: the rates of its own window, whatever the poll interval
+            prev, prev_counts, dt = before, expert_counts(before), float(self.rate_window_s)
         counts = expert_counts(merged) if ok else {}
         if prev is not None:
-            self.history.push(expert_deltas(counts, self._prev_counts), now - self._prev_at)
-        f = frame(merged, prev, now - self._prev_at, status, self.thresholds, history=self.history, totals=counts)
+            self.history.push(expert_deltas(counts, prev_counts), dt)
+        f = frame(merged, prev, dt, status, self.thresholds, history=self.history, totals=counts)
         if ok:
             self._prev, self._prev_at, self._prev_counts = merged, now, counts
         if self.alertmanager:
