@@ -321,16 +321,16 @@ def _end_times(conn, since: float | None) -> dict[str, float]:
 
 
 def from_store(conn, since: float | None = None, corrupt=None, window_s: float = 60.0,
-               only: set[str] | None = None) -> Profile:
+               only: set[str] | None = None, model: str | None = None) -> Profile:
     """The profile of the stored requests' routed tokens (dropped slots excluded; ``only``: just these request
-    ids); corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``). The model name is the one most
-    of the requests carry."""
+    ids; ``model``: just this model's); corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``). The
+    model name is the one most of the requests carry."""
     from moescope.traces.store import CorruptRows, iter_routed
 
     corrupt = CorruptRows() if corrupt is None else corrupt
     ends = _end_times(conn, since)
     builder, layers, models = None, None, Counter()
-    for r in iter_routed(conn, since=since, corrupt=corrupt):
+    for r in iter_routed(conn, since=since, corrupt=corrupt, model=model):
         if only is not None and r.request_id not in only:
             continue
         if builder is None:

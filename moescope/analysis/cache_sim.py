@@ -38,21 +38,23 @@ def load_lookups(path: str | Path) -> tuple[int, dict[int, list[int]]]:
     return n_experts, seqs
 
 
-def load_lookups_from_store(conn, corrupt=None) -> tuple[int, dict[int, list[int]]]:
+def load_lookups_from_store(conn, corrupt=None, model: str | None = None) -> tuple[int, dict[int, list[int]]]:
     """The same lookup sequences from a trace store: each engine step's experts per layer (the union over
     the stored requests that took part in it), steps in order. With sampling below 1 only kept requests
     contribute, so the replay sees a subset of each step's experts. Corrupt rows are skipped into
-    ``corrupt`` (``store.CorruptRows``)."""
-    from moescope.traces.store import CorruptRows, iter_routed
+    ``corrupt`` (``store.CorruptRows``). ``model``: only this model's requests (None: the shape most requests
+    have)."""
+    from moescope.traces.store import CorruptRows, iter_routed, routed_where
 
     corrupt = CorruptRows() if corrupt is None else corrupt
     step_rank: dict[tuple[str, int], int] = {}  # (run, index) -> a number; sorted into step order below
     layer_no: dict[int, int] = {}
     parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (step number, layer numbers, ids) per request
     n_experts = None
-    total = conn.execute("SELECT count(*) FROM requests WHERE ids IS NOT NULL").fetchone()[0]
+    where, args = routed_where(None, model)
+    total = conn.execute(f"SELECT count(*) FROM requests WHERE {where}", args).fetchone()[0]
     with progress("reading the stored routing", total, lines=False) as advance:
-        for r in iter_routed(conn, corrupt=corrupt):
+        for r in iter_routed(conn, corrupt=corrupt, model=model):
             advance()
             n_experts, steps = r.n_experts, r.steps
             used = np.unique(np.asarray(r.step_of[:r.n_routed], dtype=np.int64))

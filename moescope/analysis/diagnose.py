@@ -83,13 +83,15 @@ class Window:
     run: list[str | None] = field(default_factory=list)  # per request: the writer run that stored it
 
 
-def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=None, runs=None) -> Window:
+def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=None, runs=None,
+                model: str | None = None) -> Window:
     """The newest ``limit`` routed requests (one model); corrupt rows are skipped into ``corrupt``. ``runs``:
-    only the requests of these writer runs (``select_runs``; None: every run)."""
+    only the requests of these writer runs (``select_runs``; None: every run); ``model``: only this model's
+    (None: the shape most of the window's requests have)."""
     from moescope.traces.store import CorruptRows, iter_routed
 
     corrupt = CorruptRows() if corrupt is None else corrupt
-    rows = list(iter_routed(conn, since=since, limit=limit, newest=True, corrupt=corrupt, runs=runs))
+    rows = list(iter_routed(conn, since=since, limit=limit, newest=True, corrupt=corrupt, runs=runs, model=model))
     if not rows:
         raise corrupt.nothing_left("the trace store holds no routed requests in this window (run `moescope demo`, "
                                    "or widen --since)")
@@ -766,13 +768,14 @@ def _when(t: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
 
 
-def select_runs(conn, run: str | None = None, *, since: float | None = None) -> RunChoice:
+def select_runs(conn, run: str | None = None, *, since: float | None = None, model: str | None = None) -> RunChoice:
     """The runs to judge: ``run`` None, the latest (the run of the most recent request, with any run written
     alongside it: its span overlaps the latest's); ``ALL_RUNS``, every run; else that run id (or a unique prefix
-    of one). An id the window does not hold is ``BadInput`` naming the stored runs."""
+    of one). ``model``: the runs of this model's requests only (None: every model). An id the window does not
+    hold is ``BadInput`` naming the stored runs."""
     from moescope.traces.store import routed_runs
 
-    stored = routed_runs(conn, since=since)
+    stored = routed_runs(conn, since=since, model=model)
     if run == ALL_RUNS:
         return RunChoice("all", list(stored), stored)
     if run is None:
@@ -796,12 +799,13 @@ def select_runs(conn, run: str | None = None, *, since: float | None = None) -> 
 
 def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=None,
              thresholds: Thresholds = DEFAULT, prometheus: str | None = None, corrupt=None,
-             run: str | None = None) -> dict:
+             run: str | None = None, model: str | None = None) -> dict:
     """Ranked findings. ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load}): the reference of
     imbalance, hot and dead experts and drift, as the exporter's. ``run``: which writer run to judge
-    (``select_runs``): None the latest, ``ALL_RUNS`` every run, else a run id."""
-    choice = select_runs(conn, run, since=since)
-    w = load_window(conn, since=since, limit=limit, corrupt=corrupt, runs=choice.ids)
+    (``select_runs``): None the latest, ``ALL_RUNS`` every run, else a run id. ``model``: only this model's
+    requests (None: the shape most of the window's requests have)."""
+    choice = select_runs(conn, run, since=since, model=model)
+    w = load_window(conn, since=since, limit=limit, corrupt=corrupt, runs=choice.ids, model=model)
     per_request = _request_counts(w)
     j = judge_requests(per_request, w.layers, w.top_k, baseline, thresholds)
     findings = [*_check_nonfinite(w), *_check_load(w, thresholds, j, per_request),

@@ -44,18 +44,20 @@ class LoadProfile:
         return {layer: [int(e) for row in p for e in np.nonzero(row)[0]] for layer, p in self.passes.items()}
 
 
-def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt=None) -> LoadProfile:
+def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt=None,
+               model: str | None = None) -> LoadProfile:
     """Passes are the engine's steps (run, index) in order; co-activation counts token-level expert pairs.
-    Corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``)."""
+    Corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``). ``model``: only this model's requests
+    (None: the shape most requests have)."""
     from moescope.traces.store import CorruptRows, iter_routed
 
     corrupt = CorruptRows() if corrupt is None else corrupt
 
     step_rows: dict[tuple, dict[int, np.ndarray]] = {}
     co: dict[int, np.ndarray] = {}
-    n_exp, model = None, None
-    for r in iter_routed(conn, since=since, limit=limit, corrupt=corrupt):
-        layers, steps, e, k, model = r.layers, r.steps, r.n_experts, r.top_k, r.model
+    n_exp, name = None, None
+    for r in iter_routed(conn, since=since, limit=limit, corrupt=corrupt, model=model):
+        layers, steps, e, k, name = r.layers, r.steps, r.n_experts, r.top_k, r.model
         n_exp = e
         ids = r.ids.astype(np.int64)
         step_of = r.step_of
@@ -80,7 +82,7 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt
     layers = sorted({layer for v in step_rows.values() for layer in v})
     passes = {layer: np.stack([step_rows[key].get(layer, np.zeros(n_exp, np.int64)) for key in sorted(step_rows)])
               for layer in layers}
-    return LoadProfile("trace store", n_exp, passes, co, model)
+    return LoadProfile("trace store", n_exp, passes, co, name)
 
 
 def from_sglang(path: str | Path) -> LoadProfile:
@@ -142,9 +144,9 @@ def from_megatron(path: str | Path) -> LoadProfile:
 
 
 def load(traces_path: str | None = None, import_path: str | None = None, *, since: float | None = None,
-         corrupt=None) -> LoadProfile:
+         corrupt=None, model: str | None = None) -> LoadProfile:
     """From ``--import FILE`` (``.pt``: SGLang; ``.jsonl``/``.json``: Megatron-style) or the trace store
-    (corrupt rows skipped into ``corrupt``)."""
+    (corrupt rows skipped into ``corrupt``; ``model``: only this model's requests)."""
     if import_path:
         suffix = Path(import_path).suffix.lower()
         if suffix == ".pt":
@@ -156,6 +158,6 @@ def load(traces_path: str | None = None, import_path: str | None = None, *, sinc
 
     conn = store.open_store(traces_path)
     try:
-        return from_store(conn, since=since, corrupt=corrupt)
+        return from_store(conn, since=since, corrupt=corrupt, model=model)
     finally:
         conn.close()

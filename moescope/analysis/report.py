@@ -97,19 +97,20 @@ def _figure_layers(wanted: list[int] | str | None, layers: list[int]) -> list[in
 
 
 def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: str | None = None,
-          since: float | None = None, corrupt=None, layers: list[int] | str | None = None) -> dict:
+          since: float | None = None, corrupt=None, layers: list[int] | str | None = None,
+          model: str | None = None) -> dict:
     """Write the report; returns its summary. ``layers``: the layers that get per-layer figures: None, ``"all"``
-    or layer ids (``cli.layer_select.parse``). Corrupt trace-store rows are skipped into ``corrupt``
-    (``store.CorruptRows``)."""
+    or layer ids (``cli.layer_select.parse``). ``model``: only this model's stored requests (None: the shape
+    most requests have). Corrupt trace-store rows are skipped into ``corrupt`` (``store.CorruptRows``). The
+    directory is made only once the source is read and the layers are checked: bad input writes nothing."""
     from moescope.traces.store import CorruptRows
 
     corrupt = CorruptRows() if corrupt is None else corrupt
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     if import_path is not None:
         summary, files = _from_import(out, import_path, layers)
     else:
-        summary, files = _from_store(out, traces_path, since, corrupt, layers)
+        summary, files = _from_store(out, traces_path, since, corrupt, layers, model)
     (out / "summary.md").write_text(_markdown(summary, files))
     files.append("summary.md")
     summary["files"] = files
@@ -167,6 +168,7 @@ def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
     for i, layer in enumerate(layers):
         per_pass[: len(prof.passes[layer]), i] = prof.passes[layer]
     figure_layers = _figure_layers(wanted, prof.layers)
+    out.mkdir(parents=True, exist_ok=True)
     with progress(f"report: tables and {1 + len(figure_layers)} figures", 1 + len(figure_layers)) as advance:
         j = judge_requests(per_pass, layers, 1)  # top-k unknown: the top share is per slot here
         summary, files = _load_files(out, prof.load(), prof.model, prof.source, j)
@@ -179,19 +181,20 @@ def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
     return summary, files
 
 
-def _from_store(out: Path, traces_path: str, since, corrupt, wanted) -> tuple[dict, list]:
+def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model) -> tuple[dict, list]:
     from moescope.analysis.diagnose import load_window
     from moescope.traces import store
 
     with progress(f"report: reading {traces_path}", 1):
         conn = store.open_store(traces_path)
         try:
-            w = load_window(conn, since=since, limit=100000, corrupt=corrupt)
+            w = load_window(conn, since=since, limit=100000, corrupt=corrupt, model=model)
         finally:
             conn.close()
     n_rows = sum(len(r) for r in w.routing)
     # the steps: each chunk counted (at most this many), the tables with the overview, each layer's two figures
-    n_figures = 1 + 2 * len(_figure_layers(wanted, w.layers))
+    n_figures = 1 + 2 * len(_figure_layers(wanted, w.layers))  # (a layer the window lacks: BadInput, nothing made)
+    out.mkdir(parents=True, exist_ok=True)
     with progress(f"report: counting {n_rows} routed tokens, writing tables and {n_figures} figures",
                   -(-n_rows // rc.CHUNK_ROWS) + n_figures) as advance:
         return _store_files(out, w, wanted, advance)

@@ -6,7 +6,7 @@ import math
 
 import click
 
-from moescope.cli.options import echo, emit_json, json_option, read_store, since_option, traces_option
+from moescope.cli.options import echo, emit_json, json_option, model_option, read_store, since_option, traces_option
 
 
 @click.group("baseline")
@@ -27,14 +27,15 @@ def _median(values) -> float | None:
 @traces_option()
 @click.option("--out", required=True, type=click.Path(dir_okay=False), help="Baseline file to write (JSON).")
 @since_option
+@model_option
 @click.option("--window", "window_s", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="Seconds per window for each expert's share spread (the exporter's window).")
-def save(traces_path: str, out: str, since: float | None, window_s: float) -> None:
+def save(traces_path: str, out: str, since: float | None, model: str | None, window_s: float) -> None:
     """Save a baseline profile of the stored requests (save it from healthy traffic)."""
     from moescope.analysis import baseline as bl
 
     with read_store(traces_path) as (conn, corrupt):
-        profile = bl.from_store(conn, since, corrupt=corrupt, window_s=window_s)
+        profile = bl.from_store(conn, since, corrupt=corrupt, window_s=window_s, model=model)
     bl.save(out, profile)
     layers = profile.layers.values()
     requests = max(lp.draws for lp in layers)

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from moescope.cli.options import echo, emit_json, json_option, read_store, since_option, traces_option
+from moescope.cli.options import echo, emit_json, json_option, model_option, read_store, since_option, traces_option
 from moescope.errors import CheckFailed
 
 MARK = {"critical": "CRIT", "warning": "WARN", "info": "ok  "}
@@ -25,6 +25,7 @@ def _brief(evidence: dict) -> str:
 @click.command("diagnose")
 @traces_option()
 @since_option
+@model_option
 @click.option("--limit", type=click.IntRange(min=1), default=5000, show_default=True,
               help="Most recent requests read.")
 @click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
@@ -38,7 +39,7 @@ def _brief(evidence: dict) -> str:
               "the latest run (with any run written alongside it: a launch's ranks). Identical prefixes are "
               "compared within a run, never across.")
 @json_option
-def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, run, as_json) -> None:
+def diagnose_cmd(traces_path, since, model, limit, baseline_path, prometheus, run, as_json) -> None:
     """Name what is wrong, with evidence and the playbook to follow. Exit 1 when something is."""
     from moescope.analysis import baseline as bl
     from moescope.analysis.diagnose import diagnose
@@ -46,7 +47,7 @@ def diagnose_cmd(traces_path, since, limit, baseline_path, prometheus, run, as_j
     baseline = bl.load(baseline_path) if baseline_path else None
     with read_store(traces_path) as (conn, corrupt):
         report = diagnose(conn, since=since, limit=limit, baseline=baseline, prometheus=prometheus, corrupt=corrupt,
-                          run=run)
+                          run=run, model=model)
     report["corrupt_rows"] = corrupt.count
     if as_json:
         emit_json(report)

@@ -1,8 +1,9 @@
 """The CLI contract every command shares: its options, its output rules, its exit paths.
 
 - Options: ``traces_option`` (``--traces PATH``, else ``$MOESCOPE_TRACES``, else the default store),
-  ``since_option`` (``--since`` parsed to unix seconds), ``json_option`` (``--json``); ``option_group`` hands a
-  command its options as one frozen dataclass (``cli/config_options.py``: the model, the instrumentation).
+  ``since_option`` (``--since`` parsed to unix seconds), ``model_option`` (``--model NAME``: one model of a
+  store that holds several), ``json_option`` (``--json``); ``option_group`` hands a command its options as one
+  frozen dataclass (``cli/config_options.py``: the model, the instrumentation).
 - Output: ``emit_json`` is the one JSON rule: ``json.dumps`` with ASCII escapes, so every string (control
   characters and bidi overrides included) is escaped by JSON itself and a parser gets the original text back;
   the same in every command. ``echo`` is for terminals: text goes through ``sanitize`` first.
@@ -96,6 +97,15 @@ def _since(ctx, param, value: str | None) -> float | None:
 since_option = click.option("--since", callback=_since, default=None, metavar="WHEN",
                             help="Only requests since: 30s, 5m, 2h, 1d ago or an ISO timestamp.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Machine-readable output (JSON).")
+model_option = click.option("--model", "model", default=None, metavar="NAME",
+                            help="Only this model's stored requests (a store holding several models; the note on "
+                            "such a store names them). Default: the model shape most requests in the window have.")
+
+
+def no_model_with(model: str | None, source: str | None, what: str) -> None:
+    """``BadInput`` when ``--model`` comes with another source than the trace store (``what`` names it)."""
+    if model is not None and source is not None:
+        raise BadInput(f"--model chooses a model of the trace store: not with {what}")
 
 
 def emit_json(obj: Any, *, compact: bool = False) -> None:

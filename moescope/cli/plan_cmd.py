@@ -7,26 +7,29 @@ from pathlib import Path
 
 import click
 
-from moescope.cli.options import echo, emit_json, import_option, json_option, since_option, traces_option
+from moescope.cli.options import (echo, emit_json, import_option, json_option, model_option, no_model_with,
+                                  since_option, traces_option)
 
 @click.command("plan-placement")
 @traces_option()
 @import_option("Read the load (instead of the trace store) from")
 @since_option
+@model_option
 @click.option("--ranks", type=click.IntRange(min=1), required=True, help="Expert-parallel ranks.")
 @click.option("--slots", type=click.IntRange(min=1), default=None,
               help="Physical expert slots per rank [ceil(E / ranks)]; more slots replicate hot experts.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="placement", show_default=True,
               help="Directory for eplb.json (deepseek-ai/EPLB tensors) and placement.yaml (`demo --placement`).")
 @json_option
-def plan_cmd(traces_path, import_path, since, ranks, slots, out_dir, as_json) -> None:
+def plan_cmd(traces_path, import_path, since, model, ranks, slots, out_dir, as_json) -> None:
     """Plan which rank holds which experts; predict max/mean load per rank against round-robin."""
     from moescope.analysis import profile
     from moescope.parallel import planner as placement_plan
     from moescope.traces.store import CorruptRows
 
+    no_model_with(model, import_path, "--import")
     corrupt = CorruptRows()
-    prof = profile.load(traces_path, import_path, since=since, corrupt=corrupt)
+    prof = profile.load(traces_path, import_path, since=since, corrupt=corrupt, model=model)
     plan = placement_plan.plan(prof, ranks, slots)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ import sqlite3
 import sys
 import time
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -146,19 +146,36 @@ class CorruptRows:
         else:
             self._warn(f"moescope: warning: skipped corrupt row {self.count} ({key}): {reason}")
 
-    def other_shapes(self, n: int, read: "Routed") -> None:
-        """Note (once) that ``n`` requests of other model shapes were left out of a read of ``read``'s shape."""
+    def other_shapes(self, n: int, read: "Routed", others: Callable[[], list[tuple[str | None, int]]]) -> None:
+        """Note (once) that ``n`` requests of other model shapes were left out of a read of ``read``'s shape;
+        ``others`` gives those requests' models and counts (asked only when the note is written), which the note
+        names with the option that reads one of them."""
         if self._warn is None or self._noted_shapes:
             return
         self._noted_shapes = True
-        self._warn(f"moescope: note: read the requests of one model shape ({read.model}: {len(read.layers)} MoE "
-                   f"layers, {read.n_experts} experts, top-{read.top_k}); {n} of other shapes left out")
+        models = _named(others())
+        self._warn(f"moescope: note: read the requests of one model shape ({_shown(read.model)}: "
+                   f"{len(read.layers)} MoE layers, {read.n_experts} experts, top-{read.top_k}); {n} of other shapes "
+                   "left out" + (f": {models}; read another with --model NAME" if models else ""))
 
     def nothing_left(self, message: str) -> BadInput:
         """The error for a read that found nothing usable: ``message``, plus the skipped count if any."""
         if self.count:
             message += f" ({self.count} corrupt row{'s' if self.count > 1 else ''} skipped, nothing readable left)"
         return BadInput(message)
+
+
+def _shown(name) -> str:
+    """A stored name (a model's) fit for one line of terminal text."""
+    from moescope.traces.sanitize import sanitize
+
+    return "(no model name)" if name is None else sanitize(str(name), keep_newlines=False)[:80]
+
+
+def _named(models: list[tuple[str | None, int]], most: int = 12) -> str:
+    """``a (12 requests), b (8 requests)``: models and their request counts, the first ``most`` of them."""
+    more = f", and {len(models) - most} more" if len(models) > most else ""
+    return ", ".join(f"{_shown(m)} ({n} request{'s' * (n != 1)})" for m, n in models[:most]) + more
 
 
 def _row_key(rowid, request_id) -> str:
@@ -443,15 +460,47 @@ class RunSpan:
     last: float
 
 
-def routed_runs(conn, *, since: float | None = None) -> list[RunSpan]:
-    """The writer runs of the stored requests that carry routing (started at or after ``since``), newest first
-    (by their last request's arrival): one SQL query over the head of each row's steps, the routing never
-    decoded. Rows whose steps name no run (none of our writers makes one: corrupt) belong to no run; readers
-    given ``runs`` read them with any run, where their check skips them."""
+def routed_where(since: float | None, model: str | None) -> tuple[str, list]:
+    """The WHERE clause (and its arguments) of the stored requests that carry routing, started at or after
+    ``since``, of ``model`` (None: every model): plain SQL that SQLite and DuckDB (the lake) both read."""
     where, args = "ids IS NOT NULL", []
     if since is not None:
         where += " AND started >= ?"
         args.append(since)
+    if model is not None:
+        where += " AND model = ?"
+        args.append(model)
+    return where, args
+
+
+def stored_models(conn) -> list[tuple[str | None, int]]:
+    """The models of the stored requests that carry routing, with how many each, most first."""
+    counts: dict[str | None, int] = {}
+    for model, n in _rows(conn, "SELECT model, COUNT(*) FROM requests WHERE ids IS NOT NULL GROUP BY model", []):
+        if model is None or isinstance(model, str):  # (another type: a corrupt row, counted where it is read)
+            counts[model] = counts.get(model, 0) + int(n)
+    return sorted(counts.items(), key=lambda mc: (-mc[1], mc[0] or ""))
+
+
+def check_model(conn, model: str | None) -> None:
+    """``BadInput`` (one line, naming the stored models) unless ``model`` is None or a model of the stored
+    requests that carry routing: what ``--model`` names."""
+    if model is None:
+        return
+    stored = stored_models(conn)
+    if any(m == model for m, _ in stored):
+        return
+    raise BadInput(f"--model {_shown(model)}: no such model in the trace store; "
+                   + (f"stored models: {_named(stored)}" if stored else "the store holds no routed requests"))
+
+
+def routed_runs(conn, *, since: float | None = None, model: str | None = None) -> list[RunSpan]:
+    """The writer runs of the stored requests that carry routing (started at or after ``since``; of ``model``,
+    None: every model), newest first (by their last request's arrival): one SQL query over the head of each
+    row's steps, the routing never decoded. Rows whose steps name no run (none of our writers makes one:
+    corrupt) belong to no run; readers given ``runs`` read them with any run, where their check skips them. A
+    ``model`` the store does not hold is ``BadInput`` naming the stored models."""
+    where, args = routed_where(since, model)
     spans: dict[str, list] = {}  # run -> [requests, first, last]
     for run, started in _rows(conn, f"SELECT {RUN_SQL}, started FROM requests WHERE {where}", args):
         if not (isinstance(run, str) and run and _is_time(started)):  # corrupt: counted where the rows are read
@@ -461,24 +510,24 @@ def routed_runs(conn, *, since: float | None = None) -> list[RunSpan]:
         span[1], span[2] = min(span[1], started), max(span[2], started)
     out = [RunSpan(run, n, float(first), float(last)) for run, (n, first, last) in spans.items()]
     out.sort(key=lambda r: (-r.last, -r.first, r.run))
+    if not out:
+        check_model(conn, model)
     return out
 
 
 def iter_routed(conn, *, since: float | None = None, limit: int | None = None, newest: bool = False,
-                corrupt: CorruptRows | None = None, runs=None) -> Iterator[Routed]:
+                corrupt: CorruptRows | None = None, runs=None, model: str | None = None) -> Iterator[Routed]:
     """The stored requests that carry routing, oldest first; ``since``: started at or after; ``limit``: at most
     that many rows, the oldest (or with ``newest`` the newest, still yielded oldest first); ``runs``: only the
-    requests of these writer runs (ids as ``routed_runs`` gives them; None: every run).
+    requests of these writer runs (ids as ``routed_runs`` gives them; None: every run); ``model``: only this
+    model's requests (None: every model; one the store does not hold is ``BadInput`` naming the stored ones).
 
     One model shape at a time (layers, top-k, experts: what the readers stack arrays by): the shape most
-    requests in the window have; requests of other shapes are left out, with one note on stderr. Every
-    yielded request has passed ``Routed.check``; a corrupt row is skipped into ``corrupt`` (a fresh
-    ``CorruptRows`` warning on stderr when not given)."""
+    requests in the window have; requests of other shapes are left out, with one note on stderr naming their
+    models and ``--model``. Every yielded request has passed ``Routed.check``; a corrupt row is skipped into
+    ``corrupt`` (a fresh ``CorruptRows`` warning on stderr when not given)."""
     corrupt = CorruptRows() if corrupt is None else corrupt
-    where, args = "ids IS NOT NULL", []
-    if since is not None:
-        where += " AND started >= ?"
-        args.append(since)
+    where, args = routed_where(since, model)
     if runs is not None:  # (and the rows that name no run: corrupt ones, skipped below with their warning)
         runs = list(runs)
         where += f" AND ({RUN_SQL} IS NULL" + (f" OR {RUN_SQL} IN ({', '.join('?' * len(runs))})" if runs else "") + ")"
@@ -490,6 +539,8 @@ def iter_routed(conn, *, since: float | None = None, limit: int | None = None, n
                                       "ORDER BY started, rowid", [*args, *shape[:3]]):
             corrupt.add(_row_key(rowid, rid), "layers, top_k or n_experts are not sizes")
     shapes = [sh for sh in shapes if _valid_shape(*sh[:3])]
+    if not shapes:
+        check_model(conn, model)
     total = sum(shape[3] for shape in shapes)
     order = " ORDER BY started DESC, rowid DESC" if newest else " ORDER BY started, rowid"
     for shape in shapes:  # the next shape only when every row of this one was corrupt
@@ -505,11 +556,22 @@ def iter_routed(conn, *, since: float | None = None, limit: int | None = None, n
                 corrupt.add(_row_key(row[0], row[1]), str(exc))
                 continue
             if not found and total > shape[3]:
-                corrupt.other_shapes(total - shape[3], r)
+                corrupt.other_shapes(total - shape[3], r, partial(_other_models, conn, where, args, shape[:3]))
             found = True
             yield r
         if found:
             return
+
+
+def _other_models(conn, where: str, args: list, read: tuple) -> list[tuple[str | None, int]]:
+    """The models (and how many requests each) of the rows of ``where`` whose valid shape is not ``read``'s
+    (layers, top_k, n_experts), most first."""
+    counts: dict[str | None, int] = {}
+    for *shape, name, n in _rows(conn, f"SELECT layers, top_k, n_experts, model, COUNT(*) FROM requests WHERE {where} "
+                                       "GROUP BY layers, top_k, n_experts, model", args):
+        if tuple(shape) != tuple(read) and _valid_shape(*shape) and (name is None or isinstance(name, str)):
+            counts[name] = counts.get(name, 0) + int(n)
+    return sorted(counts.items(), key=lambda mc: (-mc[1], mc[0] or ""))
 
 
 def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> dict[str, Any]:
@@ -524,7 +586,7 @@ def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> d
     if row is None:
         near = nearest_ids(conn, request_id)
         hint = f"; nearest stored ids: {', '.join(near)}" if near else "; the store holds no requests"
-        raise BadInput(f"no request {request_id!r} in the trace store{hint}")
+        raise BadInput(f"no request {request_id!r} in the trace store{hint}{_other_rank(conn, request_id)}")
     r = dict(zip([d[0] for d in cur.description], row))
     try:
         routed = _check_document(r)
@@ -535,6 +597,47 @@ def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> d
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # what the checks do not foresee
         raise BadInput(f"request {request_id!r}: its stored columns do not decode (corrupt row)") from None
+
+
+def _launch_ranks(conn, request_id: str, sample: int = 20) -> int | None:
+    """How many ranks the launch had that wrote the stored requests ``request_id`` would be among (None: one
+    rank, or not known): the requests whose id shares its launch prefix (a multi-rank launch's ids are
+    ``<launch>-<index>`` on every rank), else the newest ones. Only expert-parallel ranks record their wait on
+    each peer (``peer_wait``, one number per rank), so a step that holds one tells the world size."""
+    launch, dash, _ = request_id.rpartition("-")
+    queries = [("SELECT steps FROM requests ORDER BY started DESC LIMIT ?", [sample])]
+    if dash:  # the same launch's ids first: a range of the primary key, not a scan
+        prefix = launch + dash
+        queries.insert(0, ("SELECT steps FROM requests WHERE request_id >= ? AND request_id < ? LIMIT ?",
+                           [prefix, prefix + "\U0010ffff", sample]))
+    for sql, args in queries:
+        rows = list(_rows(conn, sql, args))
+        for (steps,) in rows:
+            if not (isinstance(steps, str) and '"peer_wait"' in steps):
+                continue
+            try:
+                waits = [v for st in json.loads(steps) if isinstance(st, dict)
+                         for v in (st.get("peer_wait") or {}).values()]
+            except (ValueError, AttributeError):  # a corrupt row: judged by the next
+                continue
+            world = max((len(v) for v in waits if isinstance(v, list)), default=0)
+            if world > 1:
+                return world
+        if rows:
+            return None
+    return None
+
+
+def _other_rank(conn, request_id: str) -> str:
+    """What the error of an id a SQLite store lacks adds when a multi-rank launch wrote the store: the id may be
+    another rank's, which only a lake stores (a lake holds every rank's requests: nothing to add)."""
+    if not isinstance(conn, sqlite3.Connection):
+        return ""
+    world = _launch_ranks(conn, request_id)
+    if world is None:
+        return ""
+    return (f"; it may be another rank's: this store was written by a {world}-rank launch, and a SQLite store holds "
+            "rank 0's requests only (--traces DIR/, a trace lake, stores every rank's)")
 
 
 def _check_document(r: dict) -> Routed | None:
