@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -86,7 +87,7 @@ def test_group_config_that_cannot_split_experts_is_one_line(tmp_path):
     assert proc.stderr.strip() == "moescope: error: n_experts (256) must be divisible by n_group (3)"
 
 
-def test_triton_router_request_on_a_sigmoid_model_is_a_notice(capsys):
+def test_triton_router_request_on_a_sigmoid_model_is_a_notice(capsys, monkeypatch):
     from moescope.runtime.config import PRESETS
     from moescope.runtime.model import MoETransformer
 
@@ -95,7 +96,20 @@ def test_triton_router_request_on_a_sigmoid_model_is_a_notice(capsys):
     notice = model.set_router_impl("triton")
     assert notice.startswith("note: the Triton router implements softmax top-k only") and "\n" not in notice
     assert all(m.router.impl == "triton" and not m.router.kernel_supported for m in model.moe_layers())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the kernel on a CPU: Triton's interpreter
     assert MoETransformer(PRESETS["qwen3-moe-shape"].replace(n_layers=2)).set_router_impl("triton") is None
+
+
+def test_triton_router_asked_for_where_it_cannot_run_is_one_line():
+    """docs/runtime.md's `demo --router-impl triton` on a CPU without Triton's interpreter: one line naming why and
+    what runs it, exit 2 (it was Triton's own traceback, "0 active drivers")."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = run_cli("demo", "--no-tui", "--router-impl", "triton", "--requests", "1", "--metrics-port", "-1",
+                   "--traces", "none", timeout=120, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "moescope: error: --router-impl triton runs the fused kernel on a CUDA device (the model is on cpu); on a CPU "
+        "only under Triton's interpreter, TRITON_INTERPRET=1 (slow: for checks)"]
 
 
 def test_option_groups_hand_a_command_frozen_typed_objects():

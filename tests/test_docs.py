@@ -1,5 +1,6 @@
 """Docs stay in step with the code: every catalogue metric is documented, the README stays a front page, the
-site builds strict, every documented `moescope` command names real options, and the README's tour runs."""
+site builds strict and every documented `moescope` command names real options (the pages themselves run in
+tests/test_doc_runner.py)."""
 
 import os
 import re
@@ -10,7 +11,6 @@ import sys
 import pytest
 import yaml
 
-from helpers import run_cli
 from conftest import ROOT
 from moescope.metrics import catalogue
 
@@ -148,51 +148,6 @@ def test_documented_command_uses_real_options(where, argv):
 
 
 # --- the README's five-minute tour, run as written ---------------------------------------------------------------
-
-def _tour() -> list[list[str]]:
-    sections = README.read_text().split("\n## ")
-    (section,) = [s for s in sections if s.lower().startswith("a five-minute tour")]
-    return _commands(_shell_blocks(section)[0])
-
-
-def _run(argv, cwd, env, timeout=300):
-    return run_cli(*argv, cwd=cwd, env=env, timeout=timeout)
-
-
-@pytest.mark.slow
-@pytest.mark.integration
-def test_readme_tour_runs_as_written(tmp_path):
-    """The tour's commands, as the README writes them, against a fresh trace store. Only what a test needs is
-    appended (later options win in click): no exporter port (tests run side by side), a short duration for the
-    backgrounded fault run, `--plain` for `trace` (no terminal here); `top` is interactive (tests/test_top.py)."""
-    import json
-
-    env = {**os.environ, "MOESCOPE_TRACES": str(tmp_path / "traces.sqlite")}
-    tour = _tour()
-    assert [a[0] for a in tour] == ["demo", "requests", "trace", "baseline", "demo", "top", "diagnose", "report"], \
-        tour
-    healthy, listed, trace, save, fault, _top, diagnose, report = tour
-
-    run = _run([*healthy, "--metrics-port", "-1", "--requests", "16"], tmp_path, env)
-    assert run.returncode == 0 and "served 16/16 requests" in run.stdout, run.stderr[-2000:]
-    run = _run(listed, tmp_path, env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    ids = [r["request_id"] for r in json.loads(_run([*listed, "--json"], tmp_path, env).stdout)]
-    assert len(ids) == 5 and all(i in run.stdout for i in ids), run.stdout
-    assert trace[1] == "<request-id>"
-    run = _run([trace[0], ids[0], *trace[2:], "--plain"], tmp_path, env)
-    assert run.returncode == 0 and f"request {ids[0]}" in run.stdout, run.stderr[-2000:]
-
-    run = _run(save, tmp_path, env)
-    assert run.returncode == 0 and (tmp_path / save[save.index("--out") + 1]).is_file(), run.stderr[-2000:]
-    run = _run([*fault, "--metrics-port", "-1", "--duration", "8"], tmp_path, env)
-    assert run.returncode == 0, run.stderr[-2000:]
-    run = _run([*diagnose, "--since", "30s"], tmp_path, env)
-    assert run.returncode == 1 and "imbalance" in run.stdout.lower(), (run.stdout[-2000:], run.stderr[-2000:])
-    run = _run(report, tmp_path, env)
-    out = tmp_path / report[report.index("--out") + 1]
-    assert run.returncode == 0 and (out / "summary.md").is_file() and (out / "overview.png").is_file(), run.stderr
-
 
 def test_quickstart_python_block_runs_as_written(tmp_path):
     """The quickstart's "In Python" block, pasted into a fresh interpreter in an empty folder with a fresh HOME:

@@ -249,10 +249,23 @@ class MoETransformer(nn.Module):
 
         if impl not in ROUTER_IMPLS:
             raise ValueError(f"router impl must be one of {', '.join(ROUTER_IMPLS)}, got {impl!r}")
+        supported = all(m.router.kernel_supported for m in self.moe_layers())
+        if impl == "triton" and supported:  # asked for by name: where it cannot run, say so (auto falls back)
+            import os
+
+            from moescope.errors import BadInput
+            from moescope.kernels import router_triton
+
+            if not router_triton.available():
+                raise BadInput("--router-impl triton: triton is not installed (pip install triton)")
+            if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise BadInput(f"--router-impl triton runs the fused kernel on a CUDA device (the model is on "
+                               f"{self.device.type}); on a CPU only under Triton's interpreter, TRITON_INTERPRET=1 "
+                               "(slow: for checks)")
         for m in self.moe_layers():
             m.router.impl = impl
         wanted = impl == "triton" or (impl == "auto" and self.device.type == "cuda")
-        if wanted and not all(m.router.kernel_supported for m in self.moe_layers()):
+        if wanted and not supported:
             return (f"note: the Triton router implements softmax top-k only; {self.cfg.name} routes with "
                     f"{self.cfg.scoring} scores{', groups' if self.cfg.n_group > 1 else ''}"
                     f"{', a correction bias' if self.cfg.correction_bias else ''}: the torch router runs")

@@ -384,6 +384,9 @@ def firing_alerts(alertmanager: str, timeout: float = 2.0) -> list[str]:
 PROMETHEUS_RATE_WINDOW_S = 60
 
 
+RATED = ("moescope_top_rated", frozenset())  # in a Prometheus poll's earlier samples: the rates are known
+
+
 def _key(metric: dict) -> tuple[str, frozenset]:
     """A Prometheus result's series as ``Samples`` keys it: its name and labels less job and instance (the
     exporters of one model merge, as when scraped directly)."""
@@ -432,7 +435,10 @@ class Poller:
             increase = sum(b if b < a else b - a for (_, a), (_, b) in zip(values, values[1:]))
             key = _key(s["metric"])
             per_s[key] = per_s.get(key, 0.0) + increase / (values[-1][0] - values[0][0])
-        return {k: v - per_s[k] * w if k in per_s else v for k, v in cur.items()}
+        out = {k: v - per_s[k] * w if k in per_s else v for k, v in cur.items()}
+        if any(k[0] == "moescope_router_tokens_total" for k in per_s):
+            out[RATED] = 1.0
+        return out
 
     def poll(self) -> Frame:
         now = time.monotonic()
@@ -456,6 +462,8 @@ class Poller:
         prev, prev_counts, dt = self._prev if ok else None, self._prev_counts, now - self._prev_at
         if before is not None:  # Prometheus: the rates of its own window, whatever the poll interval
             prev, prev_counts, dt = before, expert_counts(before), float(self.rate_window_s)
+            if before.get(RATED) is None:  # under two samples of the token counters yet: rates unknown, not 0
+                prev = None
         counts = expert_counts(merged) if ok else {}
         if prev is not None:
             self.history.push(expert_deltas(counts, prev_counts), dt)

@@ -1,0 +1,59 @@
+"""The docs run as tests (tests/doc_runner.py): each page's commands, in order, in a fresh HOME and folder, with
+the outcome its text promises (exit code, the line it says appears, the file it says is written)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import yaml
+
+import doc_runner
+from doc_runner import ROOT, SPEC, Scratch, check, pair
+from servers import free_port
+
+# The pages a new user follows first; every ```sh block in them is run (or says why it cannot be, here).
+PAGES = ("README.md", "docs/quickstart.md", "docs/serve.md", "docs/traces.md", "docs/runtime.md", "docs/views.md")
+
+
+def test_every_page_has_its_entries_and_every_skip_says_why():
+    doc = yaml.safe_load(SPEC.read_text())
+    assert set(doc) == set(PAGES), set(doc) ^ set(PAGES)
+    for page in PAGES:
+        entries = pair(ROOT / page)  # the page's commands, one entry each, the same text
+        assert entries, page
+        for _, e in entries:
+            assert e.skip is None or len(e.skip.split()) >= 4, f"{page}: {e.cmd}: a skip needs its reason"
+    # most of what the pages tell a user to run does run
+    ran = sum(e.skip is None for page in PAGES for _, e in pair(ROOT / page))
+    assert ran >= 0.7 * sum(1 for page in PAGES for _ in pair(ROOT / page)), ran
+
+
+def test_the_runner_reads_commands_as_a_shell_would(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text("text\n```sh\n# a comment line\nmoescope demo --requests 2   # trailing comment\n"
+                    "curl -s x \\\n     -d '{\"a\": \"#1\"}' | grep -i id\n\nprometheus &\n```\n"
+                    "```python\nx = 1\n```\n")
+    got = [(c.text, c.line) for c in doc_runner.commands(page)]
+    assert got == [("moescope demo --requests 2", 4), ("curl -s x -d '{\"a\": \"#1\"}' | grep -i id", 5),
+                   ("prometheus &", 8)]
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("page", PAGES)
+def test_the_page_runs_as_written(page, tmp_path):
+    scratch = Scratch(tmp_path, free_port)
+    try:
+        for c, e in pair(ROOT / page):
+            if e.skip:
+                continue
+            for _attempt in range(e.retry + 1):
+                run = scratch.run(c, e)
+                problems = check(c, e, run, scratch)
+                if not problems:
+                    break
+                time.sleep(0.5)
+            assert not problems, "\n".join(problems)
+    finally:
+        scratch.stop()
