@@ -6,8 +6,9 @@ fails until its entries follow. An entry either runs (``exit``, ``out``, ``files
 skipped with the reason it cannot run here (``skip``). What the runner changes, and only that:
 
 - every page runs in a scratch folder of its own with a fresh ``HOME`` (so the default trace store is new), the
-  checkout's ``.venv`` linked in and ``.venv/bin`` first on ``PATH`` (pages write both ``.venv/bin/moescope`` and
-  ``moescope``), and a copy of ``collectors/`` and ``dashboards/`` (the repository files commands name);
+  checkout's ``.venv`` and ``tests/`` linked in, ``.venv/bin`` first on ``PATH`` (pages write both
+  ``.venv/bin/moescope`` and ``moescope``), and a copy of ``collectors/`` and ``dashboards/`` (the repository
+  files commands name and write);
 - ports: the well-known ones pages use (8000, 9090, 9093, 9400-9403) are replaced by free ones, in commands and
   in the copied collectors' configs (tests run side by side); ``{9400}`` etc. in an entry's ``append`` is the
   replacement;
@@ -142,6 +143,7 @@ class Scratch:
         self.home = base / "home"
         self.home.mkdir(parents=True)
         (base / ".venv").symlink_to(ROOT / ".venv")
+        (base / "tests").symlink_to(ROOT / "tests")  # scripts a page runs (read only: nothing writes there)
         block = free_port(4)
         self.ports = {8000: free_port(), 9090: free_port(), 9093: free_port(),
                       **{9400 + i: block + i for i in range(4)}}
@@ -159,7 +161,9 @@ class Scratch:
         self.logs: dict[int, Path] = {}  # page line -> its latest background log
 
     def ports_in(self, text: str) -> str:
+        """The page's well-known ports (and an entry's ``{9400}`` placeholders) replaced by this page's own."""
         for old, new in self.ports.items():
+            text = text.replace(f"{{{old}}}", str(new))
             text = re.sub(rf"(?<![\d.]){old}(?!\d)", str(new), text)
         return text
 
@@ -171,9 +175,7 @@ class Scratch:
         background = text.endswith("&") or e.background
         text = text.rstrip("&").rstrip()
         if e.append:
-            append = e.append
-            for old, new in self.ports.items():
-                append = append.replace(f"{{{old}}}", str(new))
+            append = self.ports_in(e.append)
             cut = _top_level_pipe(text)
             if cut is not None:  # a pipeline: the arguments go to its first command
                 text = f"{text[:cut].rstrip()} {append} | {text[cut + 1:].lstrip()}"

@@ -57,3 +57,21 @@ def test_the_page_runs_as_written(page, tmp_path):
             assert not problems, "\n".join(problems)
     finally:
         scratch.stop()
+
+
+def test_a_missing_promise_fails_the_page(tmp_path):
+    """The runner's check: a line the text promises and the command does not print, another exit code, a file
+    not written, a background server that never answers: each is a failure naming the command."""
+    scratch = Scratch(tmp_path, free_port)
+    try:
+        said = doc_runner.Command("echo served 4/4 requests", 3)
+        run = scratch.run(said, doc_runner.Entry(cmd=said.text))
+        assert check(said, doc_runner.Entry(cmd=said.text, out=["served 4/4"]), run, scratch) == []
+        broken = doc_runner.Entry(cmd=said.text, out=["served 8/8"], exit=1, files=["report/summary.md"])
+        problems = check(said, broken, run, scratch)
+        assert len(problems) == 3 and all(p.startswith("line 3: echo served 4/4 requests") for p in problems)
+        quiet = doc_runner.Command("sleep 30 &", 5)
+        with pytest.raises(AssertionError, match="never held"):
+            scratch.run(quiet, doc_runner.Entry(cmd=quiet.text, until="false", timeout=1))
+    finally:
+        scratch.stop()
