@@ -27,10 +27,15 @@ def plan_cmd(traces_path, import_path, since, model, ranks, slots, out_dir, as_j
     from moescope.parallel import planner as placement_plan
     from moescope.traces.store import CorruptRows
 
+    from moescope.progress import progress
+
     no_model_with(model, import_path, "--import")
     corrupt = CorruptRows()
-    prof = profile.load(traces_path, import_path, since=since, corrupt=corrupt, model=model)
-    plan = placement_plan.plan(prof, ranks, slots)
+    with progress(f"plan-placement: reading the load from {import_path or 'the trace store'}", 1):
+        prof = profile.load(traces_path, import_path, since=since, corrupt=corrupt, model=model)
+    with progress(f"plan-placement: planning {len(prof.passes)} layers x {prof.n_experts} experts on {ranks} ranks",
+                  1):
+        plan = placement_plan.plan(prof, ranks, slots)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "eplb.json").write_text(json.dumps(plan.eplb()) + "\n")
