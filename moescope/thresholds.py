@@ -101,6 +101,12 @@ class Thresholds:
     memory_horizon_s: int = 4 * 3600
     # The trend's window; a process without samples a window ago is too young to judge (start-up growth).
     memory_window_s: int = 1800
+    # diagnose judges a trend from a trace store's steps, which may span seconds, not the alert's 30 minutes:
+    # at least this many steps (a slope's standard error from fewer is itself unreliable) over at least this long
+    # (a process' first seconds grow and shrink as allocator and caches warm); then as the alert (horizon and
+    # capacity above), with the slope noise_z standard errors above zero.
+    memory_min_points: int = 30
+    memory_min_span_s: float = 10.0
     # diagnose: judge a memory trend beside the working set (KV-cache tokens held) only where time varies on
     # its own: the part of time's spread the tokens held do not follow, at least this share (0.1: time and
     # working set correlate at r < 0.995; beyond that a fitted split between them is arbitrary)

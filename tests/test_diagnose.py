@@ -25,7 +25,7 @@ def stores(tmp_path_factory):
 
     def one(scenario):
         path = base / f"{scenario}.sqlite"
-        # every miss of switch-jitter waits 20-60 ms. A memory trend is judged over >= MEMORY_MIN_SPAN_S (10 s)
+        # every miss of switch-jitter waits 20-60 ms. A memory trend is judged over >= Thresholds.memory_min_span_s (10 s)
         # of steps after the first fifth: 720 requests at 40/s arrive over 18 s (~14 s judged); with 480 (12 s of
         # arrivals) a run once left 8 s to judge: "too short", no finding
         n = {"switch-jitter": "24", "leak": "720"}.get(scenario, "48")

@@ -13,8 +13,13 @@ import numpy as np
 from moescope.analysis.diagnose import Window, _check_memory
 from moescope.thresholds import DEFAULT
 
-PER_TOKEN = 31 * 2**10  # bytes per KV-cache token at deepseek-v3-shape (61 layers x K, V x 64 floats)
 BASE = 500 * 2**20
+# The alert's bar as a rate: growth that reaches capacity from BASE within the horizon (24 GiB in 4 h: ~1.7 MB/s).
+# diagnose judges as the alert does, so the synthetic rates are set against it.
+BAR = (DEFAULT.memory_capacity_bytes - BASE) / DEFAULT.memory_horizon_s
+# bytes per KV-cache token of a larger model than the presets (a working set that grows by a few tokens a second
+# then crosses the bar: on time alone it would page)
+PER_TOKEN = 256 * 2**10
 
 
 def _window(rss, kv, t):
@@ -32,7 +37,7 @@ T = np.linspace(0, 100, 200)
 
 
 def test_a_working_set_that_grows_with_time_is_not_a_leak():
-    kv = 40 * T  # requests pile up: the tokens held grow all along
+    kv = 2 * BAR / PER_TOKEN * T  # requests pile up: the tokens held grow all along, twice as fast as the bar
     rss = BASE + PER_TOKEN * kv
     assert _alarming(_window(rss, [None] * len(T), T))  # without the tokens held it looks like a leak
     found = _check_memory(_window(rss, kv, T), DEFAULT)
@@ -46,7 +51,7 @@ def test_memory_that_follows_the_tokens_held_is_not_a_leak():
 
 def test_a_leak_beside_the_working_set_is_named_with_its_own_rate():
     kv = 2000 + 1500 * np.sin(T / 15)
-    leak = 1 * 2**20  # bytes per second
+    leak = 2 * BAR  # bytes per second
     found = _alarming(_window(BASE + PER_TOKEN * kv + leak * T, kv, T))
     assert [f.cause for f in found] == ["leak"]
     ev = found[0].evidence
@@ -58,7 +63,7 @@ def _bursts():
     """Tokens held in bursts whose peaks grow as requests pile up (an engine falling behind its arrivals),
     falling back between them."""
     rng = np.random.default_rng(7)
-    return 100 + rng.uniform(0, 1, len(T)) * (50 + 15 * T) * (rng.uniform(0, 1, len(T)) < 0.3)
+    return 100 + rng.uniform(0, 1, len(T)) * (50 + 30 * T) * (rng.uniform(0, 1, len(T)) < 0.3)
 
 
 def test_memory_kept_at_the_working_sets_peak_is_not_a_leak():
@@ -70,7 +75,17 @@ def test_memory_kept_at_the_working_sets_peak_is_not_a_leak():
 
 def test_a_leak_beside_a_kept_peak_is_named_with_its_own_rate():
     kv = _bursts()
-    leak = 1 * 2**20
+    leak = 2 * BAR
     found = _alarming(_window(BASE + PER_TOKEN * np.fmax.accumulate(kv) + leak * T, kv, T))
     assert [f.cause for f in found] == ["leak"]
     assert math.isclose(found[0].evidence["rss_bytes_per_s"], leak, rel_tol=0.02)
+
+
+def test_a_leak_under_the_alerts_bar_is_not_named_and_one_over_it_is():
+    """diagnose judges a trend as MoEMemoryGrowth does: the fitted line extended by the horizon, against the
+    capacity. Half the bar's rate, steady as it is, stays quiet (the alert would not fire); twice it pages."""
+    for rate, named in ((BAR / 2, False), (2 * BAR, True)):
+        found = _alarming(_window(BASE + rate * T, [None] * len(T), T))
+        assert bool(found) == named, (rate, found)
+    ev = _alarming(_window(BASE + 2 * BAR * T, [None] * len(T), T))[0].evidence
+    assert ev["capacity_bytes"] == DEFAULT.memory_capacity_bytes and ev["horizon_s"] == DEFAULT.memory_horizon_s

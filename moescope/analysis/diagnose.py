@@ -652,12 +652,9 @@ def _check_ranks(w: Window, t: Thresholds) -> list[Finding]:
                     [], "MoESlowRank")]
 
 
-MEMORY_MIN_SPAN_S = 10.0
-
-
 def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     pts = sorted((st["t"], st["rss"], st.get("kv")) for st in w.steps if st.get("t") and st.get("rss"))
-    if len(pts) < 30:
+    if len(pts) < t.memory_min_points:
         return []
     # The working set: the running requests' KV caches fill as they decode (a busy engine holds more at once).
     # Some of that memory comes back when they end; some the allocator keeps, up to the largest working set so far
@@ -668,9 +665,9 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     pts, kv, peak = pts[start:], kv[start:], peak[start:]
     ts = np.array([p[0] for p in pts])
     rss = np.array([p[1] for p in pts], dtype=float)
-    if ts[-1] - ts[0] < MEMORY_MIN_SPAN_S:  # a process' first seconds grow and shrink: too short to call a trend
+    if ts[-1] - ts[0] < t.memory_min_span_s:  # a process' first seconds grow and shrink: too short for a trend
         return [Finding("leak", "info", f"Memory: {ts[-1] - ts[0]:.0f} s of steps, too short to judge a trend "
-                        f"(needs {MEMORY_MIN_SPAN_S:.0f} s)", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
+                        f"(needs {t.memory_min_span_s:.0f} s)", 0.0, {"over_s": round(float(ts[-1] - ts[0]), 1)})]
     # With the tokens held at each step (stores written since the steps carry "kv"), the trend is fitted on time,
     # the tokens held and their running peak together (rss ~ a + b t + c kv + d peak) and judged on what time
     # alone explains, rss - c kv - d peak.
@@ -687,24 +684,33 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
         coef = np.linalg.lstsq(np.column_stack([x, t_rel]), rss, rcond=None)[0]
         per_kv_token = float(coef[1])
         rss = rss - sum(c * (col - col[0]) for c, col in zip(coef[1:-1], working))
-    slope, _ = np.polyfit(ts - ts[0], rss, 1)
+    # Judged as the alert judges it (MoEMemoryGrowth: predict_linear over the window, horizon and capacity from
+    # the thresholds): the least-squares line of what time alone explains, extended from the last step by the
+    # horizon, over the capacity; and the slope real, not the noise of a short window (noise_z standard errors
+    # above zero: the alert's window is 30 minutes, a store's may be seconds).
+    t_rel = ts - ts[0]
+    slope, intercept = np.polyfit(t_rel, rss, 1)
+    resid = rss - (intercept + slope * t_rel)
+    spread = float(((t_rel - t_rel.mean()) ** 2).sum())
+    se = math.sqrt(float((resid ** 2).sum()) / max(1, len(rss) - 2) / spread) if spread > 0 else math.inf
+    now = intercept + slope * t_rel[-1]
+    predicted = now + slope * t.memory_horizon_s
+    capacity = t.memory_capacity_bytes
+    if not (slope > t.noise_z * se and predicted > capacity):
+        return []
     r = float(np.corrcoef(ts, rss)[0, 1]) if rss.std() > 0 else 0.0
     per_step = (rss[-1] - rss[0]) / max(1, len(rss) - 1)
     growth = rss[-1] - rss[0]
     half = len(rss) // 2
     first, second = rss[half] - rss[0], rss[-1] - rss[half]
-    # A warming process grows and then plateaus (its second half flat or shrinking); a leak keeps growing with
-    # traffic: steadily (r near 1), by real amounts, and still in the second half.
-    if not (r > 0.9 and growth > 16 * 2**20 and per_step > 64 * 2**10 and second / (len(rss) - half) > 32 * 2**10):
-        return []
-    capacity = t.memory_capacity_bytes
-    hours_left = (capacity - rss[-1]) / slope / 3600 if slope > 0 else math.inf
+    hours_left = (capacity - now) / slope / 3600
     return [Finding("leak", "warning", "Memory grows with traffic", slope / (1 * 2**20),
                     {"rss_bytes_per_s": int(slope), "bytes_per_step": int(per_step), "correlation": round(r, 3),
                      "grew_bytes": int(growth), "first_half_bytes": int(first), "second_half_bytes": int(second),
                      "over_s": round(float(ts[-1] - ts[0]), 1),
                      "working_set_bytes_per_kv_token": None if per_kv_token is None else int(per_kv_token),
-                     "capacity_bytes": capacity, "hours_to_capacity": round(hours_left, 2)}, [],
+                     "capacity_bytes": capacity, "hours_to_capacity": round(hours_left, 2),
+                     "horizon_s": t.memory_horizon_s, "slope_z": round(slope / se, 1)}, [],
                     "MoEMemoryGrowth")]
 
 
