@@ -42,6 +42,7 @@ class DemoOptions:
     rebalance_steps: int | None
     rebalance_slots: int | None
     rebalance_below: float | None
+    measure_from_step: int | None
     slow_rank: int | None
     delay_ms: float
     timeout: float
@@ -80,6 +81,10 @@ demo_options = option_group(
     click.option("--rebalance-below", type=click.FloatRange(min=0, max=1, min_open=True), default=None,
                  help="Rearrange only when the measured balancedness (mean rank / busiest rank) since the last time "
                       "is below this [always]."),
+    click.option("--measure-from-step", type=click.IntRange(min=1), default=None,
+                 help="Also measure the per-rank load (busiest rank / mean rank, --world-size > 1) over steps N to "
+                      "the end, whether or not the ranks rearrange: a static run and an EPLB run compare on the "
+                      "same steps [--rebalance-steps: from the first rearrangement on]."),
     *PEER_OPTIONS,
     click.option("--no-tui", is_flag=True, help="Plain output only. Without it, a terminal shows the live view "
                  "(`moescope top` of this run's exporter) while the workload runs, then the summary."),
@@ -112,6 +117,9 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
                        f"(--world-size {world_size})")
     if world_size == 1 and rank_env is None and run.rebalance_steps:
         raise BadInput("--rebalance-steps rearranges experts between ranks: it needs --world-size > 1")
+    if world_size == 1 and rank_env is None and run.measure_from_step:
+        raise BadInput("--measure-from-step measures the per-rank load of expert parallelism: it needs "
+                       "--world-size > 1")
     if not run.rebalance_steps and (run.rebalance_slots is not None or run.rebalance_below is not None):
         raise BadInput("--rebalance-slots and --rebalance-below shape the rearrangements --rebalance-steps N "
                        "makes: give it too")
@@ -144,6 +152,7 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
             a2a, monitor, lockstep = demo_parallel.setup_rank(stack, net, rank, world, run.placement_spec,
                                                               slow_rank, delay_ms, run.timeout)
             lockstep.rebalancer = demo_parallel.rebalancer(run)
+            lockstep.measure_from = run.measure_from_step or run.rebalance_steps
             config = dataclasses.replace(config, observers=(a2a, monitor))
         inst = stack.enter_context(instrumented(net, config))
         engine = inst.engine(max_batch=model.max_batch, seed=model.seed, decode=run.decode_mode, lockstep=lockstep)

@@ -294,15 +294,40 @@ def rebalancer(run):
 
 def rebalance_report(ep) -> list[dict]:
     """Each rearrangement: when, how long, what moved, busiest / mean rank measured before it, predicted for the
-    new placement, and measured after it (until the next one, or the end of the run)."""
+    new placement, and measured after it (until the next one, or the end of the run), with the steps and the
+    slots per MoE layer that measure rests on (a run's last window can be a few steps of its drain)."""
     out = []
-    for i, ev in enumerate(ep.events):
-        after = ep.events[i + 1].before if i + 1 < len(ep.events) else ep.measured_since()
+    events = list(ep.events)
+    for i, ev in enumerate(events):
+        last = i + 1 == len(events)
+        after, rows = (ep.measured_since(), ep.rows_since()) if last else (events[i + 1].before,
+                                                                          events[i + 1].before_rows)
+        steps = ep.steps + 1 - ev.step if last else events[i + 1].step - ev.step
         out.append({"step": ev.step, "seconds": round(ev.seconds, 4), "moved_experts": ev.moved,
-                    "moved_bytes": ev.moved_bytes,
+                    "moved_bytes": ev.moved_bytes, "kept_layers": ev.kept,
                     **{k: {str(layer): round(v, 4) for layer, v in d.items()}
-                       for k, d in (("before", ev.before), ("predicted", ev.predicted), ("measured", after))}})
+                       for k, d in (("before", ev.before), ("predicted", ev.predicted), ("measured", after))},
+                    "measured_steps": steps,
+                    "measured_slots_per_layer": round(sum(map(sum, rows.values())) / len(rows), 1) if rows else 0})
     return out
+
+
+def rank_load_report(ep) -> dict:
+    """Per-rank load (rows each rank's experts computed, from the exchanges' split sizes; every rank sees the same)
+    over the whole run and over steps ``ep.measure_from`` to the end: the same steps whether or not the ranks
+    rearranged, so a static run and an EPLB run compare on them; each as busiest rank / mean rank per layer and
+    as the rows themselves."""
+    def ratios(rows):
+        return {str(k): round(v, 4) for k, v in ep.max_over_mean(rows).items()}
+
+    def raw(rows):
+        return {str(k): list(v) for k, v in sorted(rows.items())}
+
+    span = ep.measure_from is not None
+    return {"rank_max_over_mean_run": ratios(ep.rows_run), "rank_rows_run": raw(ep.rows_run),
+            "measure_from_step": ep.measure_from,
+            "rank_max_over_mean_from": ratios(ep.rows_from) if span else None,
+            "rank_rows_from": raw(ep.rows_from) if span else None}
 
 
 def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep=None, records=()) -> dict:
@@ -325,6 +350,9 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep
             "metrics_url": summary.get("metrics_url"), "canary_flip_ratio": summary.get("canary_flip_ratio"),
             "steps": ep.steps if ep is not None else None,
             "device": summary.get("device"), "backend": ep.backend if ep is not None else None,
-            # busiest rank's rows / the mean rank's per layer, measured since the last rearrangement (or the start)
-            "rank_max_over_mean": {str(k): round(v, 4) for k, v in ep.measured_since().items()} if ep else None,
+            # busiest rank's rows / the mean rank's per layer: the whole run, and steps measure_from_step.. to the end
+            # (since the last rearrangement: each rearrangement's "measured", below)
+            **(rank_load_report(ep) if ep is not None else dict.fromkeys(
+                ("rank_max_over_mean_run", "rank_rows_run", "measure_from_step", "rank_max_over_mean_from",
+                 "rank_rows_from"))),
             "rebalances": rebalance_report(ep) if ep is not None and ep.rebalancer is not None else None}

@@ -118,7 +118,13 @@ class ExpertParallel:
         self.events: collections.deque = collections.deque(maxlen=EVENTS_KEPT)  # parallel.eplb.Rebalance, in order
         self._dealt: dict[int, torch.Tensor] = {}  # layer -> slots of each expert this rank has dealt to replicas
         self._rows_since: dict[int, list[int]] = {}  # layer -> rows each rank computed since the last rearrangement
+        self.rows_run: dict[int, list[int]] = {}  # layer -> rows each rank computed, the whole run (never reset)
+        # From this step on (``steps`` >= it; rearranging at it comes first) the rows also go to ``rows_from``: the
+        # same steps measured whether or not the ranks rearrange (the demo sets it to --rebalance-steps)
+        self.measure_from: int | None = None
+        self.rows_from: dict[int, list[int]] = {}
         self._routed: dict[int, torch.Tensor] = {}  # layer -> this rank's slots per logical expert, same period
+        self._history: collections.deque = collections.deque()  # the fleet's [L, E] counts of the last windows
 
     def begin_run(self) -> None:
         """Forget the last run's agreement (a new ``Engine.run`` starts)."""
@@ -233,9 +239,18 @@ class ExpertParallel:
             self._forward(m.layer_index, m.experts, x, torch.empty(0, 1, dtype=torch.long, device=p.device),
                           torch.empty(0, 1, dtype=p.dtype, device=p.device))
 
+    @staticmethod
+    def max_over_mean(rows: dict[int, list[int]]) -> dict[int, float]:
+        """Per layer: the busiest rank's rows over the mean rank's (layers with no rows left out)."""
+        return {layer: max(r) / (sum(r) / len(r)) for layer, r in sorted(rows.items()) if sum(r)}
+
     def measured_since(self) -> dict[int, float]:
         """Per layer: the busiest rank's rows over the mean rank's since the last rearrangement (or the start)."""
-        return {layer: max(r) / (sum(r) / len(r)) for layer, r in sorted(self._rows_since.items()) if sum(r)}
+        return self.max_over_mean(self._rows_since)
+
+    def rows_since(self) -> dict[int, list[int]]:
+        """Per layer: rows each rank computed since the last rearrangement (or the start)."""
+        return {layer: list(r) for layer, r in sorted(self._rows_since.items())}
 
     def between_steps(self, moe_layers) -> None:
         """Called by the engine before each rank step (every rank, the same step): rearranges when due."""
@@ -246,7 +261,8 @@ class ExpertParallel:
 
     @torch.inference_mode()
     def rebalance(self, moe_layers) -> None:
-        """Plan a placement from the fleet's counts since the last time and move the weights (``parallel.eplb``)."""
+        """Plan a placement from the fleet's counts of the last ``horizon`` windows and move the weights of the
+        layers whose plan gains more than ``min_gain`` (``parallel.eplb``)."""
         from moescope.parallel.planner import imbalance, plan_layer, rank_loads
         from moescope.parallel.eplb import Rebalance
 
@@ -258,18 +274,27 @@ class ExpertParallel:
         counts = torch.stack([self._routed.get(layer, torch.zeros(n_exp, dtype=torch.long, device=device)).double()
                               for layer in layers])  # [L, E]
         self._collective(dist.all_reduce, counts)  # the fleet's: every rank plans the same placement
-        before = self.measured_since()
+        self._routed.clear()
+        if self._history.maxlen != rb.horizon:
+            self._history = collections.deque(self._history, maxlen=rb.horizon)
+        self._history.append(counts)  # (kept whether or not the ranks rearrange now)
+        before, before_rows = self.measured_since(), self.rows_since()
         if rb.below is not None and before and min(1 / v for v in before.values()) >= rb.below:
             return  # balanced enough: keep measuring from here
-        load = counts.cpu().numpy()
+        load = sum(self._history).cpu().numpy()  # the last ``horizon`` windows' counts: one window is a sample
         if not load.sum():
             return
         slots = rb.slots or max(len(x) for per in old.layers.values() for x in per)
         new_layers, predicted = {}, {}
+        kept = 0
         for i, layer in enumerate(layers):
             per = plan_layer(load[i], w, slots)
             new_layers[layer] = tuple(tuple(x) for x in per)
             predicted[layer] = imbalance(rank_loads(load[i], per))
+            current = imbalance(rank_loads(load[i], [list(x) for x in old.layers[layer]]))
+            if current <= predicted[layer] + rb.min_gain:  # a gain the counts cannot tell from noise: no moves
+                new_layers[layer], predicted[layer] = tuple(tuple(x) for x in old.layers[layer]), current
+                kept += 1
         ops, received = [], []
         moved = 0
         for m in moe_layers:
@@ -304,9 +329,8 @@ class ExpertParallel:
         self.placement = Placement(w, n_exp, new_layers, replicated)
         self._owner.clear()
         self._rows_since.clear()
-        self._routed.clear()
         event = Rebalance(self.steps, time.perf_counter() - start, moved, moved_bytes, before, predicted,
-                          new_layers)
+                          new_layers, before_rows, kept)
         self.events.append(event)
         if self.observer is not None:
             self.observer().on_rebalance(event)
@@ -356,8 +380,11 @@ class ExpertParallel:
         meta_in = meta_in.view(w, w + 3)
         recv_counts = meta_in[:, self.rank].long().tolist()  # what each peer sends me
         rank_rows = meta_in[:, :w].sum(0).long().tolist()  # what every rank computes (the W x W split matrix)
-        since = self._rows_since.setdefault(layer, [0] * w)
-        self._rows_since[layer] = [a + b for a, b in zip(since, rank_rows)]
+        spans = [self._rows_since, self.rows_run]
+        if self.measure_from is not None and self.steps >= self.measure_from:
+            spans.append(self.rows_from)
+        for span in spans:
+            span[layer] = [a + b for a, b in zip(span.get(layer, [0] * w), rank_rows)]
         if self.rebalancer is not None and len(my_ids):  # (on the device: no sync)
             got = torch.bincount(my_ids, minlength=n_exp + 1)[:n_exp]
             self._routed[layer] = got if layer not in self._routed else self._routed[layer] + got

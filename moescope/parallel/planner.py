@@ -26,11 +26,14 @@ def rank_loads(load: np.ndarray, per_rank: list[list[int]]) -> np.ndarray:
     """[N] slots each rank computes under the runtime's dispatch rule: a replicated expert's slots dealt evenly
     over its replicas (``ExpertParallel._destinations``), whichever rank routed them."""
     n = len(per_rank)
+    holders: dict[int, list[int]] = {}
+    for r in range(n):
+        for e in set(per_rank[r]):
+            holders.setdefault(e, []).append(r)
     out = np.zeros(n)
     for e, w in enumerate(load):
-        holders = [r for r in range(n) if e in per_rank[r]]
-        for r in holders:
-            out[r] += w / len(holders)
+        for r in holders.get(e, ()):
+            out[r] += w / len(holders[e])
     return out
 
 
@@ -54,24 +57,27 @@ def plan_layer(load: np.ndarray, ranks: int, slots: int, coactivation: np.ndarra
         raise BadInput(f"{ranks} ranks x {slots} slots cannot hold {n_exp} experts (need slots >= "
                        f"{-(-n_exp // ranks)})")
     count = np.ones(n_exp, dtype=np.int64)
+    load = np.asarray(load, dtype=float)
     for _ in range(ranks * slots - n_exp):  # spare slots: replicate the heaviest load per replica
-        cand = [e for e in range(n_exp) if count[e] < ranks]
-        if not cand:
+        per_replica = np.where(count < ranks, load / count, -np.inf)
+        e = int(np.argmax(per_replica))  # (the lowest expert among equals)
+        if per_replica[e] == -np.inf:
             break
-        e = max(cand, key=lambda x: (load[x] / count[x], -x))
         count[e] += 1
     replicas = sorted(((load[e] / count[e], e) for e in range(n_exp) for _ in range(count[e])),
                       key=lambda t: (-t[0], t[1]))
     per_rank: list[list[int]] = [[] for _ in range(ranks)]
-    weight = np.zeros(ranks)
+    held: list[set[int]] = [set() for _ in range(ranks)]
+    weight = [0.0] * ranks
     for w, e in replicas:
-        free = [r for r in range(ranks) if len(per_rank[r]) < slots and e not in per_rank[r]]
+        free = [r for r in range(ranks) if len(per_rank[r]) < slots and e not in held[r]]
         if coactivation is not None and w > 0:
             # among equally loaded ranks, prefer one holding the experts this one is chosen with most
             r = min(free, key=lambda r: (weight[r], -sum(coactivation[e, x] for x in per_rank[r]), r))
         else:
             r = min(free, key=lambda r: (weight[r], r))
         per_rank[r].append(e)
+        held[r].add(e)
         weight[r] += w
     return [sorted(x) for x in per_rank]
 
