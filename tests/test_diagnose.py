@@ -25,9 +25,9 @@ def stores(tmp_path_factory):
 
     def one(scenario):
         path = base / f"{scenario}.sqlite"
-        # every miss of switch-jitter waits 20-60 ms. A memory trend is judged over >= Thresholds.memory_min_span_s (10 s)
-        # of steps after the first fifth: 720 requests at 40/s arrive over 18 s (~14 s judged); with 480 (12 s of
-        # arrivals) a run once left 8 s to judge: "too short", no finding
+        # every miss of switch-jitter waits 20-60 ms. A memory trend is judged over >= memory_min_span_s (10 s,
+        # Thresholds) of steps after the first fifth: 720 requests at 40/s arrive over 18 s (~14 s judged); with
+        # 480 (12 s of arrivals) a run once left 8 s to judge: "too short", no finding
         n = {"switch-jitter": "24", "leak": "720"}.get(scenario, "48")
         # a process per run, as a deployment has: the memory check reads the process' resident memory
         run = run_cli("demo", "--no-tui", "--json", "--rate", "40", "--requests", n, "--scenario", scenario,
