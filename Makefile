@@ -34,7 +34,7 @@ system-deps:
 # timing: nothing runs beside them), then the
 # HF adapter tests again on transformers 4.57 (module names and router outputs differ between 4.x and 5.x).
 # Logs of the background pass: build/vllm-env.log, build/test-vllm.log (printed when it ends).
-VLLM_RUN := MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
+VLLM_RUN = MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
 test: lint docs system-deps
 	@mkdir -p build; rm -f build/vllm.rc build/test-vllm.log
 	@(if $(MAKE) --no-print-directory vllm-env > build/vllm-env.log 2>&1; then \
