@@ -48,7 +48,8 @@ class Entry:
     cmd: str
     skip: str | None = None
     append: str = ""
-    replace: dict = field(default_factory=dict)
+    replace: dict = field(default_factory=dict)  # values may hold {name}: a value an earlier entry captured
+    capture: dict = field(default_factory=dict)  # name -> regular expression: its first group in this output
     exit: int = 0
     out: list = field(default_factory=list)  # regular expressions, each must match stdout + stderr
     files: list = field(default_factory=list)  # paths (relative to the scratch folder) that must exist after
@@ -158,6 +159,7 @@ class Scratch:
         self.background: list[subprocess.Popen] = []
         self.started: list[str] = []  # each background process' command line
         self.n_started = 0
+        self.captured: dict[str, str] = {}  # what entries' ``capture`` found, for later ``replace``
         self.logs: dict[int, Path] = {}  # page line -> its latest background log
 
     def ports_in(self, text: str) -> str:
@@ -170,6 +172,8 @@ class Scratch:
     def line(self, c: Command, e: Entry) -> str:
         text = c.text
         for old, new in e.replace.items():
+            for name, value in self.captured.items():
+                new = new.replace(f"{{{name}}}", value)
             text = text.replace(old, new)
         text = self.ports_in(text)
         background = text.endswith("&") or e.background
@@ -245,4 +249,10 @@ def check(c: Command, e: Entry, run: subprocess.CompletedProcess | None, scratch
     problems += [f"{where}\n  no match for {pattern!r} in:\n{said[-2500:]}" for pattern in e.out
                  if not re.search(pattern, said, re.M)]
     problems += [f"{where}\n  {path} was not written" for path in e.files if not (scratch.dir / path).exists()]
+    for name, pattern in e.capture.items():
+        found = re.search(pattern, said, re.M)
+        if found:
+            scratch.captured[name] = found.group(1)
+        else:
+            problems.append(f"{where}\n  nothing to capture as {name} with {pattern!r} in:\n{said[-2500:]}")
     return problems
