@@ -185,6 +185,11 @@ def test_the_merged_summary_has_every_ranks_latency_and_the_final_placement(tmp_
         assert saved.layers[int(layer)].load.tolist() == counts
         assert sum(counts) == sum(r["tokens"]["prompt"] + r["tokens"]["output"] - r["completed"]
                                   for r in s["ranks"]) * TOP_K
+        # the --json holds the judgement the human summary prints, of the fleet's sums (it held none before)
+        per = s["expert_load_summary"][layer]
+        assert per["slots"] == sum(counts) and per["cv"] == pytest.approx(stats.load_cv(counts), abs=1e-4)
+        assert per["hottest"][0]["expert"] == max(range(len(counts)), key=lambda e: (counts[e], -e))
+        assert s["judged"]["layers"][layer]["bar"] > 0 and s["judged"]["requests"] == 12
     ttft = [d["ttft_s"] for d in s["requests_detail"]]  # both ranks' requests (rounded to 10 us)
     assert len(ttft) == 12 and {d["request_id"] for d in s["requests_detail"]} == set(s["request_ids"])
     for q in (50, 99):

@@ -155,11 +155,11 @@ def _no_summary(missing: list[int]) -> str:
 
 def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dict:
     """The run's summary from its ranks' (data-parallel attention: each served its own requests): requests,
-    tokens, throughput and expert load added up, the load judged again from the sums (``print_human`` judges a
-    summary without ``expert_load_summary``); latency percentiles over every rank's requests (each rank's own in
+    tokens, throughput and expert load added up, the load judged again from the sums (``expert_load_summary``,
+    ``judged``: what the human summary prints); latency percentiles over every rank's requests (each rank's own in
     ``ranks``)."""
     from moescope import stats
-    from moescope.cli.summary import latency
+    from moescope.cli.summary import judgement, latency
 
     merged = dict(summaries[0])
     for key in ("expert_load_summary", "judged", "canary_flip_ratio"):
@@ -189,6 +189,10 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     merged["expert_load"] = load = dict(sorted(load.items(), key=lambda kv: int(kv[0])))
     merged["expert_load_cv"] = {layer: round(stats.load_cv(c), 4) for layer, c in load.items()}
     merged["tokens_dropped"] = dict(sorted(dropped.items(), key=lambda kv: int(kv[0])))
+    if load:  # judged again from the fleet's sums, as the human summary prints it (--json held no judgement)
+        judged, per = judgement({int(k): v for k, v in load.items()}, merged["completed"], top_k)
+        merged["expert_load_summary"] = {str(k): v for k, v in per.items()}
+        merged["judged"] = judged
     return merged
 
 
