@@ -75,3 +75,18 @@ def test_a_missing_promise_fails_the_page(tmp_path):
             scratch.run(quiet, doc_runner.Entry(cmd=quiet.text, until="false", timeout=1))
     finally:
         scratch.stop()
+
+
+def test_what_the_alert_walkthrough_writes_in_the_checkout_is_ignored():
+    """README's alert walkthrough, run from the repository root, leaves Prometheus' and Alertmanager's storage in
+    ./data (their default --storage paths): git ignores it, so it never shows as a change to commit."""
+    import shutil
+    import subprocess
+
+    from conftest import in_ci
+
+    git = shutil.which("git")
+    if git is None or not (ROOT / ".git").exists():
+        (pytest.fail if in_ci() else pytest.skip)("not a git checkout (CI runs on a clone)")
+    for path in ("data/wal/00000000", "data/nflog", "data/silences", "build/vllm-env.log"):
+        assert subprocess.run([git, "check-ignore", "-q", path], cwd=ROOT).returncode == 0, path
