@@ -76,6 +76,17 @@ class Serve:
     def async_client(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
+    def gather(self, one, n: int) -> list:
+        """``one(client, i)`` for i in 0..n-1, all at once on one async SDK client; their results in order."""
+        async def main():
+            client = self.async_client()
+            try:
+                return await asyncio.gather(*(one(client, i) for i in range(n)))
+            finally:
+                await client.close()
+
+        return asyncio.run(main())
+
     def stored(self, rid: str, timeout: float = 10.0) -> dict:
         """The request's trace document, once the recorder committed it (it commits every 0.5 s)."""
         def load():
@@ -226,14 +237,7 @@ def test_every_token_is_its_own_chunk_with_32_streams_at_once(server):
                 usage = chunk.usage.completion_tokens
         return ids.pop(), pieces, usage
 
-    async def all_at_once():
-        client = server.async_client()
-        try:
-            return await asyncio.gather(*(one(client, i) for i in range(32)))
-        finally:
-            await client.close()
-
-    results = asyncio.run(all_at_once())
+    results = server.gather(one, 32)
     for rid, pieces, n_tokens in results:
         doc = server.stored(rid)
         assert n_tokens == _n_output(doc) > 0
@@ -290,14 +294,7 @@ def test_32_concurrent_clients_all_answered_and_traceable(server):
                                             user=f"tenant-{i % 3}")
         return r.id, r.usage.prompt_tokens, r.usage.completion_tokens
 
-    async def main():
-        client = server.async_client()
-        try:
-            return await asyncio.gather(*(one(client, i) for i in range(32)))
-        finally:
-            await client.close()
-
-    answers = asyncio.run(main())
+    answers = server.gather(one, 32)
     assert len({rid for rid, _, _ in answers}) == 32
     for i, (_, n_prompt, n_out) in enumerate(answers):  # sampled at temperature 1: an EOS may end one early
         assert n_prompt == len(prompts[i].encode()) + 1 and 1 <= n_out <= 4 + i % 7

@@ -320,7 +320,11 @@ def rank_load_report(ep) -> dict:
     """Per-rank load (rows each rank's experts computed, from the exchanges' split sizes; every rank sees the same)
     over the whole run and over steps ``ep.measure_from`` to the end: the same steps whether or not the ranks
     rearranged, so a static run and an EPLB run compare on them; each as busiest rank / mean rank per layer and
-    as the rows themselves."""
+    as the rows themselves. ``ep`` None (one process): every key, None."""
+    if ep is None:
+        return dict.fromkeys(("rank_max_over_mean_run", "rank_rows_run", "measure_from_step",
+                              "rank_max_over_mean_from", "rank_rows_from"))
+
     def ratios(rows):
         return {str(k): round(v, 4) for k, v in ep.max_over_mean(rows).items()}
 
@@ -356,7 +360,5 @@ def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep
             "device": summary.get("device"), "backend": ep.backend if ep is not None else None,
             # busiest rank's rows / the mean rank's per layer: the whole run, and steps measure_from_step.. to the end
             # (since the last rearrangement: each rearrangement's "measured", below)
-            **(rank_load_report(ep) if ep is not None else dict.fromkeys(
-                ("rank_max_over_mean_run", "rank_rows_run", "measure_from_step", "rank_max_over_mean_from",
-                 "rank_rows_from"))),
+            **rank_load_report(ep),
             "rebalances": rebalance_report(ep) if ep is not None and ep.rebalancer is not None else None}

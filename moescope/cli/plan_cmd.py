@@ -25,9 +25,8 @@ def plan_cmd(traces_path, import_path, since, model, ranks, slots, out_dir, as_j
     """Plan which rank holds which experts; predict max/mean load per rank against round-robin."""
     from moescope.analysis import profile
     from moescope.parallel import planner as placement_plan
-    from moescope.traces.store import CorruptRows
-
     from moescope.progress import progress
+    from moescope.traces.store import CorruptRows
 
     no_model_with(model, import_path, "--import")
     corrupt = CorruptRows()

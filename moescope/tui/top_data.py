@@ -384,9 +384,6 @@ def firing_alerts(alertmanager: str, timeout: float = 2.0) -> list[str]:
 PROMETHEUS_RATE_WINDOW_S = 60
 
 
-RATED = ("moescope_top_rated", frozenset())  # in a Prometheus poll's earlier samples: the rates are known
-
-
 def _key(metric: dict) -> tuple[str, frozenset]:
     """A Prometheus result's series as ``Samples`` keys it: its name and labels less job and instance (the
     exporters of one model merge, as when scraped directly)."""
@@ -419,8 +416,9 @@ class Poller:
             out[key] = out.get(key, 0.0) + float(s["value"][1])
         return out
 
-    def _prometheus_before(self, cur: Samples) -> Samples:
-        """What the counters of ``cur`` held ``rate_window_s`` ago, from the samples Prometheus keeps:
+    def _prometheus_before(self, cur: Samples) -> Samples | None:
+        """What the counters of ``cur`` held ``rate_window_s`` ago (None while the token counters have under two
+        samples: rates unknown, not 0), from the samples Prometheus keeps:
         each series' increase over the window (resets counted as restarts from zero) per second of the span its
         samples cover, times the window. Counters only change in Prometheus at its scrapes, so the difference of
         two polls a second apart is zero most of the time (`top --prometheus` showed 0 tokens/s while the demo
@@ -435,17 +433,16 @@ class Poller:
             increase = sum(b if b < a else b - a for (_, a), (_, b) in zip(values, values[1:]))
             key = _key(s["metric"])
             per_s[key] = per_s.get(key, 0.0) + increase / (values[-1][0] - values[0][0])
-        out = {k: v - per_s[k] * w if k in per_s else v for k, v in cur.items()}
-        if any(k[0] == "moescope_router_tokens_total" for k in per_s):
-            out[RATED] = 1.0
-        return out
+        if not any(k[0] == "moescope_router_tokens_total" for k in per_s):
+            return None
+        return {k: v - per_s[k] * w if k in per_s else v for k, v in cur.items()}
 
     def poll(self) -> Frame:
         now = time.monotonic()
         merged: Samples = {}
         status: dict[str, str] = {}
         sources = [self.prometheus] if self.prometheus else self.endpoints
-        before: Samples | None = None
+        before: Samples | None = None  # Prometheus: its counters a window ago
         for src in sources:
             try:
                 got = self._from_prometheus() if self.prometheus else scrape(src, self.timeout)
@@ -459,11 +456,10 @@ class Poller:
                 merged[k] = merged.get(k, 0.0) + v if "_total" in k[0] or "_bucket" in k[0] else max(
                     merged.get(k, v), v)
         ok = any(v == "ok" for v in status.values())
-        prev, prev_counts, dt = self._prev if ok else None, self._prev_counts, now - self._prev_at
-        if before is not None:  # Prometheus: the rates of its own window, whatever the poll interval
-            prev, prev_counts, dt = before, expert_counts(before), float(self.rate_window_s)
-            if before.get(RATED) is None:  # under two samples of the token counters yet: rates unknown, not 0
-                prev = None
+        if self.prometheus:  # the rates of its own window, whatever the poll interval
+            prev, prev_counts, dt = before, expert_counts(before or {}), float(self.rate_window_s)
+        else:
+            prev, prev_counts, dt = self._prev if ok else None, self._prev_counts, now - self._prev_at
         counts = expert_counts(merged) if ok else {}
         if prev is not None:
             self.history.push(expert_deltas(counts, prev_counts), dt)
