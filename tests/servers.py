@@ -67,10 +67,13 @@ def _bindable(port: int) -> bool:
         return True
 
 
-def wait_http(url: str, timeout: float = 30.0) -> None:
-    """Until ``url`` answers."""
-    wait_until(lambda: prom_http.get(url, "a server", timeout=2) is not None, timeout=timeout, what=f"GET {url}",
-               interval=0.2, ignore=(prom_http.Unreachable, OSError))
+def wait_http(url: str, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:
+    """Until ``url`` answers. With ``proc`` (the server's process): gives up at once when it has exited, so the
+    timeout can be generous (a server starting beside two vLLM servers on two cores took 18 s to be ready and
+    then left 2 s requests unanswered for 12 s more)."""
+    wait_until(lambda: prom_http.get(url, "a server", timeout=5) is not None, timeout=timeout, what=f"GET {url}",
+               interval=0.2, ignore=(prom_http.Unreachable, OSError),
+               alive=None if proc is None else (lambda: proc.poll() is None))
 
 
 class _Server:
@@ -112,11 +115,11 @@ class Prometheus(_Server):
             stdout=self.log, stderr=subprocess.STDOUT)
         self.url = f"http://127.0.0.1:{self.port}"
         try:
-            wait_http(self.url + "/-/ready")
+            wait_http(self.url + "/-/ready", timeout=180, proc=self.proc)
         except AssertionError:  # wait_http gave up (it fails with the last error seen)
             self.stop()
             raise RuntimeError("prometheus did not become ready: "
-                               + (tmp / "prometheus.log").read_text()[-2000:]) from None
+                               + (tmp / "prometheus.log").read_text()[-3000:]) from None
 
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         """The result vector (moescope's one Prometheus client: a refused query raises, naming it)."""
@@ -197,9 +200,9 @@ class Alertmanager(_Server):
             stdout=self.log, stderr=subprocess.STDOUT)
         self.address = f"127.0.0.1:{self.port}"
         try:
-            wait_http(f"http://{self.address}/-/ready")
+            wait_http(f"http://{self.address}/-/ready", timeout=180, proc=self.proc)
         except AssertionError:  # wait_http gave up (it fails with the last error seen)
             self.stop()
             raise RuntimeError("alertmanager did not start: "
-                               + (tmp / "alertmanager.log").read_text()[-2000:]) from None
+                               + (tmp / "alertmanager.log").read_text()[-3000:]) from None
 

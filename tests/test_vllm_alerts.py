@@ -82,7 +82,7 @@ def _watch(tmp_path, model_dir, until, watch_s: float, during=None, traces=None)
     try:
         with serve(model_dir, env, ["--no-enable-prefix-caching"], eager=True) as server, \
                 Traffic(server) as traffic:
-            wait_http(f"http://127.0.0.1:{port}/metrics", timeout=30)
+            wait_http(f"http://127.0.0.1:{port}/metrics", timeout=120, proc=server.proc)
             time.sleep(WARMUP_S)
             prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"], rule_files=[str(rule_file)], alertmanager=am.address,
                               extra_args=["--rules.alert.resend-delay=2s"])
