@@ -64,3 +64,21 @@ def jensen_shannon(p: Sequence[float], q: Sequence[float]) -> float:
         return sum(x * math.log2(x / y) for x, y in zip(a, b) if x > 0)
 
     return 0.5 * kl(ps, m) + 0.5 * kl(qs, m)
+
+
+def jensen_shannon_rows(load: np.ndarray, ref: np.ndarray) -> np.ndarray:
+    """Jensen-Shannon divergence in bits between each row of ``load`` and of ``ref`` (as ``jensen_shannon``,
+    row-wise: both normalised, 0 = same, 1 = disjoint)."""
+    def norm(a):
+        s = a.sum(1, keepdims=True)
+        return np.divide(a, s, out=np.zeros_like(a), where=s > 0)
+
+    p, q = norm(load.astype(np.float64)), norm(ref.astype(np.float64))
+    m = (p + q) / 2
+
+    def kl(a, b):
+        with np.errstate(divide="ignore", invalid="ignore"):
+            t = np.where(a > 0, a * np.log2(np.where(a > 0, a, 1.0) / np.where(b > 0, b, 1.0)), 0.0)
+        return t.sum(1)
+
+    return 0.5 * kl(p, m) + 0.5 * kl(q, m)

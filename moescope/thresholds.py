@@ -80,6 +80,10 @@ class Thresholds:
     activation_floor: float = 0.9
     # A deterministic router flips nothing; the canary's flip ratio above 5% is nondeterminism.
     flip_ratio: float = 0.05
+    # diagnose compares identical prefixes; it judges determinism from at least (2 - 1) / flip_ratio compared
+    # positions (``flip_min_compared``: 20), so a ratio over the bar is at least two flipped positions, never one
+    # tie in the numerics.
+    flip_min_flips: int = 2
     # Drift: JS divergence from the baseline beyond its sampling noise (``drift_noise_bits``). 0.02 bits is
     # about 4% of the load moving to experts the baseline leaves idle (5% -> 0.025 bits, 10% -> 0.052).
     drift_bits: float = 0.02
@@ -90,6 +94,9 @@ class Thresholds:
     # is thrashing: its eviction order works against the routing.
     cache_floor_of_capacity: float = 0.5
     fetch_p99_s: float = 0.05  # p99 time to make an expert resident: 50 ms stalls a decode step visibly
+    fetch_quantile: float = 0.99  # the alert's quantile: fetches slower than the bar exceed 1 - 0.99 of all
+    # diagnose reads the share of slow fetches from forwards with misses: at least this many (fewer: no finding)
+    fetch_min_forwards: int = 5
 
     # -- expert parallelism ----------------------------------------------------------------------------------
     all_to_all_p99_s: float = 0.002  # a healthy NVLink/IB exchange is well under 1 ms; raise on CPU deployments
@@ -142,6 +149,24 @@ class Thresholds:
         if jsd_bits is None or noise_bits is None or not (math.isfinite(jsd_bits) and math.isfinite(noise_bits)):
             return False
         return jsd_bits - noise_bits > self.drift_bits
+
+    def flip_min_compared(self) -> int:
+        """The identical-prefix positions ``diagnose`` needs before it judges determinism."""
+        return math.ceil((self.flip_min_flips - 1) / self.flip_ratio)
+
+    def mix_shifted(self, before: dict[str, float], after: dict[str, float], n_before: int, n_after: int) -> bool:
+        """Whether a traffic mix (label -> share of requests) moved beyond sampling noise between two sets of
+        requests: its total variation distance over half the sum of each label's two-sample z bound
+        (``noise_z`` standard deviations of the difference of two proportions)."""
+        if n_before < 1 or n_after < 1:
+            return False
+        tvd, bound = 0.0, 0.0
+        for k in set(before) | set(after):
+            a, b = before.get(k, 0.0), after.get(k, 0.0)
+            p = (a * n_before + b * n_after) / (n_before + n_after)
+            tvd += abs(b - a) / 2
+            bound += self.noise_z * math.sqrt(p * (1 - p) * (1 / n_before + 1 / n_after)) / 2
+        return tvd > bound
 
     def rank_overloaded(self, max_over_mean: float | None) -> bool:
         return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean

@@ -179,7 +179,7 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
                   ("moescope_expert_cache_hits_total", "moescope_expert_cache_lookups_total",
                    "moescope_expert_cache_capacity_ratio"), "10m",
                   f"hit rate (5m) < {num(t.cache_floor_of_capacity)} x the share of experts the cache holds"),
-        AlertSpec("MoEExpertSwitchJitter", "histogram_quantile(0.99, sum by (le, model, rank) "
+        AlertSpec("MoEExpertSwitchJitter", f"histogram_quantile({num(t.fetch_quantile)}, sum by (le, model, rank) "
                   f"(rate(moescope_expert_fetch_seconds_bucket[5m]))) > {num(t.fetch_p99_s)}", "warning",
                   "Expert fetches are slow.",
                   "p99 time to make an expert resident on {{ $labels.model }} rank {{ $labels.rank }} is "

@@ -38,7 +38,9 @@ from typing import Any
 
 import numpy as np
 
-from moescope import sampling, stats
+from moescope import sampling
+from moescope import judge as judging
+from moescope.judge import Judgement, draws_of
 from moescope.analysis import baseline as bl
 from moescope.errors import BadInput
 from moescope.thresholds import DEFAULT, Thresholds
@@ -147,133 +149,28 @@ def window_judgement(w: Window, baseline=None, t: Thresholds = DEFAULT, chunk: i
         part = _request_counts(w, range(lo, min(len(w.ids), lo + chunk)))
         counts += part.sum(0)
         draws.add(sampling.Draws.of(part))
-    return judge(counts, draws, w.layers, w.top_k, baseline, t)
+    return judge(counts, draws, w.layers, w.top_k, baseline, t, tokens=_routed_tokens(w))
 
 
-# -- the judgement every view shares (the exporter's quantities, the rules' bars) ------------------------------
-
-
-@dataclass
-class Judgement:
-    """What the exporter would export for a window of per-request counts, and what the rules would say of it.
-
-    Arrays have a leading layer axis (``layers``). NaN: not judged (fewer than ``sampling.MIN_DRAWS`` draws)."""
-
-    layers: list[int]
-    n_experts: int
-    reference: str  # "baseline" | "fair": what hot and dead are judged against
-    counts: np.ndarray  # [L, E] slots per expert over the window
-    draws: np.ndarray  # [L] requests (the independent draws)
-    cv: np.ndarray  # [L] load CV
-    noise_cv: np.ndarray  # [L] moescope_expert_load_cv_noise_ratio
-    excess_cv: np.ndarray  # [L] moescope_expert_load_excess_cv_ratio
-    baseline_cv: np.ndarray | None  # [L] moescope_baseline_load_cv_ratio (NaN: no baseline for that layer)
-    bar: np.ndarray  # [L] Thresholds.imbalance_bar
-    hot_factor: np.ndarray  # [L, E] moescope_expert_hot_factor_ratio (NaN: not significantly above)
-    hot_sd: np.ndarray  # [L, E] the share's noise sd (cluster-robust)
-    ref_share: np.ndarray  # [L, E] the hot reference share
-    dead: np.ndarray  # [L] moescope_dead_experts_unexpected
-    dead_mask: np.ndarray  # [L, E] the experts counted in ``dead``
-    jsd: np.ndarray | None  # [L] moescope_routing_drift_jsd_bits (against the baseline)
-    drift_noise: np.ndarray | None  # [L] moescope_routing_drift_noise_bits
-    top_share: np.ndarray  # [L] busiest expert's slots / routed tokens
-    t: Thresholds = DEFAULT
-
-    @property
-    def judged(self) -> np.ndarray:
-        return np.isfinite(self.excess_cv)
-
-    @property
-    def drifted(self) -> np.ndarray:
-        if self.jsd is None or self.drift_noise is None:
-            return np.zeros(len(self.layers), bool)
-        return np.array([self.t.drifted(a, b) for a, b in zip(self.jsd.tolist(), self.drift_noise.tolist())])
-
-    @property
-    def collapsed(self) -> np.ndarray:
-        return self.top_share > self.t.collapse_top_share
-
-    @property
-    def imbalanced(self) -> np.ndarray:
-        """MoEExpertLoadImbalance: excess over the bar, unless the layer drifted."""
-        base = self.baseline_cv if self.baseline_cv is not None else np.full(len(self.layers), np.nan)
-        over = np.array([self.t.imbalanced(float(x), None if not math.isfinite(b) else float(b))
-                         for x, b in zip(self.excess_cv.tolist(), base.tolist())])
-        return over & ~self.drifted
-
-    @property
-    def hot(self) -> np.ndarray:
-        """[L, E] MoEExpertHot: the exported factor above ``hot_factor``."""
-        with np.errstate(invalid="ignore"):
-            return np.nan_to_num(self.hot_factor, nan=0.0) > self.t.hot_factor
-
-
-def worst_case_draws(counts: np.ndarray, requests) -> sampling.Draws:
-    """The most clustered draws consistent with totals alone (``counts`` [L, E], ``requests`` draws [L] or a
-    number): as if each request sent all its slots to one expert. Its share variance p(1-p)/(R-1) bounds any
-    real traffic's, so a judgement on totals errs towards "not judged", never towards a false alarm."""
-    c = np.asarray(counts, dtype=np.float64)
-    n = c.sum(1)
-    r = np.broadcast_to(np.asarray(requests, dtype=np.float64), n.shape).copy()
-    per = np.where(r > 0, n / np.where(r > 0, r, 1.0), 0.0)  # slots per request
-    return sampling.Draws(r, n, n * per, c, c * per[:, None], c * per[:, None])
+def _routed_tokens(w: Window) -> np.ndarray:
+    """[L] the tokens each layer routed (positions with finite router output, as ``_request_counts`` counts;
+    dropped slots included, as the exporter's token count includes them)."""
+    n = sum(int(np.isfinite(e).all(1).sum()) for e in w.entropy)
+    return np.full(len(w.layers), float(n))
 
 
 def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: int, baseline=None,
-          t: Thresholds = DEFAULT) -> Judgement:
-    """The exporter's judged quantities for a window (``counts`` [L, E] slots, ``draws`` its requests as
-    ``sampling.Draws``) and the rules' verdicts: the same ``sampling`` functions with the same ``Thresholds``.
-    ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load})."""
-    counts = np.asarray(counts, dtype=np.float64)
-    n_layers, n_exp = counts.shape
-    slots = counts.sum(1)
-    cv = stats.load_cv_rows(counts)
-    noise = sampling.noise_cv(n_exp, slots, draws, t.noise_z)
-    excess = sampling.excess_cv(cv, noise)
-    profile = bl.coerce(baseline) if baseline is not None else None
-    base = profile.rows(layers, n_exp) if profile is not None else None  # as the exporter's window reads it
-    has = base.has if base is not None else np.zeros(n_layers, dtype=bool)
-    has_base = bool(has.any())
-    ref = base.share if base is not None else sampling.reference_shares(n_exp, None, n_layers)
-    base_cv = base.structural_cv if base is not None else np.full(n_layers, np.nan)
-    hot_ref = sampling.hot_reference(n_exp, ref if has_base else None, n_layers)
-    hot_z = t.hot_z(n_layers, n_exp)
-    factor = sampling.hot_factor(counts, draws, hot_ref, hot_z, t.noise_z)
-    with np.errstate(invalid="ignore"):
-        sd = sampling.hot_sd(draws, t.noise_z)
-    dead_ref = np.where(has[:, None], ref, t.dead_reference(n_exp))
-    dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
-    dead_mask = sampling.dead_mask(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
-    jsd = noise_bits = None
-    if has_base:
-        from moescope.metrics.window import jensen_shannon_rows
-
-        jsd = np.full(n_layers, np.nan)
-        jsd[has] = jensen_shannon_rows(counts[has], base.load[has])
-        noise_bits = np.where(has, sampling.drift_noise_bits(counts, draws, ref, t.noise_z), np.nan)
-    tokens = slots / max(1, top_k)
-    top = np.where(tokens > 0, counts.max(1) / np.where(tokens > 0, tokens, 1.0), 0.0)
-    return Judgement(list(layers), n_exp, "baseline" if has_base else "fair", counts, draws.draws.copy(), cv,
-                     noise, excess, base_cv if has_base else None,
-                     np.array([t.imbalance_bar(b) for b in base_cv.tolist()]),
-                     factor, sd, hot_ref, dead, dead_mask, jsd, noise_bits, top, t)
+          t: Thresholds = DEFAULT, tokens=None) -> Judgement:
+    """``moescope.judge.judge`` with ``baseline`` as a ``baseline.Profile``, a path or {layer: load}."""
+    return judging.judge(counts, draws, layers, top_k, bl.coerce(baseline) if baseline is not None else None, t,
+                         tokens=tokens)
 
 
 def judge_requests(per_request: np.ndarray, layers: list[int], top_k: int, baseline=None,
-                   t: Thresholds = DEFAULT) -> Judgement:
+                   t: Thresholds = DEFAULT, tokens=None) -> Judgement:
     """``judge`` of per-request counts [R, L, E] (each request one draw, as the exporter folds them)."""
     per_request = np.asarray(per_request)
-    return judge(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t)
-
-
-def draws_of(per_request: np.ndarray, chunk: int = 256) -> sampling.Draws:
-    """``sampling.Draws.of`` summed over chunks of requests (a float copy of 5000 requests at 58 x 256 would be
-    600 MB at once)."""
-    r, n_layers, n_exp = per_request.shape
-    out = sampling.Draws.zeros(n_layers, n_exp)
-    for lo in range(0, r, chunk):
-        out.add(sampling.Draws.of(per_request[lo: lo + chunk]))
-    return out
+    return judge(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t, tokens)
 
 
 def _check_nonfinite(w: Window) -> list[Finding]:
@@ -414,8 +311,6 @@ def _check_drift(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray
     """As the drift rule: JS divergence beyond its sampling noise by more than ``drift_bits``; against the
     baseline where one is given (``judge``'s), else the window's later half against its earlier half (the
     noise of both halves added)."""
-    from moescope.metrics.window import jensen_shannon_rows
-
     n = len(w.ids)
     order = np.argsort(w.started, kind="stable")
     early, late = order[: n // 2], order[n // 2:]
@@ -424,12 +319,8 @@ def _check_drift(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray
     else:
         if n < 2 * sampling.MIN_DRAWS:
             return []
-        a, b = per_request[early].sum(0).astype(np.float64), per_request[late].sum(0).astype(np.float64)
-        da, db = draws_of(per_request[early]), draws_of(per_request[late])
-        e = w.n_experts
-        ra, rb = sampling.reference_shares(e, b, len(w.layers)), sampling.reference_shares(e, a, len(w.layers))
-        jsd = jensen_shannon_rows(b, a)
-        noise = sampling.drift_noise_bits(b, db, rb, t.noise_z) + sampling.drift_noise_bits(a, da, ra, t.noise_z)
+        jsd, noise = judging.drift_between(per_request[early].sum(0), draws_of(per_request[early]),
+                                           per_request[late].sum(0), draws_of(per_request[late]), t)
         against = "earlier half of the window"
     over = {w.layers[i]: {"jsd_bits": round(float(jsd[i]), 4), "noise_bits": round(float(noise[i]), 4)}
             for i in range(len(w.layers)) if t.drifted(float(jsd[i]), float(noise[i]))}
@@ -438,16 +329,13 @@ def _check_drift(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray
     evidence: dict[str, Any] = {"layers": over, "threshold_bits_over_noise": t.drift_bits, "against": against}
     held = {w.layers[i]: {"excess_cv": round(float(j.excess_cv[i]), 3), "bar": round(float(j.bar[i]), 3),
                           "hot": [int(e) for e in np.argsort(-j.counts[i], kind="stable")[:2]]}
-            for i in range(len(w.layers)) if j.drifted[i] and t.imbalanced(float(j.excess_cv[i]), None if
-                                                                          j.baseline_cv is None else
-                                                                          float(j.baseline_cv[i]))}
+            for i, v in enumerate(j.verdicts) if v.drifted and v.over_bar}
     if held:  # as the rules: a drifted layer's imbalance is not alerted on its own (the drift names it)
         evidence["imbalanced_too"] = held
     for name, labels in (("domain", w.domain), ("tenant", w.tenant)) if j.jsd is None else ():
         before, after = _mix(labels, early), _mix(labels, late)
         moved = {k: round(after.get(k, 0) - before.get(k, 0), 3) for k in set(before) | set(after)}
-        tvd = sum(abs(v) for v in moved.values()) / 2
-        if tvd > 0.1:
+        if t.mix_shifted(before, after, len(early), len(late)):
             evidence[f"{name}_shift"] = dict(sorted(moved.items(), key=lambda kv: -abs(kv[1])))
     cause = ("traffic mix changed: " + ", ".join(f"{k} {v:+.0%}" for k, v in list(
         evidence["domain_shift"].items())[:3])) if "domain_shift" in evidence else \
@@ -493,7 +381,7 @@ def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
                 by_layer += diff
                 if len(examples) < 5 and w.ids[i] not in examples:
                     examples.append(w.ids[i])
-    if compared < 50:
+    if compared < t.flip_min_compared():
         return []
     ratio = flipped / compared
     bar = t.flip_ratio
@@ -599,14 +487,14 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
         if clean and costly:
             base = float(np.median([s for s, _ in clean]))
             per_miss += [(s - base) / n for s, n in costly]
-    if len(per_miss) >= 5:
+    if len(per_miss) >= b.fetch_min_forwards:
         med, p90 = float(np.median(per_miss)), float(np.percentile(per_miss, 90))
         # As the alert (p99 of the fetch time above the bar, i.e. over 1% of fetches slower than it), on the
         # store's per-miss estimate: the share of forwards whose misses cost more than the bar each.
         slow_bar = b.fetch_p99_s
-        over = float(np.mean(np.array(per_miss) > slow_bar))
-        if over > 0.01:
-            out.append(Finding("switch-jitter", "warning", "Expert fetches are slow", over / 0.01,
+        over, allowed = float(np.mean(np.array(per_miss) > slow_bar)), 1 - b.fetch_quantile
+        if over > allowed:
+            out.append(Finding("switch-jitter", "warning", "Expert fetches are slow", over / allowed,
                                {"seconds_per_miss_p50": round(med, 4), "seconds_per_miss_p90": round(p90, 4),
                                 "share_over_threshold": round(over, 3),
                                 "threshold_s": slow_bar, "forwards_with_misses": len(per_miss),
@@ -813,7 +701,7 @@ def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=No
     choice = select_runs(conn, run, since=since, model=model)
     w = load_window(conn, since=since, limit=limit, corrupt=corrupt, runs=choice.ids, model=model)
     per_request = _request_counts(w)
-    j = judge_requests(per_request, w.layers, w.top_k, baseline, thresholds)
+    j = judge_requests(per_request, w.layers, w.top_k, baseline, thresholds, _routed_tokens(w))
     findings = [*_check_nonfinite(w), *_check_load(w, thresholds, j, per_request),
                 *_check_drift(w, thresholds, j, per_request),
                 *_check_jitter(w, thresholds), *_check_drop(w, thresholds), *_check_cache(w, thresholds),

@@ -118,7 +118,7 @@ def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: s
 
 
 def _judged(j) -> dict[int, dict]:
-    """Per layer, the judgement every view shares (``diagnose.judge``): excess CV against the imbalance bar,
+    """Per layer, the judgement every view shares (``moescope.judge``): excess CV against the imbalance bar,
     hot experts against their reference, the dead experts the reference predicts (None: not judged)."""
     out = {}
     for i, layer in enumerate(j.layers):

@@ -8,10 +8,10 @@ with ``print_human``. ``save_baseline`` writes a run's baseline file (``--save-b
 so that both cli/demo.py (one process) and demo_parallel (the launcher, from every rank's summary) call it
 without demo_parallel importing cli/demo.py back.
 
-Imbalance, hot and dead experts are judged as the alert rules judge them: ``diagnose.judge`` (the exporter's
+Imbalance, hot and dead experts are judged as the alert rules judge them: ``moescope.judge`` (the exporter's
 ``sampling`` functions and the ``Thresholds`` methods). The run's draws are its requests: given per request
 (``draws``, a ``sampling.Draws``) they are used as they are; from totals alone the summary judges with the
-most clustered draws the totals allow (``diagnose.worst_case_draws``: as if each request routed all its slots
+most clustered draws the totals allow (``judge.worst_case_draws``: as if each request routed all its slots
 alike), which can only hold a judgement back, and says so. An expert with no slot is "dead" only where its
 reference share predicts enough effective slots (a few requests at 256 experts: none is).
 """
@@ -47,7 +47,8 @@ def layer_summary(counts: list[int], n: int | None = None, dead: int | None = No
 def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None) -> tuple[dict, dict]:
     """(the run's judgement in JSON, {layer: layer_summary}) from its load {layer: counts}: ``draws`` per
     request when known, else the most clustered draws ``requests`` allow."""
-    from moescope.analysis.diagnose import judge, worst_case_draws
+    from moescope.analysis.diagnose import judge
+    from moescope.judge import worst_case_draws
 
     layers = list(load)
     counts = np.array([load[layer] for layer in layers], dtype=np.float64)
@@ -55,14 +56,14 @@ def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None) 
     j = judge(counts, draws if draws is not None else worst_case_draws(counts, requests), layers, top_k, baseline)
     per, judged = {}, {}
     for i, layer in enumerate(layers):
-        ok = bool(j.judged[i])
-        hot = [{"expert": int(e), "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
-               for e in np.nonzero(j.hot[i])[0]] if ok and not j.collapsed[i] else []
+        ok, v = bool(j.judged[i]), j.verdict(i)
+        hot = [{"expert": e, "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
+               for e in v.hot_shown] if ok else []  # hottest first; none on a collapsed layer
         dead = int(j.dead[i]) if ok and np.isfinite(j.dead[i]) else None  # NaN: too few draws to bound it
-        per[str(layer)] = layer_summary(load[layer], dead=dead, hot=sorted(hot, key=lambda h: -h["factor"]))
+        per[str(layer)] = layer_summary(load[layer], dead=dead, hot=hot)
         judged[str(layer)] = {"excess_cv": round(float(j.excess_cv[i]), 4) if ok else None,
-                              "bar": round(float(j.bar[i]), 4), "imbalanced": bool(j.imbalanced[i]),
-                              "collapsed": bool(j.collapsed[i])}
+                              "bar": round(float(j.bar[i]), 4), "imbalanced": v.imbalanced,
+                              "collapsed": v.collapsed}
     return {"draws": how, "requests": requests, "reference": j.reference,
             "bar_from": "baseline" if j.baseline_cv is not None else "no baseline", "layers": judged}, per
 

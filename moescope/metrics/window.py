@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from moescope import sampling, thresholds
+from moescope import judge, sampling, thresholds
 from moescope.metrics.catalogue import RELATIVE_LOAD_BUCKETS
 
 DRAW_BINS = 12  # the draws' bins per window
@@ -79,14 +79,7 @@ class LayerGauges:
 
     def hot_experts(self, k: int) -> list[list[tuple[int, float]]]:
         """Per layer, up to ``k`` (expert, hot factor) with a finite factor, highest first (ties: lower id)."""
-        if self.hot is None:
-            return [[] for _ in self.layers]
-        out = []
-        for row in self.hot:
-            finite = np.nonzero(np.isfinite(row))[0]
-            order = finite[np.argsort(-row[finite], kind="stable")][:k]
-            out.append([(int(e), float(row[e])) for e in order])
-        return out
+        return [[] for _ in self.layers] if self.hot is None else judge.top_factors(self.hot, k)
 
 
 class RoutingWindow:
@@ -205,62 +198,28 @@ class RoutingWindow:
             self.draws = sampling.Draws.zeros(len(self.layers), self.n_experts)
 
     def gauges(self, profile: Any = None, t: thresholds.Thresholds = thresholds.DEFAULT) -> LayerGauges:
-        """The window gauges of every layer that routed tokens in the window (callers hold the lock).
-        ``profile``: the loaded baseline (``analysis.baseline.Profile``), the reference of the hot, dead and
-        drift judgements where it has the layer; else the fair share (hot) and ``t.dead_reference`` (dead)."""
+        """The window gauges of every layer that routed tokens in the window (callers hold the lock): the judged
+        ones are ``moescope.judge``'s (every view judges through it). ``profile``: the loaded baseline
+        (``analysis.baseline.Profile``), the reference of the hot, dead and drift judgements where it has the
+        layer; else the fair share (hot) and ``t.dead_reference`` (dead)."""
         keep = np.nonzero(self.tokens > 0)[0]
         slots = self.slots[keep].astype(np.float64)  # [L, E]
         tokens = self.tokens[keep].astype(np.float64)
         e = self.n_experts
         layers = tuple(self.layers[i] for i in keep.tolist())
-        n = slots.sum(1)
-        mean = n / e
-        safe_mean = np.where(mean > 0, mean, 1.0)
-        cv = np.where(mean > 0, slots.std(1) / safe_mean, 0.0)
-        mx = slots.max(1) if e else np.zeros(len(keep))
         draws = self.draws.rows(keep)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            noise = sampling.noise_cv(e, n, draws, t.noise_z)
-        noise = np.where(np.isinf(noise), np.nan, noise)
-        excess = sampling.excess_cv(cv, noise)
-        rel = slots / safe_mean[:, None]
+        j = judge.judge(slots, draws, layers, baseline=profile, t=t, tokens=tokens, family_layers=len(self.layers))
+        mean = slots.sum(1) / max(1, e)
+        rel = slots / np.where(mean > 0, mean, 1.0)[:, None]
         relative = np.stack([(rel <= le).sum(1) for le in RELATIVE_LOAD_BUCKETS], axis=1) if len(keep) else \
             np.zeros((0, len(RELATIVE_LOAD_BUCKETS)))
-        base = profile.rows(layers, e) if profile is not None else None
-        has = base.has if base is not None else np.zeros(len(keep), dtype=bool)
-        base_share = base.share if base is not None else np.full((len(keep), e), 1.0 / max(1, e))
-        base_cv = base.structural_cv if base is not None else np.full(len(keep), np.nan)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            hot_ref = np.maximum(base_share, 1.0 / max(1, e))
-            hot = sampling.hot_factor(slots, draws, hot_ref, t.hot_z(len(self.layers), e), t.noise_z)
-            dead_ref = np.where(has[:, None], base_share, t.dead_reference(e) if e else 0.0)
-            dead_unexpected = sampling.dead_unexpected(slots, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
-            drift_noise = np.where(has, sampling.drift_noise_bits(slots, draws, base_share, t.noise_z), np.nan)
-        drift = np.full(len(keep), np.nan)
-        if has.any():
-            drift[has] = jensen_shannon_rows(slots[has], base.load[has])
+        base_cv = j.baseline_cv if j.baseline_cv is not None else np.full(len(keep), np.nan)
+        drift = j.jsd if j.jsd is not None else np.full(len(keep), np.nan)
+        drift_noise = j.drift_noise if j.drift_noise is not None else np.full(len(keep), np.nan)
         return LayerGauges(
-            layers=layers, slots=slots, tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
-            max_over_mean=np.where(mean > 0, mx / safe_mean, 0.0), top_share=mx / tokens,
+            layers=layers, slots=slots, tokens=tokens, cv=j.cv, noise_cv=j.noise_cv, excess_cv=j.excess_cv,
+            max_over_mean=j.max_over_mean, top_share=j.top_share,
             dead=(slots == 0).sum(1).astype(np.float64), slots_per_expert=mean,
             entropy=self.entropy[keep] / tokens, margin=self.margin[keep] / tokens, relative=relative,
-            draws=draws.draws.copy(), window_draws=int(self.n_draws), dead_unexpected=dead_unexpected, hot=hot,
-            baseline=has, baseline_cv=base_cv, drift_jsd=drift, drift_noise=drift_noise)
-
-
-def jensen_shannon_rows(load: np.ndarray, ref: np.ndarray) -> np.ndarray:
-    """Jensen-Shannon divergence in bits between each row of ``load`` and of ``ref`` (as ``stats.jensen_shannon``,
-    row-wise: both normalised, 0 = same, 1 = disjoint)."""
-    def norm(a):
-        s = a.sum(1, keepdims=True)
-        return np.divide(a, s, out=np.zeros_like(a), where=s > 0)
-
-    p, q = norm(load.astype(np.float64)), norm(ref.astype(np.float64))
-    m = (p + q) / 2
-
-    def kl(a, b):
-        with np.errstate(divide="ignore", invalid="ignore"):
-            t = np.where(a > 0, a * np.log2(np.where(a > 0, a, 1.0) / np.where(b > 0, b, 1.0)), 0.0)
-        return t.sum(1)
-
-    return 0.5 * kl(p, m) + 0.5 * kl(q, m)
+            draws=j.draws, window_draws=int(self.n_draws), dead_unexpected=j.dead, hot=j.hot_factor,
+            baseline=j.has_baseline, baseline_cv=base_cv, drift_jsd=drift, drift_noise=drift_noise)

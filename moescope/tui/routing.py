@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moescope import judge
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 
@@ -138,44 +139,40 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
     base = g("baseline_cv")
     bar = t.imbalance_bar(base)
     jsd, noise = g("drift_jsd"), g("drift_noise")
-    drifted = t.drifted(jsd, noise)
     over_noise = jsd - noise if levels.finite(jsd) and levels.finite(noise) else None
     unexpected = g("dead_unexpected")
     rank = g("rank_max_over_mean")
     predicted, measured = g("eplb_predicted"), g("eplb_measured")
     eplb = (predicted, measured) if levels.finite(predicted) and levels.finite(measured) else None
-    hots = tuple(sorted(((e, f, ref) for e, (f, ref) in (hot_factors or {}).items() if f > t.hot_factor),
-                        key=lambda x: (-x[1], x[0])))
-    cv_level = levels.level(excess, bar)
-    if cv_level == "bad" and drifted:  # as the rule: a drifted layer's imbalance is the drift's
+    v = judge.verdict(excess_cv=excess, baseline_cv=base, top_share=top, drift_jsd=jsd, drift_noise=noise,
+                      hot_factors={e: f for e, (f, _) in (hot_factors or {}).items()}, dead_unexpected=unexpected,
+                      rank_max_over_mean=rank, t=t)
+    hots = tuple((e, hot_factors[e][0], hot_factors[e][1]) for e in v.hot)
+    cv_level = levels.level(excess, bar)  # bad exactly where the verdict's bar is passed
+    if cv_level == "bad" and not v.imbalanced:  # as the rule: a drifted layer's imbalance is the drift's
         cv_level = "warn"
     top_level = levels.level(top, t.collapse_top_share)
-    dead_level = "warn" if levels.finite(unexpected) and unexpected > 0 else "none" if dead is None else "ok"
+    dead_level = "warn" if v.dead else "none" if dead is None else "ok"
     words = []
-    if top_level == "bad":
+    if v.collapsed:
         words.append(f"collapsed{f' onto e{hot[0][0]}' if hot else ''} ({top:.0%} of tokens)")
-    elif cv_level == "bad":
+    elif v.imbalanced:
         against = "baseline" if levels.finite(base) else "no baseline"
         words.append(f"imbalanced (excess cv {excess:.2f}>{bar:.2f} {against})")
-    if hots and top_level != "bad":  # collapse inhibits the hot alert (Alertmanager), as it does here
+    if v.hot_shown:  # collapse inhibits the hot alert (Alertmanager), as it does here
         words.append("hot " + " ".join(f"L{layer} E{e} {f:.1f}x {ref}" for e, f, ref in hots[:2]))
-    if drifted:
+    if v.drifted:
         words.append(f"drifted ({over_noise:.3f} bits over noise)")
-    if t.rank_overloaded(rank):
+    if v.rank_overloaded:
         words.append(f"rank max/mean {rank:.2f}")
-    if dead_level == "warn":
+    if v.dead:
         words.append(f"{int(unexpected)} dead")
     lvl = levels.worst(cv_level, top_level, dead_level, "bad" if hots else "none",
-                       "bad" if drifted or t.rank_overloaded(rank) else "none")
-    fires = [name for name, on in (
-        ("MoEExpertCollapse", top_level == "bad"),
-        ("MoEExpertLoadImbalance", t.imbalanced(excess, base) and not drifted),
-        ("MoEDeadExperts", dead_level == "warn"), ("MoERoutingDrift", drifted),
-        ("MoERankLoadImbalance", t.rank_overloaded(rank))) if on]
-    fires += [f"MoEExpertHot:{e}" for e, _, _ in hots]
+                       "bad" if v.drifted or v.rank_overloaded else "none")
+    fires = tuple(v.fires())
     return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,
                         ", ".join(words), base if levels.finite(base) else None, bar, unexpected, hots, over_noise,
-                        rank, tuple(fires), eplb)
+                        rank, fires, eplb)
 
 
 class History:

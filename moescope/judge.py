@@ -1,0 +1,242 @@
+"""The routing judgement: computed once, here, for every view.
+
+``judge`` takes a window of routing (slots per layer and expert, its draws as ``sampling.Draws``, the tokens each
+layer routed) plus the model's shape, its noise (``sampling``) and an optional baseline, and returns one
+``Judgement``: the quantities the exporter exports (load CV, the CV's sampling noise and the excess beyond it,
+max/mean, top share, hot factors, unexpected dead experts, drift and its noise) and the alert rules' verdicts as
+methods. The combining rules (a drifted layer's imbalance is the drift's; a collapse hides the hot experts it
+makes; an overloaded rank is its own alert) are ``verdict``: the one function ``top`` applies to the exporter's
+series read back from Prometheus, and ``Judgement`` applies to its own arrays.
+
+Who calls it: the exporter's routing window (``metrics/window.py``: the gauges), ``diagnose`` and ``report`` (from
+the trace store), the demo summary (``cli/summary.py``), ``top`` (``tui/routing.py``: ``verdict`` over the
+exported series). Every bar is a ``Thresholds`` method or field, with its derivation there; the PromQL the
+rules and dashboards evaluate is written once in ``alerts/rules.py`` (``alerts.rules`` expressions, imported by
+``dashboards/build.py``).
+
+A foundation: imports ``sampling``, ``stats`` and ``thresholds`` only (a baseline is anything with
+``rows(layers, n_experts)``: ``analysis.baseline.Profile``; callers coerce paths and dicts).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from moescope import sampling, stats
+from moescope.thresholds import DEFAULT, Thresholds
+
+
+def _finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One layer's alert verdicts, as the rules and Alertmanager's inhibitions combine them."""
+
+    collapsed: bool  # MoEExpertCollapse: top share over its bar
+    imbalanced: bool  # MoEExpertLoadImbalance: excess CV over its bar, unless the layer drifted
+    over_bar: bool  # the excess CV over its bar (before the drift rule): shown, not paged, on a drifted layer
+    drifted: bool  # MoERoutingDrift: JS divergence from the baseline beyond its noise
+    hot: tuple[int, ...]  # MoEExpertHot: experts whose factor is over the hot bar, hottest first
+    hot_shown: tuple[int, ...]  # the hot experts a view names (none on a collapsed layer: the collapse inhibits)
+    dead: bool  # MoEDeadExperts: zero-slot experts the reference says should have slots
+    rank_overloaded: bool  # MoERankLoadImbalance
+
+    def fires(self) -> list[str]:
+        """The alerts this layer fires (``MoEExpertHot:E`` per hot expert)."""
+        out = [name for name, on in (
+            ("MoEExpertCollapse", self.collapsed), ("MoEExpertLoadImbalance", self.imbalanced),
+            ("MoEDeadExperts", self.dead), ("MoERoutingDrift", self.drifted),
+            ("MoERankLoadImbalance", self.rank_overloaded)) if on]
+        return out + [f"MoEExpertHot:{e}" for e in self.hot]
+
+
+def verdict(*, excess_cv: float | None, baseline_cv: float | None, top_share: float | None,
+            drift_jsd: float | None = None, drift_noise: float | None = None,
+            hot_factors: dict[int, float] | None = None, dead_unexpected: float | None = None,
+            rank_max_over_mean: float | None = None, t: Thresholds = DEFAULT) -> Verdict:
+    """One layer's verdicts from its judged quantities (None or NaN: not judged, never over a bar)."""
+    base = baseline_cv if _finite(baseline_cv) else None
+    drifted = t.drifted(drift_jsd, drift_noise)
+    over = t.imbalanced(excess_cv if _finite(excess_cv) else None, base)
+    collapsed = _finite(top_share) and top_share > t.collapse_top_share
+    hot = tuple(e for e, f in sorted((hot_factors or {}).items(), key=lambda x: (-x[1], x[0]))
+                if _finite(f) and f > t.hot_factor)
+    return Verdict(collapsed=bool(collapsed), imbalanced=over and not drifted, over_bar=over, drifted=drifted,
+                   hot=hot, hot_shown=() if collapsed else hot,
+                   dead=_finite(dead_unexpected) and dead_unexpected > 0,
+                   rank_overloaded=t.rank_overloaded(rank_max_over_mean))
+
+
+@dataclass
+class Judgement:
+    """A window's judged quantities and verdicts. Arrays have a leading layer axis (``layers``). NaN: not judged
+    (fewer than ``sampling.MIN_DRAWS`` draws, or no baseline for the layer)."""
+
+    layers: list[int]
+    n_experts: int
+    reference: str  # "baseline" | "fair": what hot and dead are judged against
+    counts: np.ndarray  # [L, E] slots per expert over the window
+    draws: np.ndarray  # [L] requests (the independent draws)
+    tokens: np.ndarray  # [L] tokens routed
+    cv: np.ndarray  # [L] moescope_expert_load_cv_ratio
+    noise_cv: np.ndarray  # [L] moescope_expert_load_cv_noise_ratio
+    excess_cv: np.ndarray  # [L] moescope_expert_load_excess_cv_ratio
+    max_over_mean: np.ndarray  # [L] moescope_expert_load_max_over_mean_ratio
+    has_baseline: np.ndarray  # [L] bool: the reference is the baseline for this layer
+    baseline_cv: np.ndarray | None  # [L] moescope_baseline_load_cv_ratio (None: no baseline at all)
+    bar: np.ndarray  # [L] Thresholds.imbalance_bar
+    hot_factor: np.ndarray  # [L, E] moescope_expert_hot_factor_ratio (NaN: not significantly above)
+    hot_sd: np.ndarray  # [L, E] the share's noise sd (cluster-robust)
+    ref_share: np.ndarray  # [L, E] the hot reference share
+    dead: np.ndarray  # [L] moescope_dead_experts_unexpected
+    dead_mask: np.ndarray  # [L, E] the experts counted in ``dead``
+    jsd: np.ndarray | None  # [L] moescope_routing_drift_jsd_bits (None: no baseline at all)
+    drift_noise: np.ndarray | None  # [L] moescope_routing_drift_noise_bits
+    top_share: np.ndarray  # [L] moescope_expert_load_top_share_ratio: busiest expert's slots / routed tokens
+    t: Thresholds = DEFAULT
+
+    def verdict(self, i: int) -> Verdict:
+        """Layer ``i``'s (the row, not the layer id) verdicts."""
+        row = self.hot_factor[i]
+        return verdict(
+            excess_cv=float(self.excess_cv[i]),
+            baseline_cv=None if self.baseline_cv is None else float(self.baseline_cv[i]),
+            top_share=float(self.top_share[i]),
+            drift_jsd=None if self.jsd is None else float(self.jsd[i]),
+            drift_noise=None if self.drift_noise is None else float(self.drift_noise[i]),
+            hot_factors={int(e): float(row[e]) for e in np.nonzero(np.isfinite(row))[0]},
+            dead_unexpected=float(self.dead[i]), t=self.t)
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        return [self.verdict(i) for i in range(len(self.layers))]
+
+    @property
+    def judged(self) -> np.ndarray:
+        return np.isfinite(self.excess_cv)
+
+    @property
+    def drifted(self) -> np.ndarray:
+        return np.array([v.drifted for v in self.verdicts], dtype=bool)
+
+    @property
+    def collapsed(self) -> np.ndarray:
+        return np.array([v.collapsed for v in self.verdicts], dtype=bool)
+
+    @property
+    def imbalanced(self) -> np.ndarray:
+        """MoEExpertLoadImbalance: excess over the bar, unless the layer drifted."""
+        return np.array([v.imbalanced for v in self.verdicts], dtype=bool)
+
+    @property
+    def hot(self) -> np.ndarray:
+        """[L, E] MoEExpertHot: the exported factor above ``hot_factor``."""
+        out = np.zeros(self.counts.shape, dtype=bool)
+        for i, v in enumerate(self.verdicts):
+            out[i, list(v.hot)] = True
+        return out
+
+    def hot_experts(self, k: int) -> list[list[tuple[int, float]]]:
+        """Per layer, up to ``k`` (expert, hot factor) with a finite factor, highest first (ties: lower id)."""
+        return top_factors(self.hot_factor, k)
+
+
+def top_factors(factors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
+    """Per row of ``factors`` [L, E], up to ``k`` (expert, factor) with a finite factor, highest first (ties: lower
+    id)."""
+    out = []
+    for row in factors:
+        finite = np.nonzero(np.isfinite(row))[0]
+        order = finite[np.argsort(-row[finite], kind="stable")][:k]
+        out.append([(int(e), float(row[e])) for e in order])
+    return out
+
+
+def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, t: Thresholds = DEFAULT, *,
+          tokens=None, family_layers: int | None = None) -> Judgement:
+    """The judged quantities of a window: ``counts`` [L, E] slots, ``draws`` its requests as ``sampling.Draws``,
+    ``tokens`` [L] the tokens each layer routed (default: slots / ``top_k``, which undercounts where slots were
+    dropped). ``baseline``: anything with ``rows(layers, n_experts)`` (``analysis.baseline.Profile``), the
+    reference of hot, dead and drift where it has the layer; else the fair share and ``t.dead_reference``.
+    ``family_layers``: the layers the hot test's family spans (default: ``len(layers)``; the exporter's window
+    passes every layer of the model, judged in this window or not)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    n_layers, n_exp = counts.shape
+    layers = list(layers)
+    slots = counts.sum(1)
+    tokens = slots / max(1, top_k) if tokens is None else np.asarray(tokens, dtype=np.float64)
+    mean = slots / max(1, n_exp)
+    safe_mean = np.where(mean > 0, mean, 1.0)
+    cv = stats.load_cv_rows(counts)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        noise = sampling.noise_cv(n_exp, slots, draws, t.noise_z)
+    noise = np.where(np.isinf(noise), np.nan, noise)
+    excess = sampling.excess_cv(cv, noise)
+    base = baseline.rows(layers, n_exp) if baseline is not None else None
+    has = base.has if base is not None else np.zeros(n_layers, dtype=bool)
+    has_base = bool(has.any())
+    ref = base.share if base is not None else sampling.reference_shares(n_exp, None, n_layers)
+    base_cv = base.structural_cv if base is not None else np.full(n_layers, np.nan)
+    hot_ref = sampling.hot_reference(n_exp, ref if has_base else None, n_layers)
+    hot_z = t.hot_z(family_layers or n_layers, n_exp)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        factor = sampling.hot_factor(counts, draws, hot_ref, hot_z, t.noise_z)
+        sd = sampling.hot_sd(draws, t.noise_z)
+        dead_ref = np.where(has[:, None], ref, t.dead_reference(n_exp) if n_exp else 0.0)
+        dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
+        dead_mask = sampling.dead_mask(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
+    jsd = noise_bits = None
+    if has_base:
+        jsd = np.full(n_layers, np.nan)
+        jsd[has] = stats.jensen_shannon_rows(counts[has], base.load[has])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            noise_bits = np.where(has, sampling.drift_noise_bits(counts, draws, ref, t.noise_z), np.nan)
+    mx = counts.max(1) if n_exp else np.zeros(n_layers)
+    top = np.where(tokens > 0, mx / np.where(tokens > 0, tokens, 1.0), 0.0)
+    return Judgement(
+        layers=layers, n_experts=n_exp, reference="baseline" if has_base else "fair", counts=counts,
+        draws=draws.draws.copy(), tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
+        max_over_mean=np.where(mean > 0, mx / safe_mean, 0.0), has_baseline=has,
+        baseline_cv=base_cv if has_base else None, bar=np.array([t.imbalance_bar(b) for b in base_cv.tolist()]),
+        hot_factor=factor, hot_sd=sd, ref_share=hot_ref, dead=dead, dead_mask=dead_mask, jsd=jsd,
+        drift_noise=noise_bits, top_share=top, t=t)
+
+
+def drift_between(before, before_draws: sampling.Draws, after, after_draws: sampling.Draws,
+                  t: Thresholds = DEFAULT) -> tuple[np.ndarray, np.ndarray]:
+    """[L] JS divergence (bits) of ``after`` [L, E] from ``before``, and the noise it stays under when nothing
+    changed: each side's sampling noise against the other's shares, added (no baseline: a window's later half
+    against its earlier half)."""
+    a, b = np.asarray(before, dtype=np.float64), np.asarray(after, dtype=np.float64)
+    n_layers, e = a.shape
+    ra, rb = sampling.reference_shares(e, b, n_layers), sampling.reference_shares(e, a, n_layers)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        noise = sampling.drift_noise_bits(b, after_draws, rb, t.noise_z) + \
+            sampling.drift_noise_bits(a, before_draws, ra, t.noise_z)
+    return stats.jensen_shannon_rows(b, a), noise
+
+
+def draws_of(per_request: np.ndarray, chunk: int = 256) -> sampling.Draws:
+    """``sampling.Draws.of`` summed over chunks of requests (a float copy of 5000 requests at 58 x 256 would be
+    600 MB at once)."""
+    r, n_layers, n_exp = per_request.shape
+    out = sampling.Draws.zeros(n_layers, n_exp)
+    for lo in range(0, r, chunk):
+        out.add(sampling.Draws.of(per_request[lo: lo + chunk]))
+    return out
+
+
+def worst_case_draws(counts: np.ndarray, requests) -> sampling.Draws:
+    """The most clustered draws consistent with totals alone (``counts`` [L, E], ``requests`` draws [L] or a
+    number): as if each request sent all its slots to one expert. Its share variance p(1-p)/(R-1) bounds any
+    real traffic's, so a judgement on totals errs towards "not judged", never towards a false alarm."""
+    c = np.asarray(counts, dtype=np.float64)
+    n = c.sum(1)
+    r = np.broadcast_to(np.asarray(requests, dtype=np.float64), n.shape).copy()
+    per = np.where(r > 0, n / np.where(r > 0, r, 1.0), 0.0)  # slots per request
+    return sampling.Draws(r, n, n * per, c, c * per[:, None], c * per[:, None])
