@@ -230,7 +230,7 @@ def _check_load(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray)
                         for i in over},
              "bar_from": _bar_source(j), "requests": len(w.ids)},
             [], "MoEExpertLoadImbalance"))
-    hot = [(i, e) for i, e in zip(*np.nonzero(j.hot & ~collapsed[:, None]))]
+    hot = [(i, e) for i, v in enumerate(j.verdicts) for e in v.hot_shown]  # none on a collapsed layer
     if hot:
         hot.sort(key=lambda x: -j.hot_factor[x])
         experts = [_hot_evidence(w, j, int(i), int(e), per_request) for i, e in hot]

@@ -122,13 +122,12 @@ def _judged(j) -> dict[int, dict]:
     hot experts against their reference, the dead experts the reference predicts (None: not judged)."""
     out = {}
     for i, layer in enumerate(j.layers):
-        ok = bool(j.judged[i])
+        ok, v = bool(j.judged[i]), j.verdict(i)
         out[layer] = {
             "excess_cv": round(float(j.excess_cv[i]), 4) if ok else None, "bar": round(float(j.bar[i]), 4),
-            "over": bool(j.imbalanced[i]), "collapsed": bool(j.collapsed[i]),
-            "hot": [{"expert": int(e), "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
-                    for e in np.argsort(-np.nan_to_num(j.hot_factor[i]), kind="stable") if j.hot[i, e]]
-            if ok and not j.collapsed[i] else [],
+            "over": v.imbalanced, "collapsed": v.collapsed,
+            "hot": [{"expert": e, "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
+                    for e in v.hot_shown] if ok else [],  # hottest first; none on a collapsed layer
             "dead_judged": [int(e) for e in np.nonzero(j.dead_mask[i])[0]] if ok else None}
     return out
 
