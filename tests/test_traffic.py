@@ -36,8 +36,27 @@ def test_domain_shift():
     assert len({r.domain for r in reqs[:100]}) > 1
 
 
+def test_narrow_traffic_repeats_a_few_requests_with_broad_arrivals():
+    """``distinct_prompts``: arrivals as broad traffic's (same times), each request one of the few templates
+    (prompt, length, domain and tenant together); after a domain shift, templates of the shifted mix."""
+    broad = traffic.generate(traffic.TrafficConfig(rate=10.0, seed=3), 300)
+    narrow = traffic.generate(traffic.TrafficConfig(rate=10.0, seed=3, distinct_prompts=4), 300)
+    assert [r.arrival_s for r in narrow] == [r.arrival_s for r in broad]
+    assert [r.index for r in narrow] == list(range(300))
+    kinds = {(r.prompt, r.max_new_tokens, r.domain, r.tenant) for r in narrow}
+    templates = traffic.generate(traffic.TrafficConfig(rate=10.0, seed=0), 4)  # a product's fixed prompts
+    assert kinds == {(r.prompt, r.max_new_tokens, r.domain, r.tenant) for r in templates}
+    assert min(collections.Counter(r.prompt for r in narrow).values()) > 30  # each repeated, none starved
+    other = traffic.generate(traffic.TrafficConfig(rate=10.0, seed=4, distinct_prompts=4), 300)
+    assert {r.prompt for r in other} == {r.prompt for r in narrow} and other != narrow  # same prompts, new order
+    shifted = traffic.generate(traffic.TrafficConfig(seed=2, shift_after=100, shifted_domains={"numbers": 1.0},
+                                                     distinct_prompts=3), 200)
+    assert all(r.domain == "numbers" for r in shifted[100:]) and len({r.prompt for r in shifted[100:]}) <= 3
+    assert len({r.prompt for r in shifted[:100]}) <= 3
+
+
 @pytest.mark.parametrize("kwargs", [{"domains": {"klingon": 1.0}}, {"rate": -1}, {"domains": {}},
-                                    {"prompt_bytes_range": (10, 5)}])
+                                    {"prompt_bytes_range": (10, 5)}, {"distinct_prompts": 0}])
 def test_bad_traffic_config(kwargs):
     with pytest.raises(ConfigError):
         traffic.TrafficConfig(**kwargs)

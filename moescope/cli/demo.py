@@ -33,6 +33,7 @@ class DemoOptions:
     duration: float | None
     rate: float
     temperature: float
+    prompts: int | None
     drift_after: float | None
     linger: float
     save_baseline: str | None
@@ -60,6 +61,9 @@ demo_options = option_group(
                  help="Arrival rate in requests/s (0: all at once)."),
     click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True,
                  help="Sampling temperature (0: greedy)."),
+    click.option("--prompts", type=click.IntRange(min=1), default=None,
+                 help="Narrow traffic: only this many distinct prompts, each request one of them (what a "
+                      "product with a few fixed templates sends) [every request its own prompt]."),
     click.option("--drift-after", type=click.FloatRange(min=0), default=None,
                  help="Drift scenario: seconds of traffic before the domain mix shifts [half the run]."),
     click.option("--linger", type=click.FloatRange(min=0), default=0.0, show_default=True,
@@ -206,7 +210,7 @@ def _workload(run: DemoOptions, seed: int, shift: dict | None, world: int):
     if shift:
         shift_after = n // 2 if run.drift_after is None or rate == 0 else int(rate * run.drift_after)
     reqs = traffic.generate(traffic.TrafficConfig(rate=rate, seed=seed, shift_after=shift_after,
-                                                  shifted_domains=shift), n)
+                                                  shifted_domains=shift, distinct_prompts=run.prompts), n)
     return reqs, n, rate
 
 

@@ -8,6 +8,7 @@ side of the drift scenario. Everything is deterministic for a seed.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ class TrafficConfig:
     sigma: float = 0.5  # log-normal spread of both lengths
     shift_after: int | None = None  # request index where the domain mix switches
     shifted_domains: dict[str, float] | None = None
+    # narrow traffic: only this many distinct requests (prompt, domain, tenant, length), each arrival one of them
+    # at random (None: every request its own). The templates are the same for every seed (a product's fixed
+    # prompts: broad traffic's first requests at seed 0); the seed picks arrivals and their order.
+    distinct_prompts: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -43,6 +48,8 @@ class TrafficConfig:
             raise ConfigError(f"unknown traffic domain(s) {sorted(unknown)}; known: {', '.join(corpus.DOMAINS)}")
         if self.rate < 0:
             raise ConfigError(f"traffic rate must be >= 0, got {self.rate}")
+        if self.distinct_prompts is not None and self.distinct_prompts < 1:
+            raise ConfigError(f"traffic distinct_prompts must be >= 1, got {self.distinct_prompts}")
         for name in ("prompt_bytes_range", "output_tokens_range"):
             lo, hi = getattr(self, name)
             if not 0 < lo <= hi:
@@ -94,4 +101,20 @@ def generate(cfg: TrafficConfig, n: int) -> list[TrafficRequest]:
             t += rng.expovariate(cfg.rate)
         out.append(TrafficRequest(index=i, arrival_s=t, prompt=_prompt(rng, held_out[domain], n_bytes),
                                   max_new_tokens=n_out, domain=domain, tenant=_pick(rng, cfg.tenants)))
-    return out
+    if cfg.distinct_prompts is None:
+        return out
+    # narrow: each arrival keeps its time and index and takes one of the templates of its phase
+    templates = generate(dataclasses.replace(cfg, distinct_prompts=None, seed=0), n)
+    pick = random.Random(cfg.seed + 1)
+    return [dataclasses.replace(r, prompt=s.prompt, max_new_tokens=s.max_new_tokens, domain=s.domain,
+                                tenant=s.tenant)
+            for r in out for s in [_template(templates, r.index, cfg, pick)]]
+
+
+def _template(out: list[TrafficRequest], i: int, cfg: TrafficConfig, rng: random.Random) -> TrafficRequest:
+    """The template arrival ``i`` takes: one of the first ``distinct_prompts`` requests of ``out`` in its phase
+    (before or after the domain shift)."""
+    shifted = cfg.shift_after is not None and i >= cfg.shift_after
+    start = cfg.shift_after if shifted else 0
+    end = cfg.shift_after if cfg.shift_after is not None and not shifted else len(out)
+    return out[start + rng.randrange(min(cfg.distinct_prompts, end - start))]
