@@ -62,11 +62,16 @@ def baseline_bar(t: Thresholds = DEFAULT, m: str = "") -> str:
             f"{num(t.imbalance_baseline_margin)})")
 
 
+def drift_beyond_noise(m: str = "") -> str:
+    """The JS divergence from the baseline beyond what sampling noise gives (bits; the rules and dashboards)."""
+    s = f"{{{m}}}" if m else ""
+    return f"moescope_routing_drift_jsd_bits{s} - {ON} group_left moescope_routing_drift_noise_bits{s}"
+
+
 def drifted(t: Thresholds = DEFAULT) -> str:
     """Layers whose routing left the baseline by more than sampling noise explains (``Thresholds.drifted``);
     the value is the divergence beyond noise, in bits."""
-    return (f"moescope_routing_drift_jsd_bits - {ON} group_left moescope_routing_drift_noise_bits > "
-            f"{num(t.drift_bits)}")
+    return f"{drift_beyond_noise()} > {num(t.drift_bits)}"
 
 
 def imbalanced(t: Thresholds = DEFAULT) -> str:
@@ -84,10 +89,11 @@ def activation_vs_expected(m: str = "") -> str:
     return f"moescope_activation_ratio{s} / moescope_activation_expected_ratio{s}"
 
 
-def hit_rate(m: str = "", window: str = "5m") -> str:
+def hit_rate(m: str = "", window: str = "5m", by: str = LAYER_LABELS) -> str:
+    """The expert cache's hit rate per ``by`` (the rules: per layer of each exporter; dashboards: per model)."""
     s = f"{{{m}}}" if m else ""
-    return (f"(sum by ({LAYER_LABELS}) (rate(moescope_expert_cache_hits_total{s}[{window}])) / "
-            f"sum by ({LAYER_LABELS}) (rate(moescope_expert_cache_lookups_total{s}[{window}])))")
+    return (f"(sum by ({by}) (rate(moescope_expert_cache_hits_total{s}[{window}])) / "
+            f"sum by ({by}) (rate(moescope_expert_cache_lookups_total{s}[{window}])))")
 
 
 def cache_floor(t: Thresholds = DEFAULT, m: str = "") -> str:

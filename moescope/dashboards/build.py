@@ -138,9 +138,7 @@ def judged_dead(matcher: str) -> str:
     return f"moescope_dead_experts_unexpected{{{matcher}}}"
 
 
-def drift_beyond_noise(matcher: str) -> str:
-    return (f"moescope_routing_drift_jsd_bits{{{matcher}}} - {ON} group_left "
-            f"moescope_routing_drift_noise_bits{{{matcher}}}")
+drift_beyond_noise = rules.drift_beyond_noise
 
 
 def hits_over_capacity(matcher: str) -> str:
@@ -150,8 +148,7 @@ def hits_over_capacity(matcher: str) -> str:
 
 
 def hit_rate(matcher: str, by: str = "model") -> str:
-    return (f"sum by ({by}) (rate(moescope_expert_cache_hits_total{{{matcher}}}[$__rate_interval])) / "
-            f"sum by ({by}) (rate(moescope_expert_cache_lookups_total{{{matcher}}}[$__rate_interval]))")
+    return rules.hit_rate(matcher, "$__rate_interval", by)
 
 
 def expert_rate(matcher: str) -> str:
