@@ -442,6 +442,8 @@ def markdown(report: dict) -> str:
                              + f"; {h.get('requests_stored', 0)} requests; {h.get('window_s', 60):g} s window")
         words = f" (narrow: {NARROW_PROMPTS} prompts repeated)" if traffic == "narrow" else ""
         lines.append(f"| {r['model']}{words} | {cells[0]} | {cells[1]} |")
+    if not any(r["faults"] for r in report["shapes"].values()):
+        return "\n".join(lines) + "\n"
     lines += ["", "Faults, largest magnitude first (each run: the magnitude (its realised size in the run's trace "
               "store): seconds to detect, or what paged instead, or missed):", "",
               "| model | fault (magnitude) | runs | smallest detected | median seconds to detect (detected runs) |",

@@ -23,6 +23,10 @@ The formula, per rank (a coefficient is the class's measured series per rank ove
 
 The hot factors (0-8 per layer) depend on the traffic: ``c_layer`` is the measured one.
 
+The formula is then checked on a fleet it was not fitted on: one replica of twice the ranks (``held_out``: its
+measured count beside the formula's, class by class; tests/test_fleet.py asserts they agree, the ``layer`` class
+within the hot factors' range of 0-8 per layer and rank).
+
     python benchmarks/fleet_series.py             # deepseek-v3-shape, 2 replicas x 2 ranks -> results/fleet_series.json
     python benchmarks/fleet_series.py --quick     # tiny-demo (the full tier) -> fleet_series-quick.json
     python benchmarks/fleet_series.py --markdown benchmarks/results/fleet_series.json   # the docs' table
@@ -177,6 +181,13 @@ def markdown(path: str) -> str:
              f"{m['total']:,} series, per rank {', '.join(f'{v:,}' for v in m['per_rank'].values())}) | "
              f"{d['formula_at_measured']['tier']} | {d['formula_at_measured']['per_rank']:,} | {m['total']:,} | "
              f"{m['by_class']['peer']:,} | {m['by_class']['layer']:,} |"]
+    h = d.get("held_out")
+    if h:
+        hm, hf = h["measured"], h["formula"]
+        lines.append(f"| {d['moe_layers']} x {d['experts']}, {h['replicas']} replica x {h['world_size']} ranks (held "
+                     f"out: measured {hm['total']:,} series) | {hf['tier']} | {hf['per_rank']:,} | {hf['total']:,} | "
+                     f"{hf['by_class']['peer']:,} (measured {hm['by_class']['peer']:,}) | {hf['by_class']['layer']:,} "
+                     f"(measured {hm['by_class']['layer']:,}) |")
     for label, p in d["deployments"].items():
         lines.append(f"| {label} (formula) | {p['tier']} | {p['per_rank']:,} | {p['total']:,} | "
                      f"{p['by_class']['peer']:,} | {p['by_class']['layer']:,} |")
@@ -193,8 +204,13 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(args.markdown))
         return 0
     model = "tiny-demo" if args.quick else "deepseek-v3-shape"
-    report = run(model, args.replicas, args.world_size, requests=4 if args.quick else 8,
-                 linger=10 if args.quick else 20)
+    requests, linger = (4, 10) if args.quick else (8, 20)
+    report = run(model, args.replicas, args.world_size, requests=requests, linger=linger)
+    world = 2 * args.world_size  # the held-out fleet: one replica of twice the ranks
+    other = run(model, 1, world, requests=requests, linger=linger)
+    report["held_out"] = {"replicas": 1, "world_size": world, "measured": other["measured"],
+                          "formula": predict(report["coefficients"], 1, world, report["moe_layers"],
+                                             report["experts"])}
     _results.save(report, args.out)
     print(markdown(str(args.out)))
     return 0

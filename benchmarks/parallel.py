@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"world_size": w, **r, "wall_s": s["wall_s"]})
             print(f"{w:>5} {r['rank']:>4} {r['tokens_per_s']:>9.1f} {r['all_to_all_s']:>13.3f} "
                   f"{r['all_to_all_share']:>12.1%} {s['wall_s']:>7.2f}")
-    _results.save(rows, args.out)
+    _results.save({"benchmark": "parallel", "requests": args.requests, "rows": rows}, args.out)
     return 0
 
 

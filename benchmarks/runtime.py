@@ -224,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         for s in report["serving"]:
             print(f"{s['model']:>18} {s['experts_path']:>16} {s['moe_layers']:>4} x {s['experts']:<3} "
                   f"{s['tokens_per_s']:>8.1f} {s['ratio_to_tiny_demo']:>10.3f}x")
-    report["machine"] = {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
-                         "python": platform.python_version()}
+    # the HF section's machine (its thread count: the serving section sets its own afterwards), else now's
+    report.setdefault("machine", {"cpu_threads": torch.get_num_threads(), "torch": torch.__version__,
+                                  "python": platform.python_version()})
     _results.save(report, args.out)
     return 0
 

@@ -234,6 +234,31 @@ def test_the_fleet_series_formula_recomputes_the_measured_count():
         assert {k: p[k] for k in again} == again, label
 
 
+def test_the_fleet_series_formula_predicts_a_fleet_it_was_not_fitted_on():
+    """The coefficients fitted on 2 replicas x 2 ranks predict what a real Prometheus counted on one replica of 4
+    ranks (benchmarks/fleet_series.py's ``held_out`` run), class by class; the per-layer class within the range
+    the hot factors span (0-8 per layer and rank: they depend on the traffic)."""
+    import sys
+
+    from conftest import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from fleet_series import CLASSES, predict
+
+    from moescope.metrics.state import EXTREMES_K
+
+    d = json.loads((ROOT / "benchmarks" / "results" / "fleet_series.json").read_text())
+    h = d["held_out"]
+    assert (h["replicas"], h["world_size"]) != (d["replicas"], d["world_size"])
+    formula = predict(d["coefficients"], h["replicas"], h["world_size"], d["moe_layers"], d["experts"])
+    assert formula == h["formula"]
+    m = h["measured"]
+    assert m["ranks"] == h["replicas"] * h["world_size"] == len(m["per_rank"])
+    for c in CLASSES:
+        slack = m["ranks"] * d["moe_layers"] * EXTREMES_K if c == "layer" else 0
+        assert abs(formula["by_class"][c] - m["by_class"][c]) <= slack, (c, formula["by_class"][c], m["by_class"][c])
+
+
 @pytest.mark.integration
 def test_demo_world_size_honours_the_arrival_rate_and_rests_between_arrivals():
     """`demo --world-size 2 --rate 1`: the fleet's arrivals are the single-process demo's (rank r serves every
