@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import statistics
 import subprocess
@@ -72,9 +71,12 @@ PROMPTS = [
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port below the kernel's ephemeral range (tests/servers.py ``free_port``): a port the OS hands out as free
+    (bind to 0) can become some outgoing connection's source port before the server binds it (CI: "Address already
+    in use" for one of the three servers started together)."""
+    from servers import free_port
+
+    return free_port()
 
 
 # ------------------------------------------------------------------------------------------------ server CPU
