@@ -20,6 +20,7 @@ A foundation: imports ``sampling``, ``stats`` and ``thresholds`` only (a baselin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -112,8 +113,8 @@ class Judgement:
             hot_factors={int(e): float(row[e]) for e in np.nonzero(np.isfinite(row))[0]},
             dead_unexpected=float(self.dead[i]), t=self.t)
 
-    @property
-    def verdicts(self) -> list[Verdict]:
+    @functools.cached_property
+    def verdicts(self) -> list[Verdict]:  # (once: the array properties below read it)
         return [self.verdict(i) for i in range(len(self.layers))]
 
     @property
