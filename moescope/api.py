@@ -95,7 +95,7 @@ class Instrumentation:
             info = hf.model_info(m.model_name)
         extra = {} if m.expert_series_budget is None else {"expert_series_budget": m.expert_series_budget}
         self.metrics = MetricsObserver(info, rank=m.rank, window_s=m.window_s, export_routing=m.export_routing,
-                                       **extra)
+                                       hot_reference=m.hot_reference, **extra)
         self.metrics.reads_flush = not runtime  # the engine flushes when idle; a HF model has no engine
         self.observer = FanOut([self.metrics, *observers])
         self._stack.callback(self.observer.shutdown)  # flushes the recorder: before OTLP stops (pushed earlier)
@@ -137,6 +137,8 @@ class Instrumentation:
 
         if config.scenarios:
             faults.apply(model, list(config.scenarios))
+            if config.fault_after_s:
+                self._stack.callback(faults.defer(model, config.fault_after_s).cancel)
         if config.router_impl is not None:
             notice = model.set_router_impl(config.router_impl)
             if notice:

@@ -38,6 +38,8 @@ class Metrics:
     ``export_routing``: False on a rank that routes the same tokens as an exporting rank (ranks given the
     same requests).
     ``expert_series_budget``: None for the metrics' default (docs/metrics.md, "Cardinality").
+    ``hot_reference``: without a baseline, what the hot-expert test judges against ("learned": the deployment's
+    own first full window, followed slowly; "fair": 1/E; ``metrics.state.MetricsObserver``).
     ``baseline``: the user's healthy baseline (``moescope baseline save``): a file, an
     ``analysis.baseline.Profile`` or {layer: load}; the reference of the hot, dead and drift judgements and
     the source of the ``moescope_baseline_*`` series."""
@@ -49,6 +51,7 @@ class Metrics:
     export_routing: bool = True
     window_s: float = 60.0
     expert_series_budget: int | None = None
+    hot_reference: str = "learned"
     baseline: str | Path | Profile | Mapping[int, Sequence[float]] | None = None
 
     def __post_init__(self) -> None:
@@ -56,6 +59,8 @@ class Metrics:
             raise ConfigError(f"metrics port must be 0..65535 (or None for no exporter), got {self.port}")
         if not self.window_s > 0:
             raise ConfigError(f"metrics window must be > 0 s, got {self.window_s}")
+        if self.hot_reference not in ("learned", "fair"):
+            raise ConfigError(f"hot reference must be learned or fair, got {self.hot_reference!r}")
 
 
 @dataclass(frozen=True)
@@ -125,7 +130,8 @@ class Config:
     """Everything ``moescope.instrument`` wires around a model. ``observers``: more observers to fan out to
     (a rank's all-to-all stats, your own). ``routing_log``: write every forward's experts per layer there
     at close (the input of ``moescope cache-sim``). ``scenarios``: fault scenario names, each optionally with
-    its size (``"drop=0.8"``, ``"hot=3:17:4x"``: ``runtime/faults.py``). A part left unset
+    its size (``"drop=0.8"``, ``"hot=3:17:4x"``: ``runtime/faults.py``); ``fault_after_s``: the router faults
+    switch on this many seconds after instrumenting (``faults.defer``; None: from the start). A part left unset
     (None, no scenarios, ``router_impl`` None) leaves the model as the caller built it."""
 
     metrics: Metrics = field(default_factory=Metrics)
@@ -135,6 +141,7 @@ class Config:
     canary: Canary | None = None
     mitigations: Mitigations | None = None
     scenarios: tuple[str, ...] = ()
+    fault_after_s: float | None = None
     router_impl: str | None = None
     observers: tuple[Any, ...] = ()
 
@@ -142,6 +149,8 @@ class Config:
         from moescope.runtime import faults
 
         object.__setattr__(self, "scenarios", tuple(faults.parse(",".join(self.scenarios))))
+        if self.fault_after_s is not None and not self.fault_after_s >= 0:
+            raise ConfigError(f"fault delay must be >= 0 s, got {self.fault_after_s}")
         if self.router_impl is not None and self.router_impl not in ROUTER_IMPLS:
             raise ConfigError(f"router impl must be one of {', '.join(ROUTER_IMPLS)}, got {self.router_impl!r}")
 

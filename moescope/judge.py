@@ -42,10 +42,12 @@ class Verdict:
     imbalanced: bool  # MoEExpertLoadImbalance: excess CV over its bar, unless the layer drifted
     over_bar: bool  # the excess CV over its bar (before the drift rule): shown, not paged, on a drifted layer
     drifted: bool  # MoERoutingDrift: JS divergence from the baseline beyond its noise
-    hot: tuple[int, ...]  # MoEExpertHot: experts whose factor is over the hot bar, hottest first
+    hot: tuple[int, ...]  # MoEExpertHot: experts whose factor is over the hot bar, hottest first (none while the
+    # layer's reference is still being learned: shown, not paged)
     hot_shown: tuple[int, ...]  # the hot experts a view names (none on a collapsed layer: the collapse inhibits)
     dead: bool  # MoEDeadExperts: zero-slot experts the reference says should have slots
     rank_overloaded: bool  # MoERankLoadImbalance
+    over_hot: tuple[int, ...] = ()  # every expert over the hot bar, paged or not (hottest first)
 
     def fires(self) -> list[str]:
         """The alerts this layer fires (``MoEExpertHot:E`` per hot expert)."""
@@ -59,8 +61,11 @@ class Verdict:
 def verdict(*, excess_cv: float | None, baseline_cv: float | None, top_share: float | None,
             drift_jsd: float | None = None, drift_noise: float | None = None,
             hot_factors: dict[int, float] | None = None, dead_unexpected: float | None = None,
-            rank_max_over_mean: float | None = None, t: Thresholds = DEFAULT) -> Verdict:
-    """One layer's verdicts from its judged quantities (None or NaN: not judged, never over a bar)."""
+            rank_max_over_mean: float | None = None, hot_reference: str = "fair",
+            t: Thresholds = DEFAULT) -> Verdict:
+    """One layer's verdicts from its judged quantities (None or NaN: not judged, never over a bar).
+    ``hot_reference``: what the hot factors are against ("learning": the exporter is still learning the layer's
+    reference, so its hot experts are named but do not page)."""
     base = baseline_cv if _finite(baseline_cv) else None
     drifted = t.drifted(drift_jsd, drift_noise)
     over = t.imbalanced(excess_cv if _finite(excess_cv) else None, base)
@@ -68,7 +73,7 @@ def verdict(*, excess_cv: float | None, baseline_cv: float | None, top_share: fl
     hot = tuple(e for e, f in sorted((hot_factors or {}).items(), key=lambda x: (-x[1], x[0]))
                 if _finite(f) and f > t.hot_factor)
     return Verdict(collapsed=bool(collapsed), imbalanced=over and not drifted, over_bar=over, drifted=drifted,
-                   hot=hot, hot_shown=() if collapsed else hot,
+                   hot=() if hot_reference == "learning" else hot, hot_shown=() if collapsed else hot, over_hot=hot,
                    dead=_finite(dead_unexpected) and dead_unexpected > 0,
                    rank_overloaded=t.rank_overloaded(rank_max_over_mean))
 
@@ -94,6 +99,8 @@ class Judgement:
     hot_factor: np.ndarray  # [L, E] moescope_expert_hot_factor_ratio (NaN: not significantly above)
     hot_sd: np.ndarray  # [L, E] the share's noise sd (cluster-robust)
     ref_share: np.ndarray  # [L, E] the hot reference share
+    hot_reference: list[str]  # [L] what each layer's hot factor is against: "baseline", "learned", "learning" or
+    # "fair" (``judge``'s ``learned``); the exporter's ``reference`` label, and the alert pages all but "learning"
     dead: np.ndarray  # [L] moescope_dead_experts_unexpected
     dead_mask: np.ndarray  # [L, E] the experts counted in ``dead``
     jsd: np.ndarray | None  # [L] moescope_routing_drift_jsd_bits (None: no baseline at all)
@@ -111,7 +118,7 @@ class Judgement:
             drift_jsd=None if self.jsd is None else float(self.jsd[i]),
             drift_noise=None if self.drift_noise is None else float(self.drift_noise[i]),
             hot_factors={int(e): float(row[e]) for e in np.nonzero(np.isfinite(row))[0]},
-            dead_unexpected=float(self.dead[i]), t=self.t)
+            dead_unexpected=float(self.dead[i]), hot_reference=self.hot_reference[i], t=self.t)
 
     @functools.cached_property
     def verdicts(self) -> list[Verdict]:  # (once: the array properties below read it)
@@ -159,13 +166,16 @@ def top_factors(factors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
 
 
 def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, t: Thresholds = DEFAULT, *,
-          tokens=None, family_layers: int | None = None) -> Judgement:
+          tokens=None, family_layers: int | None = None, learned=None) -> Judgement:
     """The judged quantities of a window: ``counts`` [L, E] slots, ``draws`` its requests as ``sampling.Draws``,
     ``tokens`` [L] the tokens each layer routed (default: slots / ``top_k``, which undercounts where slots were
     dropped). ``baseline``: anything with ``rows(layers, n_experts)`` (``analysis.baseline.Profile``), the
     reference of hot, dead and drift where it has the layer; else the fair share and ``t.dead_reference``.
     ``family_layers``: the layers the hot test's family spans (default: ``len(layers)``; the exporter's window
-    passes every layer of the model, judged in this window or not)."""
+    passes every layer of the model, judged in this window or not). ``learned``: where no baseline is saved, the
+    exporter's own learned reference (``metrics.window.LearnedReference.rows``: ``share`` [L, E], ``has`` [L]):
+    the hot reference of the layers it has learned ("learned"), the fair share of the others ("learning": shown,
+    not paged); None: the fair share ("fair", paged: ``--hot-reference fair``)."""
     counts = np.asarray(counts, dtype=np.float64)
     n_layers, n_exp = counts.shape
     layers = list(layers)
@@ -184,6 +194,11 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
     ref = base.share if base is not None else sampling.reference_shares(n_exp, None, n_layers)
     base_cv = base.structural_cv if base is not None else np.full(n_layers, np.nan)
     hot_ref = sampling.hot_reference(n_exp, ref if has_base else None, n_layers)
+    kinds = np.where(has, "baseline", "fair").astype(object)
+    if learned is not None and not has_base:
+        lhas = np.asarray(learned.has, dtype=bool)
+        hot_ref = np.where(lhas[:, None], sampling.hot_reference(n_exp, learned.share, n_layers), hot_ref)
+        kinds = np.where(lhas, "learned", "learning").astype(object)
     hot_z = t.hot_z(family_layers or n_layers, n_exp)
     with np.errstate(invalid="ignore", divide="ignore"):
         factor = sampling.hot_factor(counts, draws, hot_ref, hot_z, t.noise_z)
@@ -204,7 +219,8 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
         draws=draws.draws.copy(), tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
         max_over_mean=np.where(mean > 0, mx / safe_mean, 0.0), has_baseline=has,
         baseline_cv=base_cv if has_base else None, bar=np.array([t.imbalance_bar(b) for b in base_cv.tolist()]),
-        hot_factor=factor, hot_sd=sd, ref_share=hot_ref, dead=dead, dead_mask=dead_mask, jsd=jsd,
+        hot_factor=factor, hot_sd=sd, ref_share=hot_ref, hot_reference=[str(k) for k in kinds], dead=dead,
+        dead_mask=dead_mask, jsd=jsd,
         drift_noise=noise_bits, top_share=top, t=t)
 
 

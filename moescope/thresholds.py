@@ -64,6 +64,11 @@ class Thresholds:
     # over E/k cannot happen, and where E/k <= 4 (8 experts, top-2) the collapse bar (3 of 4 tokens on one
     # expert, a factor of 0.75 E/k) is the hot-expert alert's role; against a baseline share it can fire anywhere.
     hot_factor: float = 4.0
+    # Without a saved baseline the hot reference is learned from the deployment's own windows
+    # (``metrics.window.LearnedReference``) and follows the traffic with this half-life, in windows: 30 windows
+    # (30 min at 60 s) is six times the hot alert's 5 min ``for``, so a jump is paged long before it could be
+    # absorbed (an expert over the bar is not absorbed at all), while a mix that shifts over hours is followed.
+    learn_half_life_windows: float = 30.0
     # Ranks of an expert-parallel placement: the busiest rank's load over the mean (TensorRT-LLM's
     # straggler factor; EPLB's objective). 1.5: the other ranks idle a third of every dispatch.
     rank_max_over_mean: float = 1.5

@@ -113,7 +113,9 @@ SHAPE_THRESHOLDS = rules.Thresholds(memory_window_s=3 * 1800, for_scale=1 / 30)
 # Imbalance at this shape is judged from 16 slots per expert in the window (~35 s of this traffic): longer watches.
 SHAPE_WATCH_S, SHAPE_HEALTHY_WATCH_S = 100, 60
 # The hot row: pipeline.SHAPE_HOT_WINDOW_S / SHAPE_HOT_WATCH_S (why there).
-SHAPE_DEMO_ARGS = {"hot": ["--metrics-window", str(pipeline.SHAPE_HOT_WINDOW_S)]}
+# The fault is on from the first request, so the hot row judges against the fair share (the default, a reference
+# learned from the first window, would learn the fault: tests/test_learned.py checks a change against it).
+SHAPE_DEMO_ARGS = {"hot": ["--metrics-window", str(pipeline.SHAPE_HOT_WINDOW_S), "--hot-reference", "fair"]}
 SHAPE_WATCH = {"hot": pipeline.SHAPE_HOT_WATCH_S}
 
 

@@ -166,7 +166,10 @@ def test_serve_world_size_2_attributes_the_slow_rank_and_the_hot_expert(tmp_path
     port = free_port(2)  # rank r exports on port + r
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"], rule_files=[str(rule_file)])
     s = Serve(tmp_path, "--world-size", "2", "--model", model, "--max-batch", "8",
-              "--scenario", f"slow-rank,{hot}", "--metrics-port", str(port), name="fleet-faults")
+              "--scenario", f"slow-rank,{hot}", "--metrics-port", str(port),
+              # the fault is there from the first request: against the fair share (the default learns the
+              # reference from the first window, fault included: a page means a change)
+              "--hot-reference", "fair", name="fleet-faults")
     prompts = [(f"load-{i}", f"request {i}: the quick brown fox", 16) for i in range(24)]
     try:
         assert _complete(s.url, WIDE_DEMO["name"], "bad", "x", -1, False)[0] == 400

@@ -67,7 +67,7 @@ class Traffic:
         self.thread.join(timeout=60)
 
 
-def _watch(tmp_path, model_dir, until, watch_s: float, during=None, traces=None):
+def _watch(tmp_path, model_dir, until, watch_s: float, during=None, traces=None, hot_reference=None):
     """Serve ``model_dir`` with the plugin under broad traffic, Prometheus (the repo's rules, every `for` 30-fold
     shorter) -> Alertmanager -> webhook; watch until ``until(firing names)`` or ``watch_s``."""
     rule_file = tmp_path / "rules.yml"
@@ -78,6 +78,8 @@ def _watch(tmp_path, model_dir, until, watch_s: float, during=None, traces=None)
     env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_WINDOW_S": str(WINDOW_S)}
     if traces is not None:
         env.update(MOESCOPE_TRACES=str(traces), MOESCOPE_TRACE_SAMPLE="1")
+    if hot_reference is not None:
+        env["MOESCOPE_HOT_REFERENCE"] = hot_reference
     prom = None
     try:
         with serve(model_dir, env, ["--no-enable-prefix-caching"], eager=True) as server, \
@@ -141,8 +143,10 @@ def test_a_hot_expert_in_the_checkpoint_pages_naming_it(checkpoints, tmp_path):
         diag = run_cli("diagnose", "--prometheus", prom.url, "--json", "--traces", str(store), timeout=120)
         return top, diag
 
+    # the hot expert is in the checkpoint from the first token: judged against the fair share (the default learns
+    # its reference from the first window, and a page then means a change: tests/test_learned.py)
     alerts, (top, diag) = _watch(tmp_path, checkpoints["hot"], lambda firing: "MoEExpertHot" in firing, watch_s=90,
-                                 during=views, traces=store)
+                                 during=views, traces=store, hot_reference="fair")
     hot = [a for _, a in alerts if a["labels"]["alertname"] == "MoEExpertHot" and a["status"] == "firing"]
     assert hot, [a["labels"]["alertname"] for _, a in alerts]
     assert {(a["labels"]["layer"], a["labels"]["expert"]) for a in hot} == {(str(layer), str(expert))}

@@ -121,7 +121,9 @@ def _hot(factor: float, expert: str = "17", reference: str = "fair") -> dict:
 
 
 def hot_description(factor: float, expert: str, reference: str, t: Thresholds = DEFAULT) -> str:
-    ref = "its baseline share" if reference == "baseline" else "its fair share 1/E (no baseline loaded)"
+    ref = {"baseline": "its baseline share",
+           "learned": "the share this deployment's traffic gave it (learned; no baseline loaded)"}.get(
+        reference, "its fair share 1/E (no baseline loaded)")
     return (f"Expert {expert} of layer 1 in m (rank 0) gets {factor:.1f}x {ref}, beyond sampling noise "
             f"(bar: {t.hot_factor:g}x).")
 
@@ -142,6 +144,9 @@ def hot(t: Thresholds) -> Suite:
                  ((labels, hot_description(f, "17", "fair", t)),
                   ({**labels, "expert": "200"}, hot_description(2 * t.hot_factor, "200", "fair", t)))),
             Case("pending before its for", _hot(f), eval_time="4m"),
+            Case("against its learned share", _hot(f, "17", "learned"),
+                 (({**labels, "reference": "learned"}, hot_description(f, "17", "learned", t)),)),
+            Case("not while its reference is being learned", _hot(2 * t.hot_factor, "17", "learning")),
         ))
 
 

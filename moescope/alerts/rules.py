@@ -118,8 +118,9 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
             f"{num(t.slow_rank_share)}")
     slow_wait = (f"max by (model, peer) ({waits} / ignoring (peer, op) group_left {dispatches}) > "
                  f"{num(t.slow_rank_wait_s)}")
-    hot_ref = ('{{ if eq $labels.reference "baseline" }}its baseline share{{ else }}its fair share 1/E (no '
-               "baseline loaded){{ end }}")
+    hot_ref = ('{{ if eq $labels.reference "baseline" }}its baseline share{{ else if eq $labels.reference '
+               '"learned" }}the share this deployment\'s traffic gave it (learned; no baseline loaded){{ else }}its '
+               "fair share 1/E (no baseline loaded){{ end }}")
     return [
         AlertSpec("MoEExpertLoadImbalance", imbalance, "warning", "Expert load is imbalanced.",
                   "Layer {{ $labels.layer }} of {{ $labels.model }} (rank {{ $labels.rank }}) has a load CV of "
@@ -129,13 +130,17 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
                   f"load CV beyond sampling noise > {num(t.imbalance_baseline_factor)} x the baseline's structural "
                   f"CV + {num(t.imbalance_baseline_margin)}, or > {num(t.imbalance_cv)} without a baseline; "
                   "not where the layer drifted"),
-        AlertSpec("MoEExpertHot", f"moescope_expert_hot_factor_ratio > {num(t.hot_factor)}", "warning",
+        # "learning": the exporter has not yet learned the layer's reference (its first full window): views name
+        # such experts against 1/E, pages wait (a model's popular experts are not a change).
+        AlertSpec("MoEExpertHot", f'moescope_expert_hot_factor_ratio{{reference!="learning"}} > {num(t.hot_factor)}',
+                  "warning",
                   "One expert takes several times its share.",
                   "Expert {{ $labels.expert }} of layer {{ $labels.layer }} in {{ $labels.model }} (rank "
                   '{{ $labels.rank }}) gets {{ $value | printf "%.1f" }}x ' + hot_ref + ", beyond sampling noise "
                   f"(bar: {num(t.hot_factor)}x).", ("moescope_expert_hot_factor_ratio",), "5m",
-                  f"an expert's window share / its baseline share (else 1/E) > {num(t.hot_factor)}, significant "
-                  "against sampling noise"),
+                  f"an expert's window share / its baseline share (else the share learned from the deployment's "
+                  f"own windows, or 1/E with --hot-reference fair) > {num(t.hot_factor)}, significant against "
+                  "sampling noise"),
         AlertSpec("MoERankLoadImbalance", f"moescope_rank_load_max_over_mean_ratio > {num(t.rank_max_over_mean)}",
                   "warning", "One expert-parallel rank computes far more than the others.",
                   "Layer {{ $labels.layer }} of {{ $labels.model }}: the busiest expert-parallel rank computes "

@@ -72,10 +72,12 @@ class InstrumentOptions:
     cache_prefetch: int
     cache_file: str | None
     scenario: str
+    fault_after: float | None
     canary_interval: float
     canary_steps: int | None
     baseline_path: str | None
     metrics_window: float
+    hot_reference: str
     load_bound: float | None
     smoothing_margin: float | None
     router_impl: str
@@ -143,6 +145,10 @@ instrument_options = option_group(
                       "metrics). Sizes: collapse=BIAS, imbalance=SCALE, jitter=SD, drop=CAPACITY_FACTOR; "
                       "hot=LAYER:EXPERT:Fx (one expert of one MoE layer at F times its fair share on "
                       "calibration traffic) or hot=LAYER:EXPERT:BIAS (a logit bias)."),
+    click.option("--fault-after", "fault_after", type=click.FloatRange(min=0), default=None,
+                 help="Switch the scenario's router faults (collapse, imbalance, hot, jitter) on this many seconds "
+                      "after start; the model routes as healthy until then (a fault that appears mid-run). "
+                      "Default: from the start."),
     click.option("--canary-interval", type=click.FloatRange(min=0), default=5.0, show_default=True,
                  help="Seconds between canary routing runs (flip ratio per layer); 0: off."),
     click.option("--canary-steps", type=click.IntRange(min=1), default=None,
@@ -155,6 +161,11 @@ instrument_options = option_group(
                  show_default=True,
                  help="Seconds of routing the window gauges cover: a longer window holds more requests, so thin "
                       "traffic is judged (hot experts, imbalance), later."),
+    click.option("--hot-reference", "hot_reference", type=click.Choice(["learned", "fair"]), default="learned",
+                 show_default=True,
+                 help="Without --baseline, what a hot expert is judged against: learned (the share this run's "
+                      "first full window gave it, followed slowly: a page means its share rose) or fair (1/E "
+                      "from the first window: also pages experts that are popular by design)."),
     click.option("--load-aware", "load_bound", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="Load-aware routing: demote experts whose estimated load exceeds this share of their "
                       "capacity (e.g. 0.85; capacity = 1.5 x the fair share). Default: off."),
@@ -201,9 +212,10 @@ def build_config(i: InstrumentOptions, model: ModelOptions, *, rank: int = 0, wo
                         rank=rank, baseline=i.baseline_path or baseline,
                         # W ranks share one process's per-expert series budget: the fleet's stays within it
                         expert_series_budget=None if world == 1 else EXPERT_SERIES_BUDGET // world,
-                        window_s=i.metrics_window),
+                        window_s=i.metrics_window, hot_reference=i.hot_reference),
         traces=traces, routing_log=i.record_routing if rank == 0 else None, cache=cache, canary=canary,
-        mitigations=mitigations, scenarios=i.scenarios, router_impl=i.router_impl, observers=tuple(observers))
+        mitigations=mitigations, scenarios=i.scenarios, fault_after_s=i.fault_after, router_impl=i.router_impl,
+        observers=tuple(observers))
 
 
 def instrumented(net, config):

@@ -153,8 +153,7 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
                             [((str(k),), v) for k, v in sorted(st.drift_noise(g).items())], openmetrics))
         out.append(w.family(spec["moescope_routing_flip_ratio"], [((str(k),), v) for k, v in flips], openmetrics))
         hot = g.hot_experts(EXTREMES_K)
-        reference = ["baseline" if b else "fair" for b in (g.baseline if g.baseline is not None else
-                                                          [False] * len(layers))]
+        reference = list(g.hot_reference) or ["fair"] * len(layers)
         out.append(w.family(spec["moescope_expert_hot_factor_ratio"],
                             [((lay, str(e), reference[j]), f) for j, lay in enumerate(layers) for e, f in hot[j]],
                             openmetrics))

@@ -29,7 +29,7 @@ from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import UNKNOWN_MODE, RoutingProbe, StepStats
 from moescope.errors import BadInput
 from moescope.metrics import catalogue
-from moescope.metrics.window import LayerGauges, RoutingWindow
+from moescope.metrics.window import LayerGauges, LearnedReference, RoutingWindow
 from moescope.parallel import planner
 
 # Per-(layer, expert) counters up to 64 MoE layers x 256 experts per replica: DeepSeek-V3's shape and a little
@@ -103,6 +103,10 @@ class MetricsObserver(Observer):
         max_inflight: in-flight requests whose per-(layer, expert) counts are held (None: from
             ``INFLIGHT_BYTES``).
         clock: monotonic seconds (tests inject a fake one).
+        hot_reference: without a baseline, what the hot-expert test judges against: "learned" (default: the
+            reference this deployment's own first window gives, followed slowly: ``LearnedReference``; a page
+            means an expert's share rose) or "fair" (1/E from the first window: pages a model's popular
+            experts on narrow traffic; for a model balanced by design).
     Attributes set by ``moescope.instrument``: ``baseline`` (a ``analysis.baseline.Profile``; assigning a
     path or {layer: load} coerces it), ``placement_source`` (-> the expert-parallel ``Placement`` or None),
     ``cache_capacity_source`` (-> {layer: resident experts / E} of the expert cache, or {}).
@@ -111,7 +115,7 @@ class MetricsObserver(Observer):
     def __init__(self, info: ModelInfo, *, rank: int = 0, window_s: float = 60.0,
                  expert_series_budget: int = EXPERT_SERIES_BUDGET, export_routing: bool = True,
                  flush_interval_s: float = 0.25, max_inflight: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, hot_reference: str = "learned") -> None:
         self.info, self.rank, self.window_s, self.clock = info, rank, window_s, clock
         self.per_expert = len(info.moe_layers) * info.n_experts <= expert_series_budget
         self.export_routing = export_routing
@@ -135,6 +139,10 @@ class MetricsObserver(Observer):
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
         self.routing_window = RoutingWindow(info.moe_layers, info.n_experts, window_s)
+        # Without a baseline, the hot test's reference ("learned": from this window's own past; "fair": 1/E)
+        self.learned = LearnedReference(len(info.moe_layers), info.n_experts, window_s,
+                                        thresholds.DEFAULT.learn_half_life_windows) \
+            if hot_reference == "learned" else None
         self.rank_window = RankWindow(window_s)  # measured per-rank load (expert-parallel exchanges)
         # EPLB in the loop: the last rearrangement's figures and the rows per rank measured since (layer -> [W])
         self.eplb_before: dict[int, float] = {}
@@ -372,8 +380,13 @@ class MetricsObserver(Observer):
         if self.reads_flush:
             self.flush()
         with self.lock:
-            self.routing_window.prune(int(self.clock()))
-            return self.routing_window.gauges(self._baseline)
+            now = self.clock()
+            self.routing_window.prune(int(now))
+            learned = self.learned if self._baseline is None else None
+            g = self.routing_window.gauges(self._baseline, learned=learned)
+            if learned is not None:
+                learned.update(now, self.routing_window, g, thresholds.DEFAULT.hot_factor)
+            return g
 
     def drift(self, g: LayerGauges) -> dict[int, float]:
         """layer -> JS divergence (bits) of the window's load against the baseline's, where it has the layer."""

@@ -66,6 +66,7 @@ class LayerGauges:
     baseline_cv: np.ndarray | None = None  # [L] the baseline's structural CV (NaN: no baseline for the layer)
     drift_jsd: np.ndarray | None = None  # [L] JS divergence (bits) from the baseline's load (NaN: none)
     drift_noise: np.ndarray | None = None  # [L] what sampling noise gives against the baseline (NaN: none)
+    hot_reference: tuple[str, ...] = ()  # [L] what ``hot`` is against: baseline, learned, learning or fair
 
     def extremes(self, k: int) -> list[list[int]]:
         """Per layer, the ids of the ``k`` hottest then the ``k`` coldest experts (ties: lower id first;
@@ -197,18 +198,21 @@ class RoutingWindow:
         if not self._draw_bins:
             self.draws = sampling.Draws.zeros(len(self.layers), self.n_experts)
 
-    def gauges(self, profile: Any = None, t: thresholds.Thresholds = thresholds.DEFAULT) -> LayerGauges:
+    def gauges(self, profile: Any = None, t: thresholds.Thresholds = thresholds.DEFAULT,
+               learned: "LearnedReference | None" = None) -> LayerGauges:
         """The window gauges of every layer that routed tokens in the window (callers hold the lock): the judged
         ones are ``moescope.judge``'s (every view judges through it). ``profile``: the loaded baseline
         (``analysis.baseline.Profile``), the reference of the hot, dead and drift judgements where it has the
-        layer; else the fair share (hot) and ``t.dead_reference`` (dead)."""
+        layer; else the fair share (hot) and ``t.dead_reference`` (dead). ``learned``: without a baseline, the hot
+        test's reference learned from this window's own past (``LearnedReference``; None: the fair share)."""
         keep = np.nonzero(self.tokens > 0)[0]
         slots = self.slots[keep].astype(np.float64)  # [L, E]
         tokens = self.tokens[keep].astype(np.float64)
         e = self.n_experts
         layers = tuple(self.layers[i] for i in keep.tolist())
         draws = self.draws.rows(keep)
-        j = judge.judge(slots, draws, layers, baseline=profile, t=t, tokens=tokens, family_layers=len(self.layers))
+        j = judge.judge(slots, draws, layers, baseline=profile, t=t, tokens=tokens, family_layers=len(self.layers),
+                        learned=None if learned is None else learned.rows(keep, len(self.layers)))
         mean = slots.sum(1) / max(1, e)
         rel = slots / np.where(mean > 0, mean, 1.0)[:, None]
         relative = np.stack([(rel <= le).sum(1) for le in RELATIVE_LOAD_BUCKETS], axis=1) if len(keep) else \
@@ -222,4 +226,75 @@ class RoutingWindow:
             dead=(slots == 0).sum(1).astype(np.float64), slots_per_expert=mean,
             entropy=self.entropy[keep] / tokens, margin=self.margin[keep] / tokens, relative=relative,
             draws=j.draws, window_draws=int(self.n_draws), dead_unexpected=j.dead, hot=j.hot_factor,
-            baseline=j.has_baseline, baseline_cv=base_cv, drift_jsd=drift, drift_noise=drift_noise)
+            baseline=j.has_baseline, baseline_cv=base_cv, drift_jsd=drift, drift_noise=drift_noise,
+            hot_reference=tuple(j.hot_reference))
+
+
+@dataclass(frozen=True)
+class LearnedRows:
+    share: np.ndarray  # [L, E] learned draw shares (rows of the judged layers)
+    has: np.ndarray  # [L] bool: learned from at least one full window
+
+
+class LearnedReference:
+    """The hot-expert test's reference where no baseline was saved: the routing this deployment's own traffic
+    showed (issue [judge]: a fixed multiple of 1/E pages a model's popular experts on narrow traffic, 4-5x
+    theirs is common at 384 experts). A page then means an expert's share rose beyond ``hot_factor`` times what
+    it was, never that the model has popular experts.
+
+    - Learning: a layer's reference is the draw shares (``sampling.draw_shares``, the shares the hot test
+      judges) of the first full window (``window_s`` after the first scrape that saw routing) with at least
+      ``sampling.MIN_DRAWS`` draws; until then the layer's hot factors are against the fair share and labelled
+      "learning": views name them, the alert does not page them.
+    - Updating: once per window, an exponential average of each expert's window share with a half-life of
+      ``Thresholds.learn_half_life_windows`` windows, so gradual changes of the traffic mix are absorbed while a
+      change that pages is not: an expert over the hot bar keeps its reference (it would otherwise absorb its
+      own fault and resolve while it persists). ``moescope baseline save`` replaces all of it with the user's.
+    - Memory: one [L, E] float array (the window's own size), flat for days.
+    """
+
+    def __init__(self, n_layers: int, n_experts: int, window_s: float, half_life_windows: float) -> None:
+        self.share = np.zeros((n_layers, n_experts))
+        self.has = np.zeros(n_layers, dtype=bool)
+        self.window_s = window_s
+        self.alpha = 1.0 - 2.0 ** (-1.0 / half_life_windows)
+        self.started: float | None = None
+        self.next_at: float | None = None
+        self.updates = 0  # windows folded in (the first one included)
+
+    def _fit(self, n_layers: int) -> None:
+        if len(self.share) < n_layers:  # the window grew a layer
+            extra = n_layers - len(self.share)
+            self.share = np.vstack([self.share, np.zeros((extra, self.share.shape[1]))])
+            self.has = np.append(self.has, np.zeros(extra, dtype=bool))
+
+    def rows(self, keep: np.ndarray, n_layers: int) -> LearnedRows:
+        self._fit(n_layers)
+        return LearnedRows(self.share[keep], self.has[keep])
+
+    def update(self, now: float, window: RoutingWindow, g: LayerGauges, hot_factor: float) -> None:
+        """Fold the window in if a window has passed since the last fold (callers hold the state's lock).
+        ``g``: the gauges just judged against this reference (its experts over ``hot_factor`` keep theirs)."""
+        if self.started is None:
+            if window.n_draws > 0:
+                self.started, self.next_at = now, now + self.window_s
+            return
+        if now < self.next_at:
+            return
+        self.next_at = now + self.window_s
+        n = len(window.layers)
+        self._fit(n)
+        ok = window.draws.draws >= sampling.MIN_DRAWS
+        shares = sampling.draw_shares(window.draws)
+        over = np.zeros_like(self.share, dtype=bool)
+        if g.hot is not None and len(g.layers):
+            rows = np.array([window.row[layer] for layer in g.layers])
+            with np.errstate(invalid="ignore"):
+                over[rows] = np.nan_to_num(g.hot, nan=0.0) > hot_factor
+        first = ok & ~self.has
+        later = ok & self.has
+        self.share[first] = shares[first]
+        blend = (1.0 - self.alpha) * self.share + self.alpha * shares
+        self.share[later] = np.where(over[later], self.share[later], blend[later])
+        self.has |= ok
+        self.updates += 1

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -287,6 +288,27 @@ def apply(model, names: list[str]) -> list[Fault]:
         with torch.no_grad():  # 4-byte UTF-8 lead bytes: emoji and other astral-plane characters
             model.embed.weight[0xF0:0xF5] = float("inf")  # as if cast to fp16 and overflowed
     return resolved
+
+
+def defer(model, after_s: float) -> threading.Timer:
+    """Hold the router faults ``apply`` installed back for ``after_s`` seconds (the model routes as healthy until
+    then), then switch them on: a fault that appears mid-run, as a bad deploy or a shift does, so the judgement
+    against a reference learned from the run's own first windows (``--hot-reference learned``) sees a change.
+    Model faults (``nan``) and the runtime's settings are not deferred. Returns the started timer (cancel it to
+    keep the model healthy)."""
+    routers = [layer.router for layer in model.moe_layers()]
+    held = [r.fault for r in routers]
+    for r in routers:
+        r.fault = None
+
+    def switch_on() -> None:
+        for r, f in zip(routers, held):
+            r.fault = f  # one attribute store each: the engine's next forward reads it
+
+    timer = threading.Timer(after_s, switch_on)
+    timer.daemon = True
+    timer.start()
+    return timer
 
 
 @dataclass(frozen=True)

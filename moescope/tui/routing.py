@@ -146,8 +146,9 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
     eplb = (predicted, measured) if levels.finite(predicted) and levels.finite(measured) else None
     v = judge.verdict(excess_cv=excess, baseline_cv=base, top_share=top, drift_jsd=jsd, drift_noise=noise,
                       hot_factors={e: f for e, (f, _) in (hot_factors or {}).items()}, dead_unexpected=unexpected,
-                      rank_max_over_mean=rank, t=t)
-    hots = tuple((e, hot_factors[e][0], hot_factors[e][1]) for e in v.hot)
+                      rank_max_over_mean=rank, t=t,
+                      hot_reference=next((ref for _, ref in (hot_factors or {}).values()), "fair"))
+    hots = tuple((e, hot_factors[e][0], hot_factors[e][1]) for e in v.over_hot)
     cv_level = levels.level(excess, bar)  # bad exactly where the verdict's bar is passed
     if cv_level == "bad" and not v.imbalanced:  # as the rule: a drifted layer's imbalance is the drift's
         cv_level = "warn"
@@ -160,14 +161,16 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
         against = "baseline" if levels.finite(base) else "no baseline"
         words.append(f"imbalanced (excess cv {excess:.2f}>{bar:.2f} {against})")
     if v.hot_shown:  # collapse inhibits the hot alert (Alertmanager), as it does here
-        words.append("hot " + " ".join(f"L{layer} E{e} {f:.1f}x {ref}" for e, f, ref in hots[:2]))
+        # "learning": against 1/E while the exporter learns the layer's reference (named here, not paged)
+        words.append("hot " + " ".join(f"L{layer} E{e} {f:.1f}x {'fair' if ref == 'learning' else ref}"
+                                       for e, f, ref in hots[:2]) + ("" if v.hot else " (learning: not paged)"))
     if v.drifted:
         words.append(f"drifted ({over_noise:.3f} bits over noise)")
     if v.rank_overloaded:
         words.append(f"rank max/mean {rank:.2f}")
     if v.dead:
         words.append(f"{int(unexpected)} dead")
-    lvl = levels.worst(cv_level, top_level, dead_level, "bad" if hots else "none",
+    lvl = levels.worst(cv_level, top_level, dead_level, "bad" if v.hot else "warn" if hots else "none",
                        "bad" if v.drifted or v.rank_overloaded else "none")
     fires = tuple(v.fires())
     return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,

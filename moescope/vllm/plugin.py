@@ -38,6 +38,7 @@ class Settings:
     model_name: str | None = None
     baseline: str | None = None
     window_s: float = 60.0
+    hot_reference: str = "learned"
 
     @classmethod
     def from_env(cls, env=None) -> "Settings":
@@ -64,9 +65,13 @@ class Settings:
         baseline = env.get("MOESCOPE_BASELINE") or None
         if baseline is not None and not Path(baseline).is_file():
             raise SettingsError(f"MOESCOPE_BASELINE={baseline!r}: no such file")
+        hot_reference = (env.get("MOESCOPE_HOT_REFERENCE") or "learned").strip()
+        if hot_reference not in ("learned", "fair"):
+            raise SettingsError(f"MOESCOPE_HOT_REFERENCE must be learned or fair, got {hot_reference!r}")
         return cls(port=port, addr=env.get("MOESCOPE_METRICS_ADDR") or "127.0.0.1",
                    traces=env.get("MOESCOPE_TRACES") or None, sample=sample,
-                   model_name=env.get("MOESCOPE_MODEL_NAME") or None, baseline=baseline, window_s=window)
+                   model_name=env.get("MOESCOPE_MODEL_NAME") or None, baseline=baseline, window_s=window,
+                   hot_reference=hot_reference)
 
 
 _installed = False
@@ -236,7 +241,8 @@ def _start(runner):
         if settings.traces:
             traces = Traces(_rank_path(settings.traces, dp_rank), sample=settings.sample)
         config = Config(metrics=Metrics(port=port, addr=settings.addr, model_name=settings.model_name or served,
-                                        rank=dp_rank, window_s=settings.window_s, baseline=settings.baseline),
+                                        rank=dp_rank, window_s=settings.window_s, baseline=settings.baseline,
+                                        hot_reference=settings.hot_reference),
                         traces=traces)
         inst = instrument(adapter, config)
     except Exception as e:  # noqa: BLE001 (whatever it is, vLLM serves on without moescope)
