@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tests"))  # the matrix's alerting path: tests/pipeline.py, tests/servers.py
 import _results  # noqa: E402
+import pipeline  # noqa: E402
 from pipeline import SHAPE_HOT_WATCH_S, SHAPE_HOT_WINDOW_S  # noqa: E402
 
 # Settings per shape. The shapes serve ~35 tokens/s on 2 shared cores: thin traffic (a request every 2 s), 2 s
@@ -86,6 +87,14 @@ HOT_EXPERT = 5
 # and hot alerts under a collapse): a run that delivers one is not a miss, and the sweep goes on down.
 PAGES_INSTEAD = ("MoEExpertCollapse", "MoEExpertLoadImbalance", "MoEExpertHot")
 SETTLE_S = 5
+# --hot-reference learned (the product's default without a baseline): the hot fault switches on mid-run
+# (``demo --fault-after``), once the exporter has learned its reference from a first full window. These runs use a
+# LEARN_WINDOW_S window (the custom shapes serve 4 requests/s: ~80 a window); learning starts at the first scrape
+# that sees routing (Prometheus starts pipeline.WARMUP_S after the exporter answers) and ends a window later, so
+# the fault comes a window after that (FAULT_AFTER_S from instrumenting), and the watch runs a minute past it.
+LEARN_WINDOW_S = 20
+FAULT_AFTER_S = 60
+LEARNED_WATCH_S = FAULT_AFTER_S + 60
 QUICK = {"shapes": ["tiny-demo"], "healthy_s": 30, "watch_s": 30, "baseline": False,
          "sweep": {"hot": [3.0], "imbalance": [4.0], "collapse": [8.0], "drop": [0.5]}, "chain": False}
 
@@ -123,21 +132,30 @@ def hot_layer(spec: str) -> int:
     return layers[len(layers) // 2]
 
 
-def store_figures(store: Path, fault: str, layer: int | None) -> dict:
-    """The realised size of the fault from the run's own trace store."""
+def store_figures(store: Path, fault: str, layer: int | None, fault_after_s: float | None = None) -> dict:
+    """The realised size of the fault from the run's own trace store. ``fault_after_s``: the fault switched on
+    mid-run; the hot expert's share after it is also given over its share before it (requests that started
+    more than a second before or after the switch, reckoned from the first stored request's start)."""
     from moescope.traces.store import CorruptRows, iter_routed, open_store
 
     if not store.exists():
         return {"requests_stored": 0}
     conn = open_store(store)
     totals: dict[int, np.ndarray] = {}
-    n_req, n_exp = 0, None
+    split: dict[str, np.ndarray] = {}  # before / after the fault switched on: the hot layer's slots
+    n_req, n_exp, first = 0, None, None
     try:
         for r in iter_routed(conn, corrupt=CorruptRows(warn=None)):
             n_req, n_exp = n_req + 1, r.n_experts
+            first = r.started if first is None else first
             for j, lay in enumerate(r.layers):
                 c = np.bincount(r.ids[:, j].ravel(), minlength=r.n_experts + 1)  # id E: a dropped slot
                 totals[lay] = totals.get(lay, 0) + c
+                if fault_after_s is not None and lay == layer:
+                    at = r.started - first - fault_after_s
+                    if abs(at) > 1.0:
+                        side = "after" if at > 0 else "before"
+                        split[side] = split.get(side, 0) + c
     finally:
         conn.close()
     out: dict = {"requests_stored": n_req}
@@ -157,6 +175,13 @@ def store_figures(store: Path, fault: str, layer: int | None) -> dict:
         out["hot_factor_measured"] = round(float(k[HOT_EXPERT] / k.sum() * n_exp), 2)
         others = [float(v[HOT_EXPERT] / v.sum() * n_exp) for lay, v in kept.items() if lay != layer]
         out["same_expert_other_layers_median_factor"] = round(float(np.median(others)), 2) if others else None
+        if "before" in split and "after" in split:
+            before, after = (split[x][:n_exp].astype(np.float64) for x in ("before", "after"))
+            b, a = before[HOT_EXPERT] / max(before.sum(), 1), after[HOT_EXPERT] / max(after.sum(), 1)
+            out["hot_share_before_over_fair"] = round(float(b * n_exp), 2)
+            out["hot_factor_after_over_fair"] = round(float(a * n_exp), 2)
+            # what the learned reference judges: the share after over the share before (never below 1/E)
+            out["hot_factor_over_before"] = round(float(a / max(b, 1.0 / n_exp)), 2)
     return out
 
 
@@ -245,8 +270,13 @@ def _matcher(fault: str, layer: int):
     return lambda a: a["labels"]["alertname"] == name
 
 
-def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: float, chain: bool) -> dict:
-    """One fault's magnitudes, largest first; with ``chain``, stop after the first one not detected."""
+def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: float, chain: bool,
+          traffic: str = "broad", hot_reference: str = "fair") -> dict:
+    """One fault's magnitudes, largest first; with ``chain``, stop after the first one not detected.
+    ``hot_reference`` (hot only): fair (the fault on from the start, judged against 1/E) or learned (the default
+    reference; the fault switched on mid-run, FAULT_AFTER_S). ``traffic``: broad or narrow (hot only)."""
+    learned = fault == "hot" and hot_reference == "learned"
+    narrow = ["--prompts", str(NARROW_PROMPTS)] if traffic == "narrow" else []
     spec, _ = renamed(shape, out)
     layer = hot_layer(spec)
     from moescope.runtime.config import resolve
@@ -259,17 +289,27 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
             skipped.append({"magnitude": m, "why": f"out of reach: E/k = {reach:g} (every token choosing it)"})
             continue
         scenario = _scenario(fault, m, layer)
-        base = out / shape / scenario.replace("=", "-").replace(":", "_")
+        tag = "" if fault != "hot" or (traffic, hot_reference) == ("broad", "fair") else f"-{traffic}-{hot_reference}"
+        base = out / shape / (scenario.replace("=", "-").replace(":", "_") + tag)
         hot = fault == "hot"
-        # The faults are on from the first request: the hot runs judge against the fair share (the default
-        # reference is learned from the first window, fault included; a change is tests/test_learned.py's)
-        row = run_one(base, shape, scenario, (hot and SHAPES[shape]["hot_watch_s"]) or watch_s,
-                      matches=_matcher(fault, layer), window_s=SHAPES[shape]["window_s"] if hot else None,
-                      demo_args=["--hot-reference", "fair"] if hot else ())
+        if learned:
+            row = run_one(base, shape, scenario, LEARNED_WATCH_S, matches=_matcher(fault, layer),
+                          window_s=LEARN_WINDOW_S, demo_args=["--fault-after", f"{FAULT_AFTER_S:g}", *narrow])
+            row.update(fault_after_s=FAULT_AFTER_S, traffic=traffic)
+            if row.get("detected"):  # the watch starts WARMUP_S (+ Prometheus' start) after instrumenting
+                row["seconds_after_fault_at_least"] = round(row["seconds_to_detect"] + pipeline.WARMUP_S
+                                                            - FAULT_AFTER_S, 1)
+        else:
+            # The fault is on from the first request: judged against the fair share (the default reference is
+            # learned from the first window, fault included)
+            row = run_one(base, shape, scenario, (hot and SHAPES[shape]["hot_watch_s"]) or watch_s,
+                          matches=_matcher(fault, layer), window_s=SHAPES[shape]["window_s"] if hot else None,
+                          demo_args=["--hot-reference", "fair", *narrow] if hot else ())
+            row["traffic"] = traffic
         row["magnitude"] = m
         if hot:
-            row["hot_reference"] = "fair"
-        row.update(store_figures(base / "traces.sqlite", fault, layer))
+            row["hot_reference"] = hot_reference
+        row.update(store_figures(base / "traces.sqlite", fault, layer, FAULT_AFTER_S if learned else None))
         row["others_delivered"] = [d for d in row.get("delivered", []) if not d.startswith(EXPECTED[fault])]
         # Paged at all: the expected alert, or a routing alert that inhibits it (a strong imbalance or hot
         # expert on a small model is a collapse: MoEExpertCollapse pages and holds the imbalance alert back).
@@ -284,7 +324,8 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
     knob_larger = fault != "drop"  # drop: a smaller capacity factor is the larger fault
     smallest = (min(detected) if knob_larger else max(detected)) if detected else None
     ttd = [r["seconds_to_detect"] for r in rows if r.get("detected")]
-    return {"fault": fault, "expected_alert": EXPECTED[fault], "hot_layer": layer if fault == "hot" else None,
+    return {"fault": fault, "traffic": traffic, "hot_reference": hot_reference if fault == "hot" else None,
+            "expected_alert": EXPECTED[fault], "hot_layer": layer if fault == "hot" else None,
             "hot_expert": HOT_EXPERT if fault == "hot" else None, "runs": rows, "not_run": skipped,
             "smallest_detected": smallest, "seconds_to_detect_median": float(np.median(ttd)) if ttd else None,
             "magnitude_means": {"hot": "target factor over the fair share (calibration traffic)",
@@ -312,6 +353,9 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=3, help="demos at once")
     ap.add_argument("--traffic", default="broad", help="healthy traffic: broad, narrow (a few prompts repeated) "
                                                         "or both (broad,narrow)")
+    ap.add_argument("--hot-reference", default="fair", choices=("fair", "learned"),
+                    help="the hot sweep: fair (the fault on from the start, judged against 1/E: --hot-reference "
+                         "fair) or learned (the default reference; the fault switched on mid-run)")
     ap.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
     ap.add_argument("--markdown", metavar="RESULTS", default=None,
                     help="print the docs' tables from a results file and exit (no run)")
@@ -340,12 +384,13 @@ def main() -> None:
     commit = _git("rev-parse", "--short", "HEAD")
     dirty = [x for x in _git("status", "--porcelain", "-uno").split("\n") if x]
     prebuild(shapes, work)
-    jobs = [(s, f) for f in sweeps for s in shapes]
+    # the hot sweep runs on every traffic asked for; the other faults on the broad mix
+    jobs = [(s, f, t) for f in sweeps for s in shapes for t in (traffics if f == "hot" else ["broad"])]
     watch = {s: QUICK["watch_s"] if args.quick else SHAPES[s]["watch_s"] for s in shapes}
     # Full runs: the healthy runs first (false alarms on their own, not beside fault runs), then the sweeps.
     # Quick: all at once (one tiny-demo each).
     parallel = len(jobs) + len(shapes) if args.quick else max(1, args.parallel)
-    healthy_jobs = [(s, t) for s in shapes for t in traffics]
+    healthy_jobs = [(s, t) for s in shapes for t in traffics] if healthy_s > 0 else []  # 0: sweeps only
     with ThreadPoolExecutor(parallel) as pool, _results.progress(
             f"detection: {len(healthy_jobs)} healthy runs, then {len(jobs)} fault sweeps, {parallel} at once",
             len(healthy_jobs) + len(jobs)) as advance:
@@ -359,20 +404,24 @@ def main() -> None:
             for f in healthy_futures:
                 f.result()
             print(f"healthy done at {time.time() - t0:.0f} s", flush=True)
-        sweep_futures = [submit(sweep, work, s, f, sweeps[f], watch[s], chain) for s, f in jobs]
+        sweep_futures = [submit(sweep, work, s, f, sweeps[f], watch[s], chain, t, args.hot_reference)
+                         for s, f, t in jobs]
         healthy_rows = dict(zip(healthy_jobs, (f.result() for f in healthy_futures)))
         swept = [f.result() for f in sweep_futures]
     results = {s: {"model": f"acme-{s} ({_shape_words(s)})", **SHAPES[s], "faults": {},
-                   **{"healthy" if t == "broad" else f"healthy_{t}": healthy_rows[(s, t)] for t in traffics}}
+                   **{"healthy" if t == "broad" else f"healthy_{t}": healthy_rows[(s, t)] for t in traffics
+                      if (s, t) in healthy_rows}}
                for s in shapes}
-    for (s, f), row in zip(jobs, swept):
-        results[s]["faults"][f] = row
+    for (s, f, t), row in zip(jobs, swept):
+        learned = f == "hot" and args.hot_reference == "learned"
+        results[s]["faults"][f + ("" if t == "broad" else f"_{t}") + ("_learned" if learned else "")] = row
     report = {
         "benchmark": "detection", "quick": args.quick,
         "how": "moescope demo (renamed preset) -> exporter -> Prometheus (generated rules, for / 30, memory window "
                "x3) -> Alertmanager (repo routing) -> webhook; times from Prometheus' first scrape (12 s after the "
                "exporter answers)",
-        "healthy_s": healthy_s, "parallel_demos": parallel, "chain_stops_at_first_miss": chain,
+        "healthy_s": healthy_s, "hot_reference": args.hot_reference, "parallel_demos": parallel,
+        "chain_stops_at_first_miss": chain,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "note": "shared 2-core VM: other test runs share the cores"},
         "commit": commit, "uncommitted_changes_in": dirty,
@@ -411,9 +460,13 @@ def _run_cell(fault: str, r: dict, top_k: int) -> str:
     if value is not None and fault == "collapse":  # a share of the slots; each token has k of them
         value = value * top_k
     size = fmt.format(value) if value is not None else "no request finished"
+    if r.get("hot_factor_over_before") is not None:  # switched on mid-run: also over its share before
+        size += f", {r['hot_factor_over_before']:g}x its share before"
     if "error" in r:
         return f"{r['scenario']}: error"
-    verdict = f"{r['seconds_to_detect']:g} s" if r.get("detected") else \
+    after = r.get("seconds_after_fault_at_least")
+    verdict = (f"{after:g} s after the switch" if after is not None else f"{r['seconds_to_detect']:g} s") \
+        if r.get("detected") else \
         ("paged as " + _by_name(r["others_delivered"]) if r.get("paged") else "missed")
     return f"`{r['scenario'].split('=', 1)[1]}` ({size}): {verdict}"
 
@@ -454,7 +507,8 @@ def markdown(report: dict) -> str:
               "| model | fault (magnitude) | runs | smallest detected | median seconds to detect (detected runs) |",
               "|---|---|---|---|---|"]
     for s, r in report["shapes"].items():
-        for f, v in r["faults"].items():
+        for name, v in r["faults"].items():
+            f = v.get("fault", name)
             runs = "; ".join(_run_cell(f, x, _top_k(s)) for x in v["runs"])
             if v["runs"]:
                 first = v["runs"][0]
@@ -463,7 +517,12 @@ def markdown(report: dict) -> str:
                 runs += "; " + "; ".join(f"{x['magnitude']:g}: {x['why']}" for x in v["not_run"])
             smallest = "none" if v["smallest_detected"] is None else f"{v['smallest_detected']:g}"
             ttd = "-" if v["seconds_to_detect_median"] is None else f"{v['seconds_to_detect_median']:g}"
-            lines.append(f"| {s} | {f} ({v['magnitude_means']}) | {runs} | {smallest} | {ttd} |")
+            how = ""
+            if f == "hot":
+                how = (f", {v.get('traffic', 'broad')} traffic, " +
+                       ("switched on mid-run, against the learned reference" if v.get("hot_reference") == "learned"
+                        else "on from the start, against 1/E"))
+            lines.append(f"| {s} | {f}{how} ({v['magnitude_means']}) | {runs} | {smallest} | {ttd} |")
     return "\n".join(lines) + "\n"
 
 

@@ -15,8 +15,9 @@ deployment comes from three places, never from a model's name:
   with baseline series in PromQL, one expression for every model.
 
 What stays here is model-independent: z-scores, factors and SLO-like limits, each with its meaning beside it.
-Without a baseline only what needs none is judged tightly (collapse, non-finite logits, drops, hot experts
-against the fair share, latencies); imbalance waits for a baseline below the no-baseline bar, and views say so.
+Without a baseline only what needs none is judged tightly (collapse, non-finite logits, drops, latencies); hot
+experts are judged against the reference the exporter learns from its own first window (``learn_half_life_windows``)
+and imbalance waits for a baseline below the no-baseline bar; views say so.
 """
 
 from __future__ import annotations
@@ -72,6 +73,12 @@ class Thresholds:
     # Ranks of an expert-parallel placement: the busiest rank's load over the mean (TensorRT-LLM's
     # straggler factor; EPLB's objective). 1.5: the other ranks idle a third of every dispatch.
     rank_max_over_mean: float = 1.5
+    # Hysteresis of the ratio pages (hot factor, rank max/mean): a firing page holds until its value falls back
+    # this share of the way from its bar to 1 (the reference): 3.25x for the hot bar of 4, 1.375 for the rank bar
+    # of 1.5 (``clear_bar``). A hot factor exported at all passed its test at the family z (4-5 at L x E in the
+    # hundreds to tens of thousands), so near the bar its sd is at most (bar - 1) / z, under this quarter of the
+    # way: a value hovering at the bar by noise keeps one page instead of firing and resolving.
+    clear_fraction: float = 0.25
     # Collapse: most of the routed tokens (3 in 4) choose one expert; k/E when balanced.
     collapse_top_share: float = 0.75
     # Dead: an expert with no slot where its reference share predicts at least this many effective slots
@@ -172,6 +179,10 @@ class Thresholds:
             tvd += abs(b - a) / 2
             bound += self.noise_z * math.sqrt(p * (1 - p) * (1 / n_before + 1 / n_after)) / 2
         return tvd > bound
+
+    def clear_bar(self, bar: float) -> float:
+        """Where a firing ratio page (a bar over 1, the reference) clears: ``clear_fraction`` back towards 1."""
+        return bar - self.clear_fraction * (bar - 1.0)
 
     def rank_overloaded(self, max_over_mean: float | None) -> bool:
         return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean

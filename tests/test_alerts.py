@@ -151,6 +151,7 @@ def test_no_model_selector_and_no_typed_bar():
     t = thresholds.DEFAULT
     values = {rules.num(getattr(t, f.name)) for f in dataclasses.fields(t) if isinstance(getattr(t, f.name), float)}
     values |= {str(getattr(t, f.name)) for f in dataclasses.fields(t) if isinstance(getattr(t, f.name), int)}
+    values |= {rules.num(t.clear_bar(b)) for b in (t.hot_factor, t.rank_max_over_mean)}  # (a Thresholds method)
     for s in rules.specs():
         assert "model=" not in s.expr and "model!" not in s.expr, s.name
         for n in re.findall(r"(?:[<>]|[*+]) (\d[\d.e+-]*)\b", s.expr):

@@ -120,6 +120,11 @@ def _hot(factor: float, expert: str = "17", reference: str = "fair") -> dict:
     return {f"moescope_expert_hot_factor_ratio{{{lab(expert=expert, reference=reference)}}}": v(factor)}
 
 
+def _hot_steps(first: float, then: float) -> dict:
+    """10 samples (minutes) at ``first``, then 21 at ``then``."""
+    return {f"moescope_expert_hot_factor_ratio{{{lab(expert='17', reference='fair')}}}": f"{first!r}x9 {then!r}x20"}
+
+
 def hot_description(factor: float, expert: str, reference: str, t: Thresholds = DEFAULT) -> str:
     ref = {"baseline": "its baseline share",
            "learned": "the share this deployment's traffic gave it (learned; no baseline loaded)"}.get(
@@ -147,6 +152,14 @@ def hot(t: Thresholds) -> Suite:
             Case("against its learned share", _hot(f, "17", "learned"),
                  (({**labels, "reference": "learned"}, hot_description(f, "17", "learned", t)),)),
             Case("not while its reference is being learned", _hot(2 * t.hot_factor, "17", "learning")),
+            # hysteresis: 10 minutes over the bar (firing after its 5m), then between the bars: held; under the
+            # clear bar: resolved once its keep_firing_for (5m) passed
+            Case("firing, it holds between its bar and its clear bar",
+                 _hot_steps(f, mid := (t.hot_factor + t.clear_bar(t.hot_factor)) / 2),
+                 ((labels, hot_description(mid, "17", "fair", t)),), eval_time="18m"),
+            Case("firing, it clears under its clear bar", _hot_steps(f, t.clear_bar(t.hot_factor) - 0.25),
+                 eval_time="18m"),
+            Case("between the bars without having fired is silent", _hot(mid)),
         ))
 
 
@@ -158,9 +171,22 @@ def rank(t: Thresholds) -> Suite:
     x = 1.56  # TensorRT-LLM's DeepSeek-R1 rank imbalance without EPLB: (max - mean) / mean 0.56
     desc = (f"Layer 1 of m: the busiest expert-parallel rank computes {1 + x:.2f}x the mean rank's slots (bar: "
             f"{t.rank_max_over_mean:g}x); every all-to-all of the layer waits for it.")
+    def steps(first, then):  # 15 samples (minutes) at first, then 31 at then
+        return {f"moescope_rank_load_max_over_mean_ratio{{{L}}}": f"{first!r}x14 {then!r}x30"}
+
+    mid = (t.rank_max_over_mean + t.clear_bar(t.rank_max_over_mean)) / 2
+    held = (f"Layer 1 of m: the busiest expert-parallel rank computes {mid:.2f}x the mean rank's slots (bar: "
+            f"{t.rank_max_over_mean:g}x); every all-to-all of the layer waits for it.")
     return Suite(Case("fires", s(1 + x), ((LAYER, desc),)), Case("healthy", s(1.1)),
                  Case("boundary", s(t.rank_max_over_mean)),
-                 (Case("NaN (an empty window) is not judged", s(float("nan"))),))
+                 (Case("NaN (an empty window) is not judged", s(float("nan"))),
+                  # hysteresis: firing (after its 10m), then between the bars: held; under the clear bar: resolved
+                  # once its keep_firing_for (10m) passed
+                  Case("firing, it holds between its bar and its clear bar", steps(1 + x, mid), ((LAYER, held),),
+                       eval_time="30m"),
+                  Case("firing, it clears under its clear bar", steps(1 + x, t.clear_bar(t.rank_max_over_mean) - 0.05),
+                       eval_time="30m"),
+                  Case("between the bars without having fired is silent", s(mid))))
 
 
 # -- MoEExpertCollapse --------------------------------------------------------------------------------------------

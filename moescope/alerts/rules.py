@@ -45,6 +45,13 @@ def num(v: float) -> str:
     return f"{v:g}"
 
 
+def held(name: str, series: str, bar: float, t: Thresholds) -> str:
+    """``series > bar``, and once ``name`` fires for a series, ``series > t.clear_bar(bar)`` (hysteresis: the
+    rule reads its own firing alerts back from ``ALERTS``, written at its previous evaluation)."""
+    return (f'{series} > {num(bar)} or ({series} > {num(t.clear_bar(bar))} and ignoring (alertname, alertstate, '
+            f'severity) ALERTS{{alertname="{name}", alertstate="firing"}})')
+
+
 def _query(expr: str, found: str, missing: str) -> str:
     """Description text: ``found`` with ``VALUE`` the value of ``expr`` (``{SEL}``: the firing alert's model, rank
     and layer), ``missing`` where it returns nothing."""
@@ -132,21 +139,23 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
                   "not where the layer drifted"),
         # "learning": the exporter has not yet learned the layer's reference (its first full window): views name
         # such experts against 1/E, pages wait (a model's popular experts are not a change).
-        AlertSpec("MoEExpertHot", f'moescope_expert_hot_factor_ratio{{reference!="learning"}} > {num(t.hot_factor)}',
-                  "warning",
+        AlertSpec("MoEExpertHot", held("MoEExpertHot", 'moescope_expert_hot_factor_ratio{reference!="learning"}',
+                                       t.hot_factor, t), "warning",
                   "One expert takes several times its share.",
                   "Expert {{ $labels.expert }} of layer {{ $labels.layer }} in {{ $labels.model }} (rank "
                   '{{ $labels.rank }}) gets {{ $value | printf "%.1f" }}x ' + hot_ref + ", beyond sampling noise "
                   f"(bar: {num(t.hot_factor)}x).", ("moescope_expert_hot_factor_ratio",), "5m",
                   f"an expert's window share / its baseline share (else the share learned from the deployment's "
                   f"own windows, or 1/E with --hot-reference fair) > {num(t.hot_factor)}, significant against "
-                  "sampling noise"),
-        AlertSpec("MoERankLoadImbalance", f"moescope_rank_load_max_over_mean_ratio > {num(t.rank_max_over_mean)}",
+                  f"sampling noise; firing, it clears under {num(t.clear_bar(t.hot_factor))}"),
+        AlertSpec("MoERankLoadImbalance", held("MoERankLoadImbalance", "moescope_rank_load_max_over_mean_ratio",
+                                               t.rank_max_over_mean, t),
                   "warning", "One expert-parallel rank computes far more than the others.",
                   "Layer {{ $labels.layer }} of {{ $labels.model }}: the busiest expert-parallel rank computes "
                   '{{ $value | printf "%.2f" }}x the mean rank\'s slots (bar: ' + num(t.rank_max_over_mean)
                   + "x); every all-to-all of the layer waits for it.", ("moescope_rank_load_max_over_mean_ratio",),
-                  "10m", f"busiest rank's slots / the mean rank's, per layer, > {num(t.rank_max_over_mean)}"),
+                  "10m", f"busiest rank's slots / the mean rank's, per layer, > {num(t.rank_max_over_mean)}; firing, "
+                  f"it clears under {num(t.clear_bar(t.rank_max_over_mean))}"),
         AlertSpec("MoEExpertCollapse", f"moescope_expert_load_top_share_ratio > {num(t.collapse_top_share)}",
                   "critical", "Routing collapsed onto one expert.",
                   "{{ $value | humanizePercentage }} of layer {{ $labels.layer }}'s tokens choose one expert in "
