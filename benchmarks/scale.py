@@ -20,7 +20,6 @@ Figures from a shared 2-core machine are noisy: compare medians and ratios, not 
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,6 +28,7 @@ import time
 from pathlib import Path
 
 import _scrape
+from _ports import free_port
 import _results
 from overhead import run_workload
 
@@ -38,21 +38,6 @@ from moescope.runtime.engine import Engine
 from moescope.traces.recorder import TraceRecorder
 
 MODEL = _scrape.MODEL
-
-
-def _free_pair() -> int:
-    """A port p with p + 1 free as well (rank r of the 2-rank demo serves metrics on p + r)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def build_store(model, path: Path, n_requests: int, output_tokens: int) -> dict:
@@ -108,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         report["serving"] = run_workload(MODEL, model, 16, n_serve, rounds, tmp)
         report["store"] = build_store(model, tmp / "store.sqlite", n_store, out_tokens)
         report["views"] = views(tmp / "store.sqlite", tmp / "report", n_view)
-    report["scrape"] = _scrape.measure(args.quick, _free_pair())
+    report["scrape"] = _scrape.measure(args.quick, free_port(2))  # rank r of the 2-rank demo: port + r
     _results.save(report, out)
     return 0
 

@@ -46,21 +46,14 @@ import urllib.request
 from pathlib import Path
 
 import _results
+from _ports import free_port
 
 VARIANTS = {"capture_on": [], "capture_off": ["--metrics-port", "-1", "--traces", "none"]}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(model: str, extra: list[str], tmp: Path, name: str, max_batch: int,
           max_queue: int | None = None) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     args = [sys.executable, "-m", "moescope", "serve", "--model", model, "--port", str(port), "--max-batch",
             str(max_batch), "--log-level", "warning", *extra]
     if max_queue is not None:

@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _results
+from _ports import free_port
 
 from moescope.progress import progress
 
@@ -68,15 +69,6 @@ PROMPTS = [
     "The river had risen overnight, and", "Dear team, thank you for", "The observatory bought a new",
     "To make bread, first", "git commit -m", "The train left the station at",
 ]
-
-
-def _free_port() -> int:
-    """A port below the kernel's ephemeral range (tests/servers.py ``free_port``): a port the OS hands out as free
-    (bind to 0) can become some outgoing connection's source port before the server binds it (CI: "Address already
-    in use" for one of the three servers started together)."""
-    from servers import free_port
-
-    return free_port()
 
 
 # ------------------------------------------------------------------------------------------------ server CPU
@@ -344,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tmp)
         model_dir = vllm_models.build(ARCH, tmp / ARCH)
         build = json.loads((model_dir / "moescope_build.json").read_text())
-        ports = {name: _free_port() for name in CONFIGS if name != "off"}
+        ports = {name: free_port() for name in CONFIGS if name != "off"}
         config_env = {"off": {},
                       "metrics": {"MOESCOPE_METRICS_PORT": str(ports["metrics"])},
                       "traces": {"MOESCOPE_METRICS_PORT": str(ports["traces"]),
@@ -356,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         orders = []
         try:
             for name in CONFIGS:
-                server = VLLMServer(model_dir, _free_port(), env_extra=config_env[name], args=server_args,
+                server = VLLMServer(model_dir, free_port(), env_extra=config_env[name], args=server_args,
                                     name="tiny-qwen", timeout=600, log_path=tmp / f"{name}.log")
                 # exactly this config's MOESCOPE_* variables: never this process' own (a MOESCOPE_TRACES of the
                 # caller's would turn the plugin on in "off")
