@@ -85,6 +85,8 @@ def provenance_line(results: Path) -> str:
         m = p.get("machine") or {}
         pkgs = ", ".join(f"{k} {v}" for k, v in (p.get("packages") or {}).items() if v)
         dirty = " with uncommitted changes" if p.get("uncommitted_changes") else ""
+        if p.get("commit_at_save"):  # HEAD moved while it ran: the commit measured is the one it started at
+            dirty += f" (saved at {p['commit_at_save']})"
         return (f"Provenance: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
                 f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.")
     rerun = RERUN.get(results.name, f"python benchmarks/{results.stem}.py")

@@ -44,6 +44,8 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None, name: str | Calla
     ``--quick``, else the benchmark's default). ``name`` (the results file's stem) and ``quick_rounds`` may be
     functions of the arguments, for a benchmark whose file or quick length depends on them (the device)."""
     args = ap.parse_args(argv)
+    global _STARTED
+    _STARTED = _git_state()  # the code measured: HEAD when the run starts (a commit meanwhile is not it)
     if args.out is None:
         args.out = path(name(args) if callable(name) else name, args.quick)
     if hasattr(args, "full_rounds"):
@@ -66,23 +68,34 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
             advance()
 
 
+_STARTED: dict | None = None  # ``_git_state()`` at ``parse`` (the run's start)
+
+
+def _git(*args: str) -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.run(["git", *args], cwd=RESULTS.parent.parent, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git_state() -> dict:
+    return {"commit": _git("rev-parse", "--short", "HEAD"),
+            "uncommitted_changes": bool(_git("status", "--porcelain", "--", "moescope", "benchmarks"))}
+
+
 def provenance(packages: Iterable[str] = ("torch",)) -> dict:
-    """How a results file was made: the commit (and whether the tree had uncommitted changes), the exact command,
+    """How a results file was made: the commit when the run started (and whether the tree had uncommitted changes;
+    ``commit_at_save`` where HEAD moved during the run), the exact command,
     the date, the machine (cores, load average, CPU model, GPU if any) and the versions of ``packages``."""
     import datetime
     import os
     import platform
     import shlex
-    import subprocess
     import sys
     from importlib import metadata
-
-    def git(*args: str) -> str | None:
-        try:
-            return subprocess.run(["git", *args], cwd=RESULTS.parent.parent, capture_output=True, text=True,
-                                  timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            return None
 
     cpu = None
     try:
@@ -103,9 +116,10 @@ def provenance(packages: Iterable[str] = ("torch",)) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    return {"commit": git("rev-parse", "--short", "HEAD"), "uncommitted_changes": bool(git("status", "--porcelain",
-                                                                                             "--", "moescope",
-                                                                                             "benchmarks")),
+    now = _git_state()
+    start = _STARTED or now
+    moved = {"commit_at_save": now["commit"]} if now["commit"] != start["commit"] else {}
+    return {**start, **moved,
             "command": " ".join(shlex.quote(a) for a in [os.path.relpath(sys.argv[0], RESULTS.parent.parent)
                                                          if sys.argv and sys.argv[0] else "python",
                                                          *sys.argv[1:]]),
