@@ -323,7 +323,8 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
     detected = [r["magnitude"] for r in rows if r.get("detected")]
     knob_larger = fault != "drop"  # drop: a smaller capacity factor is the larger fault
     smallest = (min(detected) if knob_larger else max(detected)) if detected else None
-    ttd = [r["seconds_to_detect"] for r in rows if r.get("detected")]
+    # switched on mid-run: from the switch (at least); else from Prometheus' first scrape
+    ttd = [r.get("seconds_after_fault_at_least", r["seconds_to_detect"]) for r in rows if r.get("detected")]
     return {"fault": fault, "traffic": traffic, "hot_reference": hot_reference if fault == "hot" else None,
             "expected_alert": EXPECTED[fault], "hot_layer": layer if fault == "hot" else None,
             "hot_expert": HOT_EXPERT if fault == "hot" else None, "runs": rows, "not_run": skipped,
@@ -465,7 +466,8 @@ def _run_cell(fault: str, r: dict, top_k: int) -> str:
     if "error" in r:
         return f"{r['scenario']}: error"
     after = r.get("seconds_after_fault_at_least")
-    verdict = (f"{after:g} s after the switch" if after is not None else f"{r['seconds_to_detect']:g} s") \
+    also = f" (also paged: {_by_name(r['others_delivered'])})" if r.get("others_delivered") else ""
+    verdict = (f"{after:g} s after the switch" if after is not None else f"{r['seconds_to_detect']:g} s") + also \
         if r.get("detected") else \
         ("paged as " + _by_name(r["others_delivered"]) if r.get("paged") else "missed")
     return f"`{r['scenario'].split('=', 1)[1]}` ({size}): {verdict}"
@@ -485,7 +487,8 @@ def _by_name(delivered: list[str]) -> str:
 def markdown(report: dict) -> str:
     """The docs' tables, every figure from the results file."""
     lines = [f"Healthy traffic, {report['healthy_s']:g} s per run: alerts delivered other than the Watchdog.", "",
-             "| model | no baseline | with a baseline saved from healthy traffic |", "|---|---|---|"]
+             "| model | no baseline | with a baseline saved from healthy traffic |", "|---|---|---|"] \
+        if report.get("healthy_s", 1) > 0 else []
     for r, healthy_row, traffic in [(r, r[k], k.partition("_")[2] or "broad") for r in report["shapes"].values()
                                     for k in ("healthy", "healthy_narrow") if k in r]:
         cells = []
@@ -502,8 +505,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['model']}{words} | {cells[0]} | {cells[1]} |")
     if not any(r["faults"] for r in report["shapes"].values()):
         return "\n".join(lines) + "\n"
-    lines += ["", "Faults, largest magnitude first (each run: the magnitude (its realised size in the run's trace "
-              "store): seconds to detect, or what paged instead, or missed):", "",
+    lines += [""] * bool(lines) + [
+        "Faults, largest magnitude first (each run: the magnitude (its realised size in the run's trace store): "
+        "seconds to detect, or what paged instead, or missed):", "",
               "| model | fault (magnitude) | runs | smallest detected | median seconds to detect (detected runs) |",
               "|---|---|---|---|---|"]
     for s, r in report["shapes"].items():
@@ -516,7 +520,10 @@ def markdown(report: dict) -> str:
             if v["not_run"]:
                 runs += "; " + "; ".join(f"{x['magnitude']:g}: {x['why']}" for x in v["not_run"])
             smallest = "none" if v["smallest_detected"] is None else f"{v['smallest_detected']:g}"
-            ttd = "-" if v["seconds_to_detect_median"] is None else f"{v['seconds_to_detect_median']:g}"
+            after = [x["seconds_after_fault_at_least"] for x in v["runs"] if x.get("detected")
+                     and x.get("seconds_after_fault_at_least") is not None]
+            median = float(np.median(after)) if after else v["seconds_to_detect_median"]
+            ttd = "-" if median is None else f"{median:g}" + (" after the switch" if after else "")
             how = ""
             if f == "hot":
                 how = (f", {v.get('traffic', 'broad')} traffic, " +
