@@ -154,6 +154,61 @@ class Judgement:
         return top_factors(self.hot_factor, k)
 
 
+@dataclass(frozen=True)
+class Inhibit:
+    """One of Alertmanager's inhibit rules: a firing alert matching ``source`` mutes the alerts matching
+    ``target`` whose ``equal`` labels are the same (a cause mutes its symptoms). Matchers are label: value, a value
+    with ``|`` is any of its parts (Alertmanager's ``=~``)."""
+
+    source: tuple[tuple[str, str], ...]
+    target: tuple[tuple[str, str], ...]
+    equal: tuple[str, ...]
+    why: str
+
+    @staticmethod
+    def _matches(matchers, labels: dict) -> bool:
+        return all(labels.get(k, "") in v.split("|") for k, v in matchers)
+
+    def matchers(self, which: str) -> list[str]:
+        """``source_matchers`` / ``target_matchers`` as alertmanager.yml writes them."""
+        return [f'{k}=~"{v}"' if "|" in v else f'{k}="{v}"' for k, v in getattr(self, which)]
+
+
+# The combining rules Alertmanager applies to what the alert rules fire, written once: collectors/alertmanager/
+# alertmanager.yml's inhibit_rules are these (tests/test_alerts.py checks the file and a real Alertmanager against
+# ``delivered``).
+INHIBITIONS = (
+    Inhibit((("severity", "critical"),), (("severity", "warning"),), ("model", "layer"),
+            "A critical page (collapse, non-finite logits) mutes the warnings of its layer."),
+    Inhibit((("alertname", "MoESlowRank"),), (("alertname", "MoEAllToAllLatencyHigh"),), ("model",),
+            "A slow rank makes every peer's all-to-all slow: page for the cause (which rank), not for each "
+            "symptom."),
+    Inhibit((("alertname", "MoEExpertCollapse"),), (("alertname", "MoEExpertLoadImbalance|MoEExpertHot"),),
+            ("model",),
+            "A collapse (a broken router bias, a bad fine-tune) skews every layer: it is the extreme of both "
+            "imbalance and a hot expert, and the layers it leaves just short of the collapse bar (measured at "
+            "deepseek-v3-shape: 1 of 58, its load split over two experts) are its symptoms."),
+    Inhibit((("alertname", "MoEExpertHot"),), (("alertname", "MoEExpertLoadImbalance|MoERankLoadImbalance"),),
+            ("model", "layer"),
+            "One hot expert is what raises its layer's load CV and its rank's load: page for the expert (it names "
+            "what to replicate or move), not for each of its symptoms in the same layer."),
+    Inhibit((("alertname", "MoETokensDropped"),), (("alertname", "MoEActivationRatioLow"),), ("model", "rank"),
+            "Dropped slots are experts a token did not run: they lower the activation ratio."),
+)
+
+
+def delivered(firing: list[dict]) -> list[dict]:
+    """The firing alerts (label dicts) ``INHIBITIONS`` leave to page, as Alertmanager decides: an alert is muted
+    by another firing alert (not itself) that matches a rule's source where it matches the rule's target and
+    their ``equal`` labels agree."""
+    def muted(a: dict) -> bool:
+        return any(Inhibit._matches(r.target, a) and any(
+            b is not a and Inhibit._matches(r.source, b) and all(a.get(k, "") == b.get(k, "") for k in r.equal)
+            for b in firing) for r in INHIBITIONS)
+
+    return [a for a in firing if not muted(a)]
+
+
 def top_factors(factors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     """Per row of ``factors`` [L, E], up to ``k`` (expert, factor) with a finite factor, highest first (ties: lower
     id)."""

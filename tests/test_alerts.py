@@ -239,6 +239,16 @@ def test_alertmanager_routes(labels, receiver):
     assert bad.returncode == 1  # amtool really checks
 
 
+def test_alertmanager_inhibit_rules_are_the_judges():
+    """alertmanager.yml's inhibit_rules are judge.INHIBITIONS, rule for rule (one source for the combining rules
+    Alertmanager applies and the views apply)."""
+    from moescope import judge
+
+    cfg = yaml.safe_load(AM.read_text())
+    assert cfg["inhibit_rules"] == [{"source_matchers": r.matchers("source"), "target_matchers": r.matchers("target"),
+                                     "equal": list(r.equal)} for r in judge.INHIBITIONS]
+
+
 def test_alertmanager_inhibition_rules_name_real_alerts():
     cfg = yaml.safe_load(AM.read_text())
     first, *cause_rules = cfg["inhibit_rules"]
@@ -286,5 +296,12 @@ def test_a_real_alertmanager_mutes_the_symptoms_of_a_cause(tmp_path):
 
         wait_until(state, until=lambda s: len(s) == len(posted) and {k for k, v in s.items() if v} == muted,
                    timeout=20, what="Alertmanager's inhibitions", interval=0.5)
+        # the views' reading of the same rules (judge.delivered) mutes exactly what the real Alertmanager muted
+        from moescope import judge
+
+        labels = [a["labels"] for a in posted]
+        kept = judge.delivered(labels)
+        assert {(la["model"], la["alertname"], la["layer"]) for la in labels
+                if not any(k is la for k in kept)} == muted
     finally:
         am.stop()
