@@ -481,7 +481,7 @@ def _git(*args: str) -> str:
 def _by_name(delivered: list[str]) -> str:
     """'MoEExpertHot x51, MoEDeadExperts x7': alert instances per alert name."""
     names = [d.split("{")[0] for d in delivered]
-    return ", ".join(f"{n} x{names.count(n)}" for n in sorted(set(names), key=lambda n: -names.count(n)))
+    return ", ".join(f"{n} x{names.count(n)}" for n in sorted(set(names), key=lambda n: (-names.count(n), n)))
 
 
 def markdown(report: dict) -> str:
