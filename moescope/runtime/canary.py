@@ -3,7 +3,7 @@ set with the baseline routing of the same batch (its first). The flip ratio per 
 whose top-k set changed) is 0 for a deterministic router; noise or a precision fault make it rise.
 
 Determinism is a property of one model state (issue [judge]): a router that changed once and routes
-deterministically since (a new bias, a swapped adapter) flips the canary for one run: ``STABLE_RUNS`` runs in a
+deterministically since (a new bias, a swapped adapter) flips the canary for one run: two runs in a
 row that agree token for token in every layer become the new baseline, so the ratio returns to 0
 (``changes`` counts them; the routing change itself is the drift and hot alerts' to judge). A nondeterministic
 router never agrees with itself twice, so its flips stay. The canary forward is real engine work on the same
@@ -22,13 +22,12 @@ from moescope.runtime import tokenizer, traffic
 from moescope.runtime.model import MoETransformer, Segment
 from moescope.runtime.router import extend_prefix_key
 
-# Identical canary runs in a row that make a changed routing the new baseline: two. A router noisy enough to
-# flip the bar's share of the batch against its baseline (5% of the canary tokens, in some layer) flips several of
-# its tokens between any two runs too, so two runs that agree in every token of every layer are one stable state.
-# After a run that begins to flip, the next one runs at the next engine step (``due``), so a change is confirmed
-# within a step (interval-timed canaries; lock-step ranks keep their steps) and its flips are exported for that
-# long, never for MoERoutingFlips' `for`.
-STABLE_RUNS = 2
+# A changed routing becomes the new baseline when two canary runs in a row agree in every token of every layer. A
+# router noisy enough to flip the bar's share of the batch against its baseline (5% of the canary tokens, in some
+# layer) flips several of its tokens between any two runs too, so two that agree are one stable state. After a run
+# that begins to flip, the next one runs at the next engine step (``due``), so a change is confirmed within a step
+# (interval-timed canaries; lock-step ranks keep their steps) and its flips are exported for that long, never for
+# MoERoutingFlips' `for`.
 
 
 def default_prompts(n: int = 4, seed: int = 4242) -> list[str]:
@@ -52,7 +51,6 @@ class Canary:
         self._segments = [len(seq) for seq in ids]
         self.baseline: dict[int, torch.Tensor] | None = None
         self._previous: dict[int, torch.Tensor] | None = None  # the last run's expert sets
-        self._same = 1  # runs in a row with identical expert sets (the last one included)
         self._confirm = False  # the last run began to flip: run again at the next step
         self._flipped = False  # the last run flipped
         self.changes = 0  # times a stable new routing became the baseline
@@ -96,8 +94,7 @@ class Canary:
         flips = torch.stack([(sets[layer] != self.baseline[layer]).any(-1).float().mean() for layer in sets])
         same = previous is not None and previous.keys() == sets.keys() and all(
             torch.equal(previous[layer], sets[layer]) for layer in sets)
-        self._same = self._same + 1 if same else 1
-        if self._same >= STABLE_RUNS and bool(flips.any()):
+        if same and bool(flips.any()):
             self.baseline, self.changes = sets, self.changes + 1  # changed, then deterministic: a new state
             flips = torch.zeros_like(flips)
         flipped = bool(flips.any())
