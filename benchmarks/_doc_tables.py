@@ -87,7 +87,11 @@ def provenance_line(results: Path) -> str:
         dirty = " with uncommitted changes" if p.get("uncommitted_changes") else ""
         if p.get("commit_at_save"):  # HEAD moved while it ran: the commit measured is the one it started at
             dirty += f" (saved at {p['commit_at_save']})"
-        return (f"Provenance: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
+        head = "Provenance"
+        if p.get("reconstructed"):  # a file from before runs recorded it: what the records say, and how sure
+            head = f"Provenance (not recorded by the run; reconstructed from {p['reconstructed']})"
+            dirty += f" ({p['commit_basis']})" if p.get("commit_basis") else ""
+        return (f"{head}: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
                 f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.")
     rerun = RERUN.get(results.name, f"python benchmarks/{results.stem}.py")
     rerun = rerun if rerun.startswith("`") else f"`{rerun}`"

@@ -16,6 +16,8 @@ factor); on the healthy row it names nothing.
 
 import json
 import os
+import shlex
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +25,7 @@ import pytest
 
 import moescope
 import pipeline
+from conftest import ROOT
 from helpers import run_cli, wait_until
 from moescope.alerts import rules
 from moescope.runtime import loader
@@ -213,18 +216,35 @@ def _table(results, diagnosed=False):
     return table
 
 
+def _started():
+    """The commit measured: HEAD when this module's tests began (benchmarks/_results.py records it the same way)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import _results
+
+    if getattr(_results, "_STARTED", None) is None:
+        _results._STARTED = _results._git_state()
+    return _results
+
+
+if os.environ.get("MOESCOPE_MATRIX_OUT"):
+    _started()  # before the first scenario runs
+
+
 def _keep(key, table):
-    """Adds ``table`` under ``key`` to $MOESCOPE_MATRIX_OUT (each fixture writes its own part)."""
+    """Adds ``table`` under ``key`` to $MOESCOPE_MATRIX_OUT (each fixture writes its own part) with the run's
+    provenance (the command is this pytest run's)."""
     out = os.environ.get("MOESCOPE_MATRIX_OUT")
     if not out:
         return
+    command = f"MOESCOPE_MATRIX_OUT={out} python -m pytest {' '.join(shlex.quote(a) for a in sys.argv[1:])}"
+    provenance = {**_started().provenance(), "command": command}
     try:
         with open(out) as f:
             doc = json.load(f)
     except (OSError, ValueError):
         doc = {}
     doc.update({"for": "production / 30", "scrape_and_eval_interval": "1s", "warmup_s": pipeline.WARMUP_S,
-                key: table})
+                key: table, "provenance": provenance})
     with open(out, "w") as f:
         json.dump(doc, f, indent=1)
 

@@ -2,6 +2,7 @@
 site builds strict and every documented `moescope` command names real options (the pages themselves run in
 tests/test_doc_runner.py)."""
 
+import json
 import os
 import re
 import shlex
@@ -177,12 +178,27 @@ def test_docs_tables_are_printed_from_their_results_files():
     assert found, "no generated tables in the docs"
     # Each block ends with its results file's provenance line; no hand-typed figure table is left.
     unsourced = [m.group("cmd") for m in found if not m.group("body").rstrip("\n").splitlines()[-1].startswith(
-        ("Provenance: commit", "(provenance not recorded:"))]
+        ("Provenance: commit", "Provenance (not recorded by the run; reconstructed from"))]
     assert not unsourced, unsourced
     assert not [p.name for p in doc_tables.pages() if doc_tables.HAND_TYPED in p.read_text()]
     run = subprocess.run([sys.executable, "benchmarks/_doc_tables.py", "--check"], cwd=ROOT, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_every_results_file_says_how_it_was_made():
+    """Every benchmarks/results/*.json carries its provenance: the commit, the exact command, the date and the
+    machine (benchmarks/_results.py save(); for a file from before runs recorded it, reconstructed from what its run
+    did record, marked `reconstructed` with what it was reconstructed from and, for the commit, how sure)."""
+    missing = {}
+    for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
+        p = json.loads(path.read_text()).get("provenance") or {}
+        lacks = [k for k in ("commit", "command", "date", "machine") if not p.get(k)]
+        if p.get("reconstructed") and not p.get("commit_basis"):
+            lacks.append("commit_basis")
+        if lacks:
+            missing[path.name] = lacks
+    assert not missing, missing
 
 
 def test_gpu_statements_quote_the_device_log():
