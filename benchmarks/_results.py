@@ -83,7 +83,8 @@ def _git(*args: str) -> str | None:
 
 def _git_state() -> dict:
     return {"commit": _git("rev-parse", "--short", "HEAD"),
-            "uncommitted_changes": bool(_git("status", "--porcelain", "--", "moescope", "benchmarks"))}
+            "uncommitted_changes": bool(_git("status", "--porcelain", "--", "moescope", "benchmarks",
+                                                    ":(exclude)benchmarks/results"))}
 
 
 def provenance(packages: Iterable[str] = ("torch",)) -> dict:
