@@ -130,19 +130,23 @@ def two_ranks(n: int, port: int) -> dict:
     try:
         deadline = time.monotonic() + 300
         url0 = f"http://127.0.0.1:{port}/metrics"
-        while True:  # until rank 0 exports expert series for every MoE layer
+        while True:  # until rank 0 exports routing for every MoE layer (a series every tier has: with W ranks the
+            # per-expert tier's budget is the default / W, so at this shape each rank exports the per-layer tier)
             try:
                 text = urllib.request.urlopen(url0, timeout=10).read().decode()
                 layers = {ln.split('layer="')[1].split('"')[0] for ln in text.splitlines()
-                          if ln.startswith("moescope_expert_tokens_total")}
+                          if ln.startswith("moescope_router_tokens_total")}
                 if len(layers) == 58:
+                    per_expert = next(float(ln.split()[-1]) for ln in text.splitlines()
+                                      if ln.startswith("moescope_expert_series_per_expert"))
                     break
             except OSError:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError("the 2-rank demo never exported all 58 layers")
             time.sleep(1)
-        return {"rank0": series(url0, n, 0.5), "rank1": series(f"http://127.0.0.1:{port + 1}/metrics", n, 0.5)}
+        return {"per_expert_tier": bool(per_expert), "rank0": series(url0, n, 0.5),
+                "rank1": series(f"http://127.0.0.1:{port + 1}/metrics", n, 0.5)}
     finally:
         # (a SIGTERM to the launcher alone left its rank processes serving on: end the whole group)
         os.killpg(demo.pid, signal.SIGTERM)
