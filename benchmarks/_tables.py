@@ -10,6 +10,7 @@
     python benchmarks/_tables.py --markdown benchmarks/results/traces.json
     python benchmarks/_tables.py --markdown benchmarks/results/detection-matrix.json --section tiny-demo|shape
     python benchmarks/_tables.py --markdown benchmarks/results/serve-soak.json      (any soak file of serve.py)
+    python benchmarks/_tables.py --markdown benchmarks/results/scale.json
     python benchmarks/_tables.py --markdown moescope/assets/tiny-demo.json          (the demo model's routing)
 
 (benchmarks/_doc_tables.py keeps the docs' blocks equal to what these print, with the file's provenance under
@@ -171,7 +172,7 @@ def detection_matrix(d: dict, section: str | None) -> list[str]:
             lines.append(f"| `{name}` | {r['expected'] or 'none'} | {_delivered(r)} | {ttd} |")
         return lines
     if section == "shape":
-        (shape,) = [k for k in d if k not in ("for", "scrape_and_eval_interval", "warmup_s", "matrix")]
+        (shape,) = [k for k in d if k not in ("for", "scrape_and_eval_interval", "warmup_s", "matrix", "provenance")]
         rows = d[shape]
         model = next(iter(rows.values())).get("model", shape)
         lines = [f"{model}; {head}", "", "| scenario | expected alert | alerts delivered (the Watchdog aside) | "
@@ -221,8 +222,58 @@ def demo_model(d: dict, section: str | None) -> list[str]:
     return lines
 
 
+def _ms(f: dict) -> str:
+    return f"best {f['best_ms']:g} ms, median {f['median_ms']:g} ms"
+
+
+def _spread(xs: list) -> str:
+    return f"{min(xs):.2f}-{max(xs):.2f}"
+
+
+def scale(d: dict, section: str | None) -> list[str]:
+    """benchmarks/scale.py's figures at deepseek-v3-shape: serving cost, the trace store, the views, the scrape."""
+    sv, st, v, sc = d["serving"], d["store"], d["views"], d["scrape"]
+    m, t = sv["metrics"], sv["metrics+traces"]
+    one = sc["one_rank"]
+    lines = [f"| measure ({d['model']}, {st['moe_layers']} MoE layers, top-{st['top_k']}) | figure |", "|---|---|",
+             f"| serving, bare | {sv['bare_s']:.2f} s for {sv['requests']} requests x {sv['concurrency']} concurrent "
+             f"({sv['output_tokens']} output tokens) |",
+             f"| serving with `instrument()` (metrics) / bare | {m['ratio']:.2f}x wall (median of {sv['rounds']} "
+             f"rounds' ratios), {m['cpu_ratio']:.2f}x CPU |",
+             f"| serving with metrics + the TraceRecorder / bare | {t['ratio']:.2f}x wall, {t['cpu_ratio']:.2f}x CPU "
+             f"(writer drain after the run {t['drain_s']:.2f} s; dropped {t['dropped']}) |",
+             f"| trace store | {st['bytes_per_token_layer']:g} bytes per token-layer at k = {st['top_k']} "
+             f"({st['bytes']:,} bytes, {st['tokens']:,} tokens x {st['moe_layers']} layers, "
+             f"{st['requests']} requests) |",
+             f"| `moescope requests --json` | {v['requests']['median_s']:g} s (best {v['requests']['best_s']:g}) |",
+             f"| `moescope trace ID --json`, the longest request ({v['trace_json']['tokens']} tokens) | "
+             f"{v['trace_json']['median_s']:g} s (best {v['trace_json']['best_s']:g}), "
+             f"{v['trace_json']['json_bytes']:,} bytes |",
+             f"| `moescope report` on that store | {v['report']['median_s']:g} s (best {v['report']['best_s']:g}), "
+             f"{v['report']['files']} files |"]
+    for state in ("serving", "idle"):
+        tx, om = one[state]["text"], one[state]["openmetrics_gzip"]
+        lines.append(f"| scrape, 1 rank {state}: text / OpenMetrics + gzip | {_ms(tx)} / {_ms(om)}; "
+                     f"{tx['bytes']:,} / {om['bytes']:,} bytes, {tx['samples']:,} samples |")
+    two = sc.get("two_ranks")
+    if two:
+        r0, r1 = two["rank0"]["text"], two["rank1"]["text"]
+        tier = {True: "per-expert tier", False: "per-layer tier (the per-expert budget is the default / W)"}.get(
+            two.get("per_expert_tier"), "tier not recorded")
+        lines.append(f"| scrape, 2 ranks serving: rank 0 / rank 1 (text; {tier}) | {_ms(r0)} / {_ms(r1)}; "
+                     f"{r0['samples']:,} / {r1['samples']:,} samples |")
+    w = sc["writers"]
+    lines += [f"| {w['series']:,} counters rendered: prometheus_client / moescope's writer | "
+              f"{w['median_ms']['prometheus_client']:g} / {w['median_ms']['fast']:g} ms ({w['ratio']:g}x) |", "",
+              f"Per-round ratios: metrics {_spread(m['ratios'])}, with traces {_spread(t['ratios'])}; the engine "
+              f"thread's own time in the hooks is {m['hook_share_of_step']:.2%} (metrics) and "
+              f"{t['hook_share_of_step']:.2%} (with traces) of a step."]
+    return lines
+
+
 RENDER = {"overhead": overhead, "runtime": runtime, "parallel": parallel, "cache": cache, "cache-sim": cache_sim,
-          "mitigate": mitigate, "traces": traces, "detection-matrix": detection_matrix, "tiny-demo": demo_model}
+          "mitigate": mitigate, "traces": traces, "detection-matrix": detection_matrix, "tiny-demo": demo_model,
+          "scale": scale}
 
 
 def render(path: Path, section: str | None) -> str:
