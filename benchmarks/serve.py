@@ -49,6 +49,7 @@ import _results
 from _ports import free_port
 
 VARIANTS = {"capture_on": [], "capture_off": ["--metrics-port", "-1", "--traces", "none"]}
+GOAL = 1.02  # issue [vllm]: capture on / off at most this, CPU per token (the robust figure: module docstring)
 
 
 def start(model: str, extra: list[str], tmp: Path, name: str, max_batch: int,
@@ -382,6 +383,11 @@ def markdown(report: dict) -> str:
                              f"{s['tokens_per_s']:.1f} | {_ms(s.get('ttft_p50_s'))} / {_ms(s.get('ttft_p99_s'))} | "
                              f"{_ms(s.get('itl_p50_s'))} / {_ms(s.get('itl_p99_s'))} | "
                              f"{s.get('server_cpu_ms_per_token', float('nan')):.2f} | {s['errors']} | {ratios} |")
+        cpus = {row["concurrency"]: row["server_cpu_per_token_on_over_off"] for row in r["rows"]}
+        said = [f"{c} client{'' if str(c) == '1' else 's'} {x:.3f}x ({'met' if x <= GOAL else 'NOT met'})"
+                for c, x in cpus.items() if x is not None]
+        lines += ["", f"Capture's cost against the goal of <= {GOAL}x server CPU per token, capture on / off (the "
+                  f"capture is metrics + every request's trace, serve's default): {'; '.join(said)}."]
         o = r.get("open")
         if o:
             lines += ["", f"Open loop (Poisson arrivals for {o['duration_s']:g} s at multiples of the saturation rate "
