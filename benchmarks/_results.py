@@ -44,14 +44,20 @@ def parse(ap: argparse.ArgumentParser, argv: list[str] | None, name: str | Calla
     ``--quick``, else the benchmark's default). ``name`` (the results file's stem) and ``quick_rounds`` may be
     functions of the arguments, for a benchmark whose file or quick length depends on them (the device)."""
     args = ap.parse_args(argv)
-    global _STARTED
-    _STARTED = _git_state()  # the code measured: HEAD when the run starts (a commit meanwhile is not it)
+    started()
     if args.out is None:
         args.out = path(name(args) if callable(name) else name, args.quick)
     if hasattr(args, "full_rounds"):
         quick = quick_rounds(args) if callable(quick_rounds) else quick_rounds
         args.rounds = args.rounds or (quick if args.quick else args.full_rounds)
     return args
+
+
+def started() -> None:
+    """Records the code measured: HEAD when the run starts (a commit made meanwhile is not it). ``parse`` calls
+    it; a run that does not parse arguments here (a pytest module writing results) calls it before it measures."""
+    global _STARTED
+    _STARTED = _git_state()
 
 
 def path(stem: str, quick: bool) -> Path:
@@ -68,7 +74,7 @@ def track(items: Iterable[T], description: str, total: int | None = None) -> Ite
             advance()
 
 
-_STARTED: dict | None = None  # ``_git_state()`` at ``parse`` (the run's start)
+_STARTED: dict | None = None  # ``_git_state()`` at ``started()`` (the run's start)
 
 
 def _git(*args: str) -> str | None:
@@ -140,4 +146,4 @@ def save(report, path: Path, packages: Iterable[str] = ("torch",)) -> None:
     print(f"wrote {path}")
 
 
-__all__ = ["RESULTS", "parser", "parse", "path", "progress", "provenance", "save", "track"]
+__all__ = ["RESULTS", "parser", "parse", "path", "progress", "provenance", "save", "started", "track"]

@@ -216,18 +216,16 @@ def _table(results, diagnosed=False):
     return table
 
 
-def _started():
-    """The commit measured: HEAD when this module's tests began (benchmarks/_results.py records it the same way)."""
+def _results():
+    """benchmarks/_results.py: the provenance every results file carries."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import _results
 
-    if getattr(_results, "_STARTED", None) is None:
-        _results._STARTED = _results._git_state()
     return _results
 
 
 if os.environ.get("MOESCOPE_MATRIX_OUT"):
-    _started()  # before the first scenario runs
+    _results().started()  # the commit measured: HEAD before the first scenario runs
 
 
 def _keep(key, table):
@@ -237,7 +235,7 @@ def _keep(key, table):
     if not out:
         return
     command = f"MOESCOPE_MATRIX_OUT={out} python -m pytest {' '.join(shlex.quote(a) for a in sys.argv[1:])}"
-    provenance = {**_started().provenance(), "command": command}
+    provenance = {**_results().provenance(), "command": command}
     try:
         with open(out) as f:
             doc = json.load(f)
