@@ -257,11 +257,12 @@ def scale(d: dict, section: str | None) -> list[str]:
                      f"{tx['bytes']:,} / {om['bytes']:,} bytes, {tx['samples']:,} samples |")
     two = sc.get("two_ranks")
     if two:
-        r0, r1 = two["rank0"]["text"], two["rank1"]["text"]
         tier = {True: "per-expert tier", False: "per-layer tier (the per-expert budget is the default / W)"}.get(
             two.get("per_expert_tier"), "tier not recorded")
-        lines.append(f"| scrape, 2 ranks serving: rank 0 / rank 1 (text; {tier}) | {_ms(r0)} / {_ms(r1)}; "
-                     f"{r0['samples']:,} / {r1['samples']:,} samples |")
+        for fmt, said in (("text", "text"), ("openmetrics_gzip", "OpenMetrics + gzip")):
+            r0, r1 = two["rank0"][fmt], two["rank1"][fmt]
+            lines.append(f"| scrape, 2 ranks serving: rank 0 / rank 1 ({said}; {tier}) | {_ms(r0)} / {_ms(r1)}; "
+                         f"{r0['bytes']:,} / {r1['bytes']:,} bytes, {r0['samples']:,} / {r1['samples']:,} samples |")
     w = sc["writers"]
     lines += [f"| {w['series']:,} counters rendered: prometheus_client / moescope's writer | "
               f"{w['median_ms']['prometheus_client']:g} / {w['median_ms']['fast']:g} ms ({w['ratio']:g}x) |", "",
