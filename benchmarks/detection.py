@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -368,6 +369,14 @@ def main() -> None:
 
     work = Path(args.work or tempfile.mkdtemp(prefix="moescope-detection-"))
     work.mkdir(parents=True, exist_ok=True)
+    try:
+        _run(args, work)
+    finally:
+        if args.work is None:  # the runs' Prometheus TSDBs and logs: tens to hundreds of MB
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run(args, work: Path) -> None:
     if args.quick:
         shapes, healthy_s, baseline, chain = QUICK["shapes"], QUICK["healthy_s"], QUICK["baseline"], QUICK["chain"]
         sweeps = QUICK["sweep"]

