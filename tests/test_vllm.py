@@ -58,14 +58,16 @@ MIN_AGREE = {"qwen3_moe": 0.97, "mixtral": 0.97, "deepseek_v3": 0.8}
 
 
 def _checkpoint(tmp_path_factory, arch: str, **fault) -> Path:
-    """Built once per test process (a build calibrates every router: seconds to tens of seconds)."""
-    name = arch + "".join(f"-{k}" for k in fault)
-    if name not in _BUILT:
-        _BUILT[name] = vllm_models.build(arch, tmp_path_factory.mktemp(name) / arch, **fault)
-    return _BUILT[name]
+    """Built once per test process and set of build arguments (a build calibrates every router: seconds to tens of
+    seconds)."""
+    key = (arch, *sorted(fault.items()))
+    if key not in _BUILT:
+        name = arch + "".join(f"-{k}" for k in fault)
+        _BUILT[key] = vllm_models.build(arch, tmp_path_factory.mktemp(name) / arch, **fault)
+    return _BUILT[key]
 
 
-_BUILT: dict[str, Path] = {}
+_BUILT: dict[tuple, Path] = {}
 
 
 def _drive(url: str, model: str, n: int = 10, max_tokens: int = 12) -> list[tuple[str, int, int]]:

@@ -17,12 +17,11 @@ import time
 import pytest
 import yaml
 
-import vllm_models
 from conftest import ROOT
 from helpers import run_cli
 from moescope.alerts import rules
 from servers import Alertmanager, Prometheus, Webhook, free_port, wait_http
-from test_vllm import PROMPTS, _needs_vllm  # noqa: F401 (the fixture applies here too)
+from test_vllm import PROMPTS, _checkpoint, _needs_vllm  # noqa: F401 (the fixture applies here too)
 from vllm_server import serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -106,35 +105,25 @@ def _firing(hook) -> set[str]:
     return {a["labels"]["alertname"] for _, a in hook.alerts() if a["status"] == "firing"}
 
 
-class _Checkpoints:
-    """Each test builds only the checkpoint it serves (a build calibrates every router: tens of seconds), once."""
-
-    BUILD = {"healthy": lambda root: vllm_models.build("qwen3_moe", root, experts=16),
-             "hot": lambda root: vllm_models.build("qwen3_moe", root, experts=16, hot=HOT),
-             "collapse": lambda root: vllm_models.build("deepseek_v3", root, collapse_layer=COLLAPSE_LAYER)}
-
-    def __init__(self, factory) -> None:
-        self.factory, self.built = factory, {}
-
-    def __getitem__(self, name: str):
-        if name not in self.built:
-            self.built[name] = self.BUILD[name](self.factory.mktemp(name) / name)
-        return self.built[name]
+# Each test's checkpoint: (architecture, build faults) for vllm_models.build.
+BUILDS = {"healthy": ("qwen3_moe", {"experts": 16}), "hot": ("qwen3_moe", {"experts": 16, "hot": HOT}),
+          "collapse": ("deepseek_v3", {"collapse_layer": COLLAPSE_LAYER})}
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory):
-    return _Checkpoints(tmp_path_factory)
+@pytest.fixture
+def checkpoint(tmp_path_factory):
+    """The named checkpoint of ``BUILDS``, built once per test process (test_vllm._checkpoint)."""
+    return lambda name: _checkpoint(tmp_path_factory, BUILDS[name][0], **BUILDS[name][1])
 
 
-def test_healthy_traffic_delivers_only_the_watchdog(checkpoints, tmp_path):
-    alerts, _ = _watch(tmp_path, checkpoints["healthy"], lambda firing: False, watch_s=45)
+def test_healthy_traffic_delivers_only_the_watchdog(checkpoint, tmp_path):
+    alerts, _ = _watch(tmp_path, checkpoint("healthy"), lambda firing: False, watch_s=45)
     names = {a["labels"]["alertname"] for _, a in alerts}
     assert "Watchdog" in names  # the path works end to end
     assert names == {"Watchdog"}, [(a["labels"], a["annotations"].get("summary")) for _, a in alerts]
 
 
-def test_a_hot_expert_in_the_checkpoint_pages_naming_it(checkpoints, tmp_path):
+def test_a_hot_expert_in_the_checkpoint_pages_naming_it(checkpoint, tmp_path):
     layer, expert, _ = HOT
     store = tmp_path / "traces.sqlite"
 
@@ -145,7 +134,7 @@ def test_a_hot_expert_in_the_checkpoint_pages_naming_it(checkpoints, tmp_path):
 
     # the hot expert is in the checkpoint from the first token: judged against the fair share (the default learns
     # its reference from the first window, and a page then means a change: tests/test_learned.py)
-    alerts, (top, diag) = _watch(tmp_path, checkpoints["hot"], lambda firing: "MoEExpertHot" in firing, watch_s=90,
+    alerts, (top, diag) = _watch(tmp_path, checkpoint("hot"), lambda firing: "MoEExpertHot" in firing, watch_s=90,
                                  during=views, traces=store, hot_reference="fair")
     hot = [a for _, a in alerts if a["labels"]["alertname"] == "MoEExpertHot" and a["status"] == "firing"]
     assert hot, [a["labels"]["alertname"] for _, a in alerts]
@@ -159,8 +148,8 @@ def test_a_hot_expert_in_the_checkpoint_pages_naming_it(checkpoints, tmp_path):
     assert any("MoEExpertHot" in f["cause"] for f in report["findings"]), report["findings"]
 
 
-def test_a_collapsed_layer_pages_critical(checkpoints, tmp_path):
-    alerts, _ = _watch(tmp_path, checkpoints["collapse"], lambda firing: "MoEExpertCollapse" in firing, watch_s=90)
+def test_a_collapsed_layer_pages_critical(checkpoint, tmp_path):
+    alerts, _ = _watch(tmp_path, checkpoint("collapse"), lambda firing: "MoEExpertCollapse" in firing, watch_s=90)
     collapse = [(path, a) for path, a in alerts if a["labels"]["alertname"] == "MoEExpertCollapse"
                 and a["status"] == "firing"]
     assert collapse, [a["labels"]["alertname"] for _, a in alerts]
