@@ -303,11 +303,11 @@ def _vllm_version(python: Path) -> str | None:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    ap = _results.parser(__doc__, quick="2 rounds, 4 clients, 8 requests of 64 tokens (CI keeps the script "
+    ap = _results.parser(__doc__, quick="2 rounds, 4 clients, 8 requests of 16 tokens (CI keeps the script "
                          "working)", rounds=7)
     ap.add_argument("--concurrency", type=int, default=None, help="streaming client threads [8; --quick: 4]")
     ap.add_argument("--requests", type=int, default=None, help="requests per round [64; --quick: 8]")
-    ap.add_argument("--max-tokens", type=int, default=64, help="output tokens per request [64]")
+    ap.add_argument("--max-tokens", type=int, default=None, help="output tokens per request [64; --quick: 16]")
     ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
                     help="print the docs' table from a results file and exit (no run)")
     args = _results.parse(ap, argv, "vllm", quick_rounds=2)
@@ -316,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.concurrency = args.concurrency or (4 if args.quick else 8)
     args.requests = args.requests or (8 if args.quick else 64)
+    args.max_tokens = args.max_tokens or (16 if args.quick else 64)
 
     # From the repository root: the servers run ``python -m vllm...`` in this directory, where benchmarks/ (this
     # file is vllm.py) would shadow vLLM itself.
