@@ -225,3 +225,20 @@ def test_noise_bound_is_what_uniform_routing_stays_under():
         # uniform routing at any traffic rarely reads as imbalance, even without a baseline's bar
         excess = sampling.excess_cv(np.array(cvs), bound)
         assert np.mean(excess > thresholds.DEFAULT.imbalance_bar(None)) < 0.02
+
+
+def test_the_trace_writers_rss_reading_is_the_exporters():
+    """``metrics.system.rss_bytes`` (read directly from /proc, every 100 ms by the trace writer) against
+    prometheus_client's ProcessCollector, which the exporter serves as moescope_process_resident_memory_bytes."""
+    from prometheus_client import ProcessCollector
+
+    from moescope.metrics.system import rss_bytes
+
+    def collector() -> float:
+        return next(f for f in ProcessCollector(registry=None).collect()
+                    if f.name == "process_resident_memory_bytes").samples[0].value
+
+    before, ours, after = collector(), rss_bytes(), collector()
+    # the same counter read three times in a row: equal unless the process grew or shrank in between (a page or two)
+    assert min(before, after) - 2**20 <= ours <= max(before, after) + 2**20
+    assert ours > 10 * 2**20  # a Python process with numpy and prometheus_client: tens of MB, not pages or KB
