@@ -426,7 +426,9 @@ def bench_model(model: str, args, tmp: Path) -> dict:
     rounds = args.rounds or (1 if quick else 5 if model == "tiny-demo" else 3)
     concurrency = args.concurrency or ([1, 8] if quick else [1, 8, 32])
     max_tokens = args.max_tokens or (4 if quick else 32 if model == "tiny-demo" else 8)
-    per_load = {c: (max(4, c) if quick else max(8, 2 * c) if model == "tiny-demo" else max(4, c)) for c in concurrency}
+    # at least 8 requests a load (at deepseek-v3-shape, 1 client: 64 tokens; 4 requests gave per-round CPU-per-token
+    # ratios from 0.83 to 1.24 over 7 rounds, median 1.05: serve.json at 81fecfc)
+    per_load = {c: (max(4, c) if quick else max(8, 2 * c) if model == "tiny-demo" else max(8, c)) for c in concurrency}
     servers = {v: start(model, extra, tmp, f"{model}-{v}", args.max_batch, args.max_queue)
                for v, extra in VARIANTS.items()}
     try:
