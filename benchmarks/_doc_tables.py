@@ -57,8 +57,10 @@ def provenance_line(results: Path) -> str:
         if p.get("reconstructed"):  # a file from before runs recorded it: what the records say, and how sure
             head = f"Provenance (not recorded by the run; reconstructed from {p['reconstructed']})"
             dirty += f" ({p['commit_basis']})" if p.get("commit_basis") else ""
+        # a summary recomputed later from the file's own raw rounds (an estimator fixed, nothing re-run): said so
+        again = f" Summary {p['summarised']}." if p.get("summarised") else ""
         return (f"{head}: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
-                f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.")
+                f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.{again}")
     # (tests/test_docs.py fails on this line: every results file carries its provenance)
     return f"(provenance not recorded: re-run the benchmark that writes {results.name})"
 

@@ -153,15 +153,29 @@ def summarise(runs: dict, concurrency: list[int]) -> list[dict]:
                                    "server_cpu_ms_per_token"))
             row[v]["errors"] = sum(r["errors"] for r in rs)
             row[v]["requests"] = sum(r["requests"] for r in rs)
-        ratios = [off["tokens_per_s"] / on["tokens_per_s"]
-                  for on, off in zip(runs[("capture_on", c)], runs[("capture_off", c)])]
-        row["throughput_off_over_on"] = statistics.median(ratios)
-        cpu = [on["server_cpu_ms_per_token"] / off["server_cpu_ms_per_token"]
-               for on, off in zip(runs[("capture_on", c)], runs[("capture_off", c)])
-               if on["server_cpu_ms_per_token"] and off["server_cpu_ms_per_token"]]
-        row["server_cpu_per_token_on_over_off"] = statistics.median(cpu) if cpu else None
+        pairs = list(enumerate(zip(runs[("capture_on", c)], runs[("capture_off", c)])))
+        row["throughput_off_over_on"] = order_balanced(
+            [(r, off["tokens_per_s"] / on["tokens_per_s"]) for r, (on, off) in pairs])
+        row["server_cpu_per_token_on_over_off"] = order_balanced(
+            [(r, on["server_cpu_ms_per_token"] / off["server_cpu_ms_per_token"]) for r, (on, off) in pairs
+             if on["server_cpu_ms_per_token"] and off["server_cpu_ms_per_token"]])
         rows.append(row)
     return rows
+
+
+def order_balanced(ratios: list[tuple[int, float]]) -> float | None:
+    """The on/off ratio with the load order's effect cancelled: ``ratios`` are (round, ratio); even rounds ran capture
+    on first, odd rounds off first (``_interleaved``). The geometric mean of the two orders' median ratios: a cost
+    that comes with running first (or second) multiplies one order's ratios by f and the other's by 1/f, and cancels.
+    A plain median over an odd number of rounds took the majority order's side: at deepseek-v3-shape, 8 clients, the
+    per-round CPU ratios alternated 1.38 / 0.64 / 1.41 / 0.73 / 1.26 / 0.79 / 1.30 (median 1.26, balanced 0.99; the
+    first load of a pair cost ~30% more CPU per token, whichever server ran it; serve.json at f288462). One order
+    only (one round): its median."""
+    groups = [[x for r, x in ratios if r % 2 == parity] for parity in (0, 1)]
+    medians = [statistics.median(g) for g in groups if g]
+    if not medians:
+        return None
+    return statistics.geometric_mean(medians)
 
 
 def rss_mb(pid: int) -> float | None:
@@ -369,7 +383,9 @@ def markdown(report: dict) -> str:
     for r in report["models"].values():
         lines += [f"**{r['model']}**, max batch {r['max_batch']}, {r['max_tokens']} tokens per request, streamed, "
                   f"greedy; {report['cpus']} CPUs shared by clients and servers; torch {report['torch']}.", "",
-                  f"Closed loop (medians of {r['rounds']} interleaved rounds; requests per load "
+                  f"Closed loop (medians of {r['rounds']} interleaved rounds, the ratios order-balanced: the geometric "
+                  "mean of the median ratio of the rounds that ran capture on first and of those that ran it second; "
+                  f"requests per load "
                   f"{', '.join(f'{c}: {n}' for c, n in r['requests_per_load'].items())}):", "",
                   "| clients | capture | tokens/s | TTFT p50 / p99 ms | ITL p50 / p99 ms | server CPU ms/token "
                   "| errors | off/on throughput | on/off CPU per token |", "|---|---|---|---|---|---|---|---|---|"]

@@ -7,7 +7,9 @@ the docs quote.
 
 from __future__ import annotations
 
+import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -80,3 +82,20 @@ def test_the_results_helper_resolves_quick_out_and_rounds(capfd, monkeypatch):
     assert "moescope: three steps ..." in err and "moescope: three steps: done in" in err
     # every benchmark takes its command line from the helper (no argparse of its own)
     assert [p.name for p in BENCHMARKS if "_results.parser(" not in p.read_text()] == []
+
+
+def test_serves_on_off_ratio_cancels_the_cost_of_running_first():
+    """benchmarks/serve.py's ratio: rounds alternate which server runs first; a cost that comes with the position
+    multiplies one order's ratios by f and the other's by 1/f. The order-balanced ratio gives back the true ratio
+    (a plain median over 7 rounds, 4 of one order, would give r x f), and a noise-free run gives its own ratio."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serve
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    true, f = 1.01, 1.3
+    rounds = [(r, true * (f if r % 2 == 0 else 1 / f) * (1 + 0.01 * ((r * 7) % 3 - 1))) for r in range(7)]
+    assert statistics.median(x for _, x in rounds) > 1.25  # the majority order's side
+    assert math.isclose(serve.order_balanced(rounds), true, rel_tol=0.011)  # within the injected 1% jitter
+    assert serve.order_balanced([(0, 1.07)]) == 1.07  # one round (--quick): its own ratio
+    assert serve.order_balanced([]) is None
