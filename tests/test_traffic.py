@@ -1,4 +1,5 @@
 import collections
+import json
 
 import pytest
 
@@ -60,3 +61,33 @@ def test_narrow_traffic_repeats_a_few_requests_with_broad_arrivals():
 def test_bad_traffic_config(kwargs):
     with pytest.raises(ConfigError):
         traffic.TrafficConfig(**kwargs)
+
+
+def test_the_stdlib_corpus_is_cached_on_disk_and_equal_to_a_fresh_parse(tmp_path, monkeypatch):
+    """Every demo process builds its traffic from the parsed standard library (~1 CPU-s): corpus keeps it in the
+    user's cache. What a later process reads is what parsing the same files gives (the reference: _parse_stdlib
+    on _stdlib_files); a corrupt file is parsed again; a cache that cannot be written still serves the text."""
+    limit = 200_000  # a few files: the test parses them several times
+    reference = corpus._parse_stdlib(corpus._stdlib_files(limit))
+    assert reference[0] and reference[1]
+    monkeypatch.setenv("MOESCOPE_CACHE", str(tmp_path))
+    corpus._stdlib_text.cache_clear()
+    assert corpus._stdlib_text(limit) == reference  # parsed, then written
+    (written,) = (tmp_path / "corpus").glob("stdlib-*.json")
+
+    corpus._stdlib_text.cache_clear()  # a new process: read from the file, nothing parsed
+    with monkeypatch.context() as m:
+        m.setattr(corpus, "_parse_stdlib", lambda files: pytest.fail("parsed although the cache holds it"))
+        assert corpus._stdlib_text(limit) == reference
+
+    written.write_text('{"key": [')  # cut short: parsed again, and rewritten whole
+    corpus._stdlib_text.cache_clear()
+    assert corpus._stdlib_text(limit) == reference
+    assert json.loads(written.read_text())["code"] == reference[0]
+
+    blocked = tmp_path / "a-file-not-a-folder"
+    blocked.write_text("")
+    monkeypatch.setenv("MOESCOPE_CACHE", str(blocked))  # corpus/ cannot be made under a file
+    corpus._stdlib_text.cache_clear()
+    assert corpus._stdlib_text(limit) == reference
+    corpus._stdlib_text.cache_clear()

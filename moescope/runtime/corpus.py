@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import json
 import random
+import sys
 import sysconfig
 from pathlib import Path
+
+from moescope import cache
 
 DOMAINS = ("code", "prose", "numbers", "unicode")
 HELD_OUT = 0.10
@@ -49,10 +54,41 @@ def _docstring_lines(tree: ast.AST) -> tuple[list[str], set[int]]:
     return docs, lines
 
 
+# Bump when what _parse_stdlib makes of the same files changes: cached corpora of an older version are not reused.
+CORPUS_VERSION = 1
+
+
 @functools.lru_cache(maxsize=4)
 def _stdlib_text(limit_bytes: int) -> tuple[str, str]:
+    """(code, prose) of the standard library's first files up to ``limit_bytes``. Parsing them (``ast``) costs
+    ~1 CPU-s, and every demo, serve and benchmark process generates traffic from them: the result is kept in the
+    user's cache (``moescope.cache``, ``corpus/``) under a key of everything it is made from (this Python's version,
+    the stdlib's path, each file's name, size and modification time, the limit, ``CORPUS_VERSION``), so a changed
+    standard library or another Python makes a new one. A cache that cannot be read or written is only a slower
+    start."""
+    files = _stdlib_files(limit_bytes)
+    key = [CORPUS_VERSION, sys.version, str(Path(sysconfig.get_paths()["stdlib"])), limit_bytes]
+    for path in files:
+        try:
+            st = path.stat()
+        except OSError:
+            return _parse_stdlib(files)
+        key.append([path.name, st.st_size, st.st_mtime_ns])
+    where = cache.root() / "corpus" / f"stdlib-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
+    try:
+        doc = json.loads(where.read_bytes())
+        if doc.get("key") == key:
+            return doc["code"], doc["prose"]
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass
+    code, prose = _parse_stdlib(files)
+    cache.write_atomic(where, json.dumps({"key": key, "code": code, "prose": prose}).encode())
+    return code, prose
+
+
+def _parse_stdlib(files: list[Path]) -> tuple[str, str]:
     code_parts, prose_parts = [], []
-    for path in _stdlib_files(limit_bytes):
+    for path in files:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)

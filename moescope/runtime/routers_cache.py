@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
+from moescope import cache
 from moescope.progress import note
 from moescope.runtime import weights as weights_io
 from moescope.runtime.config import MoEConfig, resolve
@@ -23,11 +23,9 @@ SHIPPED = weights_io.ASSETS
 
 
 def cache_dir() -> Path:
-    """Where balanced routers are cached: ``$MOESCOPE_CACHE``, else ``$XDG_CACHE_HOME/moescope``, else
-    ``~/.cache/moescope``."""
-    root = os.environ.get("MOESCOPE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "moescope")
-    return Path(root) / "balanced-routers"
+    """Where balanced routers are cached: ``balanced-routers/`` in the user's cache (``moescope.cache.root``:
+    ``$MOESCOPE_CACHE``, else ``$XDG_CACHE_HOME/moescope``, else ``~/.cache/moescope``)."""
+    return cache.root() / "balanced-routers"
 
 
 def file_name(cfg: MoEConfig, seed: int) -> str:
