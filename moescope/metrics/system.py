@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 log = logging.getLogger("moescope.metrics")
 _nvml_state: dict[str, object] = {}
-_page_size: list[int] = []  # read once
 
 
 def rss_bytes() -> int | None:
@@ -22,12 +21,9 @@ def rss_bytes() -> int | None:
     deepseek-v3-shape, one client: 0.6% of the server's CPU went to that)."""
     try:
         with open("/proc/self/stat", "rb") as f:
-            rss_pages = int(f.read().rsplit(b")", 1)[1].split()[21])
+            return int(f.read().rsplit(b")", 1)[1].split()[21]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return None
-    if not _page_size:
-        _page_size.append(os.sysconf("SC_PAGE_SIZE"))
-    return rss_pages * _page_size[0]
 
 
 @dataclass(frozen=True)

@@ -26,16 +26,17 @@ DOMAINS = ("code", "prose", "numbers", "unicode")
 HELD_OUT = 0.10
 
 
-def _stdlib_files(limit_bytes: int) -> list[Path]:
+def _stdlib_files(limit_bytes: int) -> list[tuple[Path, int, int]]:
+    """The standard library's first modules up to ``limit_bytes``: (path, size, modification time in ns)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files, total = [], 0
     for path in sorted(root.glob("*.py")):
         try:
-            size = path.stat().st_size
+            st = path.stat()
         except OSError:
             continue
-        files.append(path)
-        total += size
+        files.append((path, st.st_size, st.st_mtime_ns))
+        total += st.st_size
         if total > limit_bytes:
             break
     return files
@@ -67,13 +68,8 @@ def _stdlib_text(limit_bytes: int) -> tuple[str, str]:
     standard library or another Python makes a new one. A cache that cannot be read or written is only a slower
     start."""
     files = _stdlib_files(limit_bytes)
-    key = [CORPUS_VERSION, sys.version, str(Path(sysconfig.get_paths()["stdlib"])), limit_bytes]
-    for path in files:
-        try:
-            st = path.stat()
-        except OSError:
-            return _parse_stdlib(files)
-        key.append([path.name, st.st_size, st.st_mtime_ns])
+    key = [CORPUS_VERSION, sys.version, str(Path(sysconfig.get_paths()["stdlib"])), limit_bytes,
+           *([path.name, size, mtime] for path, size, mtime in files)]
     where = cache.root() / "corpus" / f"stdlib-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
     try:
         doc = json.loads(where.read_bytes())
@@ -81,7 +77,7 @@ def _stdlib_text(limit_bytes: int) -> tuple[str, str]:
             return doc["code"], doc["prose"]
     except (OSError, ValueError, KeyError, AttributeError):
         pass
-    code, prose = _parse_stdlib(files)
+    code, prose = _parse_stdlib([path for path, _, _ in files])
     cache.write_atomic(where, json.dumps({"key": key, "code": code, "prose": prose}).encode())
     return code, prose
 
