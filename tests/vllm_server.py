@@ -11,9 +11,10 @@
 ``env_extra={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}``); ``env_extra`` is merged over the defaults.
 ``vllm_available()`` says whether the ``.vllm`` environment is there.
 
-Defaults (measured to work on the CPU build, vllm-cpu 0.32.0): ``--dtype float32`` (this CPU has AVX2 only:
-  bfloat16 also serves, but oneDNN falls back to torch linear and it decodes ~40% slower), ``--max-model-len 1024``,
-``--max-num-seqs 16``, ``--gpu-memory-utilization 0.3`` (on CPU: the share of RAM reserved),
+Defaults (measured to work on the CPU build, vllm-cpu 0.32.0): ``--dtype float32`` (on an AVX2-only CPU
+  bfloat16 also serves, but oneDNN falls back to torch linear and it decodes ~40% slower; MLA models:
+``mla_args``), ``--max-model-len 1024``, ``--max-num-seqs 16``, ``--gpu-memory-utilization 0.3`` (on CPU: the
+share of RAM reserved),
 ``--enforce-eager`` (skips the torch.compile warm-up: engine init ~3 s instead of ~60-70 s on a cold compile
 cache; pass ``--no-enforce-eager`` to compile), ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB), offline (HF_HUB_OFFLINE,
 TRANSFORMERS_OFFLINE), no usage stats. DeepSeek-V3 (MLA) on CPU: vLLM itself turns prefix caching and chunked
@@ -38,6 +39,20 @@ DEFAULT_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs
                 "--gpu-memory-utilization", "0.3", "--enforce-eager"]
 DEFAULT_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def mla_args(model_dir: Path) -> list[str]:
+    """An MLA model (DeepSeek-V3-style: ``kv_lora_rank`` in its config) is served with vLLM's reference CPU MLA
+    backend. On a CPU with AMX tiles (Sapphire Rapids and later) vLLM picks its AMX MLA backend instead, which
+    refuses float32 weights at load ("expect weight to be bfloat16, float16, int8, fp8_e4m3 or uint8": seen on
+    such a machine here); on an AVX2-only CPU CPU_MLA is vLLM's own choice, so the flag changes nothing there."""
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return ["--attention-backend", "CPU_MLA"] if config.get("kv_lora_rank") else []
 
 
 def _free_port() -> int:
@@ -65,7 +80,7 @@ class VLLMServer:
             tempfile.mkdtemp(prefix="vllm-server-")) / f"vllm-{port}.log"
         self.cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                     "--port", str(port), "--host", host, "--served-model-name", self.name,
-                    *DEFAULT_ARGS, *(args or [])]
+                    *DEFAULT_ARGS, *mla_args(self.model_dir), *(args or [])]
         self.env = {**os.environ, **DEFAULT_ENV, **(env_extra or {})}
         self.proc: subprocess.Popen | None = None
         self.load_seconds: float | None = None
