@@ -15,6 +15,8 @@ skipped with the reason it cannot run here (``skip``). What the runner changes, 
 - ``append``: arguments added at the end (click takes the last of a repeated option): documented flags that make
   a long run short (``--requests``, ``--duration``) or a terminal view print once (``--once``, ``--plain``);
 - ``replace``: placeholders a user fills in (``<request-id>``), with a shell expression of what they would paste;
+- ``ran_in``: a command another page runs in the same order with every promise of this one (README's tour is the
+  quickstart's) is run there only;
 - a command ending in ``&`` runs in the background (``until``: a shell test polled until it holds, e.g. the
   server answering) and is stopped when the page ends.
 """
@@ -63,6 +65,8 @@ class Entry:
     retry: int = 0  # run again (0.5 s apart) up to this many times until it keeps its promise (a store commits
     # every 0.5 s: a request just answered may not be readable yet)
     timeout: float = 300
+    ran_in: str | None = None  # another page whose entry of the same text runs it, keeping every promise of this
+    # one (tests/test_doc_runner.py checks both): a page that repeats another's commands does not run them twice
 
 
 def commands(page: Path) -> list[Command]:
@@ -134,6 +138,42 @@ def pair(page: Path) -> list[tuple[Command, Entry]]:
                                       "tests/doc_runs.yml: " + "; ".join(c.text for c in cmds[len(entries):]
                                                                            or [e.cmd for e in entries[len(cmds):]]))
     return list(zip(cmds, entries))
+
+
+# What an entry run on another page must keep exactly as its own page writes it (``out`` and ``files`` may grow)
+_KEPT = ("append", "replace", "capture", "exit", "until", "wait", "background", "start", "stop", "retry", "timeout")
+
+
+def ran_in_problems(entries: dict[str, list[Entry]]) -> list[str]:
+    """For every entry with ``ran_in``: the page it names must run an entry of the same command text that keeps
+    each of its promises (``_KEPT`` equal; every ``out`` line and file among the other's), and a page's
+    ``ran_in`` entries must come in the same order there (a command reads what an earlier one wrote).
+    ``entries``: page -> its entries (``spec``). Returns the problems, one line each."""
+    problems = []
+    for page, own in entries.items():
+        at: dict[str, int] = {}  # per other page: where the last matched entry was
+        for e in own:
+            if not e.ran_in:
+                continue
+            theirs = entries.get(e.ran_in)
+            if theirs is None:
+                problems.append(f"{page}: {e.cmd}: ran_in names {e.ran_in}, which has no entries")
+                continue
+            text = " ".join(e.cmd.split())
+            after = at.get(e.ran_in, -1)
+            i = next((i for i, t in enumerate(theirs) if i > after and " ".join(t.cmd.split()) == text), None)
+            if i is None:
+                problems.append(f"{page}: {e.cmd}: not among {e.ran_in}'s commands after the previous one")
+                continue
+            at[e.ran_in] = i
+            t = theirs[i]
+            if t.skip or t.ran_in:
+                problems.append(f"{page}: {e.cmd}: {e.ran_in} does not run it either")
+            problems += [f"{page}: {e.cmd}: {k} is {getattr(e, k)!r} here, {getattr(t, k)!r} in {e.ran_in}"
+                         for k in _KEPT if getattr(e, k) != getattr(t, k)]
+            problems += [f"{page}: {e.cmd}: {e.ran_in} does not check {k} {x!r}"
+                         for k in ("out", "files") for x in getattr(e, k) if x not in getattr(t, k)]
+    return problems
 
 
 class Scratch:
