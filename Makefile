@@ -33,12 +33,22 @@ system-deps:
 # Lint and the docs site first (seconds; a failure stops here), then the suite (its parallel phase, every
 # benchmark's --quick included: tests/test_benchmarks.py, then its serial phase), the HF adapter tests again on
 # transformers 4.57 (module names and router outputs differ between 4.x and 5.x), then the vLLM pass. The vLLM
-# environment (~2 minutes, mostly downloads) is built in the background while the suite runs (build/vllm-env.log).
+# environment (~2 minutes, mostly downloads) is built in the background from the moment the main venv is installed,
+# beside lint, the docs and the suite (build/vllm-env.log); the system packages (apt: downloads) are installed
+# beside the main venv (build/system-deps.log). A failure of either fails the run, after the suite at the latest.
 # Tried and undone: the vLLM pass beside the parallel phase (load average 10 on two cores: the servers' OpenMP
 # threads and the suite's workers slowed each other: the vLLM tests 11 -> 17 minutes, the phase 12 -> 23).
-test: lint docs system-deps
-	@mkdir -p build; rm -f build/vllm-env.rc
-	@($(MAKE) --no-print-directory vllm-env > build/vllm-env.log 2>&1; echo $$? > build/vllm-env.rc) & \
+test:
+	@mkdir -p build; rm -f build/vllm-env.rc build/system-deps.rc
+	@(bash .ci/system-deps > build/system-deps.log 2>&1; echo $$? > build/system-deps.rc) & deps=$$!; \
+	$(MAKE) --no-print-directory install; setup=$$?; \
+	if [ $$setup -eq 0 ]; then \
+		($(MAKE) --no-print-directory vllm-env > build/vllm-env.log 2>&1; echo $$? > build/vllm-env.rc) & \
+		$(MAKE) --no-print-directory lint docs; setup=$$?; \
+	fi; \
+	wait $$deps; \
+	if [ "$$(cat build/system-deps.rc)" != 0 ]; then cat build/system-deps.log; echo "make system-deps failed"; setup=1; fi; \
+	if [ $$setup -ne 0 ]; then wait; exit 1; fi; \
 	bash .ci/pytest; main=$$?; wait; \
 	if [ "$$(cat build/vllm-env.rc)" != 0 ]; then tail -n 40 build/vllm-env.log; echo "make vllm-env failed"; exit 1; fi; \
 	[ $$main -eq 0 ] && $(MAKE) --no-print-directory test-hf457 && $(MAKE) --no-print-directory test-vllm
