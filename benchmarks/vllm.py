@@ -342,12 +342,10 @@ def main(argv: list[str] | None = None) -> int:
         build = json.loads((model_dir / "moescope_build.json").read_text())
         configs = QUICK_CONFIGS if args.quick else CONFIGS
         ports = {name: free_port() for name in configs if name != "off"}
-        config_env = {"off": {},
-                      "metrics": {"MOESCOPE_METRICS_PORT": str(ports.get("metrics"))},
-                      "traces": {"MOESCOPE_METRICS_PORT": str(ports["traces"]),
-                                 "MOESCOPE_TRACES": str(tmp / "t.sqlite"),
-                                 "MOESCOPE_TRACE_SAMPLE": str(TRACE_SAMPLE)}}
-        config_env = {name: config_env[name] for name in configs}
+        traces_env = {"MOESCOPE_TRACES": str(tmp / "t.sqlite"), "MOESCOPE_TRACE_SAMPLE": str(TRACE_SAMPLE)}
+        config_env = {name: {} if name == "off" else {"MOESCOPE_METRICS_PORT": str(ports[name]),
+                                                      **(traces_env if name == "traces" else {})}
+                      for name in configs}
         servers: dict[str, VLLMServer] = {}
         load_s, warmup, plugin_lines = {}, {}, {}
         per_round: dict[str, list[dict]] = {name: [] for name in configs}
