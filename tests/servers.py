@@ -121,6 +121,14 @@ class Prometheus(_Server):
             raise RuntimeError("prometheus did not become ready: "
                                + (tmp / "prometheus.log").read_text()[-3000:]) from None
 
+    def wait_scraping(self, n_targets: int, timeout: float = 30) -> None:
+        """Until every target has been scraped once (``up`` written, 0 or 1). Prometheus syncs a new scrape
+        target some seconds after it is ready (its scrape manager reloads at most every 5 s): an exporter that
+        lives only a few seconds after Prometheus starts can end before its first scrape (seen on a fast machine:
+        a 4 s linger, nothing scraped)."""
+        wait_until(lambda: self.scalar("count(up)"), until=lambda n: n is not None and n >= n_targets,
+                   timeout=timeout, what=f"Prometheus scraping its {n_targets} target(s)", interval=0.5)
+
     def query(self, promql: str, at: float | None = None) -> list[dict]:
         """The result vector (moescope's one Prometheus client: a refused query raises, naming it)."""
         return prom_http.query(self.url, promql, timeout=10, at=at)

@@ -14,6 +14,7 @@ def test_prometheus_reads_back_the_runtime_total(tmp_path):
     port = free_port()
     prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
     try:
+        prom.wait_scraping(1)  # the demo's exporter lives ~5 s: scraped from its first second
         proc = run_cli("demo", "--no-tui", "--requests", "12", "--rate", "0", "--metrics-port", str(port), "--linger",
                        "4", "--json", timeout=300)
         assert proc.returncode == 0, proc.stderr
