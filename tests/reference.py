@@ -95,3 +95,101 @@ def naive_moe(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up
             g, u = (gate_up[e] @ x[t]).chunk(2)
             out[t] += weights[t, slot] * (down[e] @ (F.silu(g) * u))
     return out
+
+
+def _wilson_hilferty(df: float, z: float, sign: float) -> float:
+    """A chi-square's quantile at the normal tail ``sign * z``, over its mean (Wilson-Hilferty, as docs/metrics.md
+    writes it: ``(1 - a + sign z sqrt(a))^3``, a = 2 / (9 df))."""
+    a = 2 / (9 * df)
+    return max(1 - a + sign * z * math.sqrt(a), 0.0) ** 3
+
+
+def naive_window_judgement(per_request, z_noise: float, z_hot: float) -> dict:
+    """docs/metrics.md's window judgement written out per layer and expert with plain loops over the requests
+    (``per_request``: [R][L][E] slot counts; the window is exactly these requests' slots; no baseline: the
+    reference share is 1/E). Per layer: ``cv`` (population), the cluster-robust share variance
+    ``R/(R-1) sum_r (c_re - p_e n_r)^2 / N^2`` floored by ``p(1-p)/N``, ``noise_cv`` =
+    ``sqrt(E sum_e Var(p_e) x chi2 bound at min(E, R) - 1 df)`` floored by the multinomial bound at E - 1 df,
+    ``excess_cv`` = ``sqrt(max(0, cv^2 - noise^2))``, and per expert the hot factor p_e E where
+    ``p_e - 1/E > z_hot sd`` (``sd^2`` = Var(p_e) x df / chi2 lower quantile at R - 1 df), else NaN."""
+    n_layers, n_exp = len(per_request[0]), len(per_request[0][0])
+    out = {"cv": [], "noise_cv": [], "excess_cv": [], "hot_factor": []}
+    for li in range(n_layers):
+        rows = [[float(x) for x in req[li]] for req in per_request if sum(req[li]) > 0]
+        r = len(rows)
+        load = [sum(row[e] for row in rows) for e in range(n_exp)]
+        n = sum(load)
+        mean = n / n_exp
+        cv = math.sqrt(sum((x - mean) ** 2 for x in load) / n_exp) / mean
+        var = []
+        for e in range(n_exp):
+            p = load[e] / n
+            resid = sum((row[e] - p * sum(row)) ** 2 for row in rows)
+            var.append(max(r / (r - 1) * resid / n ** 2, p * (1 - p) / n))
+        cluster = math.sqrt(n_exp * sum(var) * _wilson_hilferty(max(min(n_exp, r) - 1, 1), z_noise, 1))
+        multi = math.sqrt((n_exp - 1) * _wilson_hilferty(n_exp - 1, z_noise, 1) / n)
+        noise = max(cluster, multi)
+        lower = _wilson_hilferty(r - 1, z_noise, -1)
+        upper = 1 / lower if lower > 0 else math.inf
+        hot = []
+        for e in range(n_exp):
+            p, ref = load[e] / n, 1 / n_exp
+            hot.append(p / ref if p - ref > z_hot * math.sqrt(var[e] * upper) else math.nan)
+        out["cv"].append(cv)
+        out["noise_cv"].append(noise)
+        out["excess_cv"].append(math.sqrt(max(0.0, cv * cv - noise * noise)))
+        out["hot_factor"].append(hot)
+    return out
+
+
+# -- load statistics, one load [E] at a time, as docs/metrics.md writes them (moescope.stats computes them
+# row-wise; an empty load's max/mean and top share are NaN there: "not defined") -----------------------------
+def naive_load_cv(load) -> float:
+    """std/mean over all experts, zeros included (population std); 0 for no load."""
+    n = len(load)
+    mean = sum(load) / n if n else 0.0
+    if mean == 0:
+        return 0.0
+    return math.sqrt(sum((x - mean) ** 2 for x in load) / n) / mean
+
+
+def naive_max_over_mean(load) -> float:
+    """The busiest's load over the mean load; NaN for no load."""
+    total = sum(load)
+    return max(load) / (total / len(load)) if total else math.nan
+
+
+def naive_top_share(load, tokens) -> float:
+    """The busiest expert's slots over the routed tokens (an expert takes at most one slot per token); NaN for no
+    tokens."""
+    return max(load) / tokens if tokens else math.nan
+
+
+def naive_dead_experts(load) -> int:
+    """Experts with no slot at all."""
+    return sum(1 for x in load if x == 0)
+
+
+def naive_rank_loads(load, per_rank) -> list[float]:
+    """Slots each rank computes: an expert's slots split evenly over the ranks holding it."""
+    out = [0.0] * len(per_rank)
+    for e, w in enumerate(load):
+        holders = [r for r, experts in enumerate(per_rank) if e in experts]
+        for r in holders:
+            out[r] += w / len(holders)
+    return out
+
+
+def naive_jensen_shannon(p, q) -> float:
+    """Jensen-Shannon divergence in bits between two loads, each normalised to shares."""
+    def shares(x):
+        total = sum(x)
+        return [v / total if total else 0.0 for v in x]
+
+    ps, qs = shares(p), shares(q)
+    m = [(a + b) / 2 for a, b in zip(ps, qs)]
+
+    def kl(a, b):
+        return sum(x * math.log2(x / y) for x, y in zip(a, b) if x > 0)
+
+    return 0.5 * kl(ps, m) + 0.5 * kl(qs, m)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import math
 from pathlib import Path
+from statistics import NormalDist
 
 import numpy as np
 import pytest
@@ -16,6 +17,7 @@ from moescope.analysis import diagnose
 from moescope.metrics.window import RoutingWindow
 from moescope.thresholds import DEFAULT
 from moescope.tui.routing import layer_routing
+from reference import naive_window_judgement
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,10 +100,20 @@ def test_the_exporter_window_exports_the_judgement():
         assert g.cv[li] == pytest.approx(_naive_cv(row))
         assert g.max_over_mean[li] == pytest.approx(max(row) / (sum(row) / 8))
         assert g.top_share[li] == pytest.approx(max(row) / tokens[li])
+    # The sampling noise, the excess beyond it and the hot factors against docs/metrics.md's formulas written out
+    # per request (tests/reference.py), in the exporter's window and in diagnose's path over the same requests.
+    z_hot = NormalDist().inv_cdf(1 - DEFAULT.family_alpha / (3 * 8))  # Bonferroni over the L x E experts
+    ref = naive_window_judgement(per.tolist(), DEFAULT.noise_z, z_hot)
+    assert np.isfinite(ref["hot_factor"]).any() and not np.isfinite(ref["hot_factor"]).all()  # some hot, not all
     j = diagnose.judge_requests(per, [1, 2, 3], 2, tokens=tokens)  # diagnose's path, the same window
-    for name in ("cv", "noise_cv", "excess_cv", "top_share", "max_over_mean"):
-        assert np.allclose(getattr(g, name), getattr(j, name), equal_nan=True), name
-    assert np.allclose(g.hot, j.hot_factor, equal_nan=True)
+    for view, hot in ((g, g.hot), (j, j.hot_factor)):
+        for name in ("cv", "noise_cv", "excess_cv"):
+            assert np.allclose(getattr(view, name), ref[name]), name
+        assert np.allclose(hot, ref["hot_factor"], equal_nan=True)
+    for li in range(3):
+        row = counts[li].tolist()
+        assert j.top_share[li] == pytest.approx(max(row) / tokens[li])
+        assert j.max_over_mean[li] == pytest.approx(max(row) / (sum(row) / 8))
 
 
 def test_diagnose_divides_the_top_share_by_routed_tokens_from_the_store():
