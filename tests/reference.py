@@ -193,3 +193,19 @@ def naive_jensen_shannon(p, q) -> float:
         return sum(x * math.log2(x / y) for x, y in zip(a, b) if x > 0)
 
     return 0.5 * kl(ps, m) + 0.5 * kl(qs, m)
+
+
+def naive_goal_verdict(ratios, goal: float) -> str:
+    """docs/vllm.md's rule from its words: the quartiles of the per-round ratios, each the sorted value at rank
+    (n + 1) p (1-based, linear between ranks, clamped to the ends); "met" when the upper one is within ``goal``,
+    "missed" when the lower one is above it, else "not resolved" (fewer than 2 rounds: not resolved)."""
+    xs = sorted(ratios)
+    if len(xs) < 2:
+        return "not resolved"
+
+    def q(p: float) -> float:
+        h = min(max((len(xs) + 1) * p, 1.0), float(len(xs)))
+        lo = int(math.floor(h))
+        return xs[lo - 1] if lo == len(xs) else xs[lo - 1] + (h - lo) * (xs[lo] - xs[lo - 1])
+
+    return "met" if q(0.75) <= goal else "missed" if q(0.25) > goal else "not resolved"

@@ -7,8 +7,10 @@ the docs quote.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -17,6 +19,7 @@ import time
 import pytest
 
 from conftest import ROOT
+from reference import naive_goal_verdict
 
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 QUICK_TIMEOUT_S = 900  # a quick run is a smoke run: minutes at most, even on a busy 2-core CI machine
@@ -99,3 +102,50 @@ def test_serves_on_off_ratio_cancels_the_cost_of_running_first():
     assert math.isclose(serve.order_balanced(rounds), true, rel_tol=0.011)  # within the injected 1% jitter
     assert serve.order_balanced([(0, 1.07)]) == 1.07  # one round (--quick): its own ratio
     assert serve.order_balanced([]) is None
+
+
+def _benchmarks_module(name: str):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+@pytest.mark.parametrize("ratios, goal", [
+    ([1.0, 1.01, 1.0, 1.02, 1.0], 1.02), ([1.3, 1.2, 1.25, 1.4], 1.02), ([0.64, 1.38, 0.73, 1.41, 1.26], 1.02),
+    ([0.98, 1.03], 1.02), ([1.05], 1.02), ([], 1.02), ([0.5, 0.6, 0.7, 1.5, 1.6, 1.7, 1.8], 1.03),
+    ([1.1, 1.1, 1.1, 1.0, 0.9, 0.9, 0.9], 1.0)])
+def test_the_one_verdict_rule_against_its_words(ratios, goal):
+    """benchmarks/_verdict.py (every benchmark's verdict) against docs/vllm.md's rule written out naively
+    (tests/reference.py): quartiles of the per-round ratios, met / missed / not resolved."""
+    verdict = _benchmarks_module("_verdict").verdict
+    assert verdict(ratios, goal).split(" (")[0] == naive_goal_verdict(ratios, goal)
+    assert verdict(None, goal, why="no rounds kept") == "not resolved (no rounds kept)"
+
+
+def test_published_verdicts_follow_the_rule_from_the_files_rounds():
+    """The verdicts the docs print for serve.json and overhead.json are the rule's over the per-round ratios
+    recomputed here from each file's raw figures (serve: each round's server CPU per token, on / off), and a
+    "met" printed anywhere in those tables stands only where the rule says met."""
+    serve, tables = _benchmarks_module("serve"), _benchmarks_module("_tables")
+    results = ROOT / "benchmarks" / "results"
+    d = json.loads((results / "serve.json").read_text())
+    printed = serve.markdown(d)
+    said = re.findall(r"(\d+) clients? ([\d.]+)x(?: \([^)]*\))?: (met|missed|not resolved)", printed)
+    expected = []
+    for r in d["models"].values():
+        for c in r["requests_per_load"]:
+            on, off = r["runs"][f"capture_on/{c}"], r["runs"][f"capture_off/{c}"]
+            ratios = [a["server_cpu_ms_per_token"] / b["server_cpu_ms_per_token"] for a, b in zip(on, off)]
+            expected.append((c, naive_goal_verdict(ratios, serve.GOAL)))
+    assert [(c, v) for c, _, v in said] == expected
+    o = json.loads((results / "overhead.json").read_text())
+    rows = [line for line in tables.overhead(o, None) if line.startswith("| ") and "---" not in line][1:]
+    for w, line in zip(o["workloads"], rows, strict=True):
+        cells = [c.strip().split(" (")[0] for c in line.strip("|").split("|")][-2:]
+        if w["concurrency"] != 16:  # issue [honest]'s goal is at 16 tokens a step
+            assert cells == ["-", "-"]
+            continue
+        assert cells == [naive_goal_verdict(w[k]["ratios"], g) for k, g in (("metrics", 1.01),
+                                                                           ("metrics+traces", 1.03))]
