@@ -302,7 +302,7 @@ def serve_then_kill(traces: str, n: int = 40) -> set[str]:
     return written
 
 
-def test_killing_the_process_loses_at_most_the_last_flush_interval(tmp_path):
+def test_killing_the_process_loses_nothing_the_writer_had_written(tmp_path):
     path = tmp_path / "t.sqlite"
     old = serve_then_kill(str(path))
     conn = store.open_store(path)  # opens after the crash
