@@ -59,6 +59,8 @@ def provenance_line(results: Path) -> str:
             dirty += f" ({p['commit_basis']})" if p.get("commit_basis") else ""
         # a summary recomputed later from the file's own raw rounds (an estimator fixed, nothing re-run): said so
         again = f" Summary {p['summarised']}." if p.get("summarised") else ""
+        if p.get("corrected"):  # a provenance field set right after the run, with what and why
+            again += f" Provenance corrected: {p['corrected']}."
         return (f"{head}: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
                 f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.{again}")
     # (tests/test_docs.py fails on this line: every results file carries its provenance)

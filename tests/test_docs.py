@@ -189,11 +189,16 @@ def test_docs_tables_are_printed_from_their_results_files():
 def test_every_results_file_says_how_it_was_made():
     """Every benchmarks/results/*.json carries its provenance: the commit, the exact command, the date and the
     machine (benchmarks/_results.py save(); for a file from before runs recorded it, reconstructed from what its run
-    did record, marked `reconstructed` with what it was reconstructed from and, for the commit, how sure)."""
+    did record, marked `reconstructed` with what it was reconstructed from and, for the commit, how sure). Where the
+    report itself recorded the commit its run started at, the provenance names that commit (not one made while it
+    ran)."""
     missing = {}
     for path in sorted((ROOT / "benchmarks" / "results").glob("*.json")):
-        p = json.loads(path.read_text()).get("provenance") or {}
+        d = json.loads(path.read_text())
+        p = d.get("provenance") or {}
         lacks = [k for k in ("commit", "command", "date", "machine") if not p.get(k)]
+        if d.get("commit") and p.get("commit") != d["commit"]:  # the run's own record of HEAD at its start
+            lacks.append(f"commit: the run started at {d['commit']}, the provenance names {p.get('commit')}")
         if p.get("reconstructed") and not p.get("commit_basis"):
             lacks.append("commit_basis")
         if lacks:
