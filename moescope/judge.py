@@ -236,8 +236,6 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
     layers = list(layers)
     slots = counts.sum(1)
     tokens = slots / max(1, top_k) if tokens is None else np.asarray(tokens, dtype=np.float64)
-    mean = slots / max(1, n_exp)
-    safe_mean = np.where(mean > 0, mean, 1.0)
     cv = stats.load_cv_rows(counts)
     with np.errstate(invalid="ignore", divide="ignore"):
         noise = sampling.noise_cv(n_exp, slots, draws, t.noise_z)
@@ -267,16 +265,14 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
         jsd[has] = stats.jensen_shannon_rows(counts[has], base.load[has])
         with np.errstate(invalid="ignore", divide="ignore"):
             noise_bits = np.where(has, sampling.drift_noise_bits(counts, draws, ref, t.noise_z), np.nan)
-    mx = counts.max(1) if n_exp else np.zeros(n_layers)
-    top = np.where(tokens > 0, mx / np.where(tokens > 0, tokens, 1.0), 0.0)
     return Judgement(
         layers=layers, n_experts=n_exp, reference="baseline" if has_base else "fair", counts=counts,
         draws=draws.draws.copy(), tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
-        max_over_mean=np.where(mean > 0, mx / safe_mean, 0.0), has_baseline=has,
+        max_over_mean=stats.max_over_mean_rows(counts), has_baseline=has,
         baseline_cv=base_cv if has_base else None, bar=np.array([t.imbalance_bar(b) for b in base_cv.tolist()]),
         hot_factor=factor, hot_sd=sd, ref_share=hot_ref, hot_reference=[str(k) for k in kinds], dead=dead,
         dead_mask=dead_mask, jsd=jsd,
-        drift_noise=noise_bits, top_share=top, t=t)
+        drift_noise=noise_bits, top_share=stats.top_share_rows(counts, tokens), t=t)
 
 
 def drift_between(before, before_draws: sampling.Draws, after, after_draws: sampling.Draws,
@@ -312,3 +308,16 @@ def worst_case_draws(counts: np.ndarray, requests) -> sampling.Draws:
     r = np.broadcast_to(np.asarray(requests, dtype=np.float64), n.shape).copy()
     per = np.where(r > 0, n / np.where(r > 0, r, 1.0), 0.0)  # slots per request
     return sampling.Draws(r, n, n * per, c, c * per[:, None], c * per[:, None])
+
+
+def cache_thrash(hits, lookups, capacity_ratio, t: Thresholds = DEFAULT
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """MoEExpertCacheHitRateLow, per layer: ``hits`` [L] and ``lookups`` [L] over the same interval, the layer's
+    cache holding ``capacity_ratio`` [L] of its experts. Returns the hit rate [L], its floor [L]
+    (``Thresholds.cache_floor``: under half a random resident set's hit rate) and whether the cache thrashes [L]
+    (the rate under the floor). A layer without lookups or with an unknown (NaN) capacity is not judged: its rate
+    or floor NaN, never thrashing. ``top`` calls it on the exporter's counters, ``diagnose`` on a store's miss bits."""
+    hits, lookups, capacity = (np.asarray(x, dtype=np.float64) for x in (hits, lookups, capacity_ratio))
+    rate = np.where(lookups > 0, hits / np.where(lookups > 0, lookups, 1.0), np.nan)
+    floor = t.cache_floor(capacity)
+    return rate, floor, np.isfinite(rate) & np.isfinite(floor) & (rate < floor)

@@ -25,8 +25,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from moescope import sampling
 
 # Views colour a value "warn" from this fraction of the way to its bar (dashboards' yellow, top's warn).
@@ -193,26 +191,6 @@ def expected_activation(dense_params: int, expert_params: int, n_moe_layers: int
     """Parameters a token touches / total parameters when every layer computes its top-k: the model config's
     own activation ratio (DeepSeek-V3: 37B / 671B)."""
     return (dense_params + n_moe_layers * top_k * expert_params) / total_params
-
-
-def rank_loads(slots: np.ndarray, owner: np.ndarray, world: int) -> np.ndarray:
-    """[L, world] slots each rank computes per layer: ``slots`` [L, E], ``owner`` [L, E] the rank holding each
-    (layer, expert) (a replicated expert's slots are split over its replicas by the caller). Each layer's
-    all-to-all waits for its busiest rank, so the straggler factor is max/mean per layer."""
-    slots = np.asarray(slots, dtype=np.float64)
-    owner = np.asarray(owner, dtype=np.int64)
-    out = np.zeros((slots.shape[0], world))
-    rows = np.repeat(np.arange(slots.shape[0]), slots.shape[1])
-    np.add.at(out, (rows, owner.ravel()), slots.ravel())
-    return out
-
-
-def max_over_mean(loads: np.ndarray) -> np.ndarray:
-    """Row-wise max / mean (NaN for an empty row)."""
-    loads = np.asarray(loads, dtype=np.float64)
-    mean = loads.mean(-1)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return np.where(mean > 0, loads.max(-1) / mean, np.nan)
 
 
 DEFAULT = Thresholds()

@@ -223,3 +223,15 @@ def test_gpu_statements_quote_the_device_log():
     for page in [README, *DOCS.glob("*.md")]:
         text = " ".join(page.read_text().split())
         assert not (failed and re.search(r"every `-m gpu` test passed|gpu`-marked tests passed", text)), page
+
+
+def test_the_docs_count_the_alert_rules_that_are_generated():
+    """"N alerts" / "N rules" in the docs is the number of alerts in the generated rules file (design.md said 16
+    while there were 18)."""
+    generated = len(re.findall(r"^\s*- alert: ", (ROOT / "collectors" / "prometheus" / "moescope-rules.yml")
+                               .read_text(), re.M))
+    counted = re.compile(r"\b(\d+) (?:alerts|rules|alert rules),? (?:generated|from one source)")
+    said = {(p.name, int(n)) for p in [README, *DOCS.glob("*.md")]
+            for n in counted.findall(" ".join(p.read_text().split()))}
+    assert said, "the docs no longer count the rules"
+    assert {n for _, n in said} == {generated}, (said, generated)

@@ -448,16 +448,14 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
     for (key, j), experts in used.items():
         lookups[j] += len(experts)
         misses[j] += len(missed.get((key, j), ()))
-    hit_rate = 1 - misses / np.maximum(lookups, 1)
-    b = t
     # The store does not hold the cache's size: at least as many experts are resident as one forward found
     # resident (used and not missed); a lower capacity means a lower floor, so the estimate errs towards quiet.
     resident = np.zeros(len(w.layers))
     for (key, j), experts in used.items():
         resident[j] = max(resident[j], len(experts) - len(missed.get((key, j), ())))
     capacity = np.maximum(resident, 1) / w.n_experts
-    floor = np.array([t.cache_floor(c) for c in capacity.tolist()])
-    low = {w.layers[j]: round(float(h), 3) for j, h in enumerate(hit_rate) if h < floor[j]}
+    hit_rate, floor, thrash = judging.cache_thrash(lookups - misses, lookups, capacity, t)
+    low = {w.layers[j]: round(float(hit_rate[j]), 3) for j in np.nonzero(thrash)[0].tolist()}
     examples = [rid for rid, m in zip(w.ids, w.miss) if m.any()][:5]
     if low:
         worst = min(low, key=low.get)
@@ -487,12 +485,12 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
         if clean and costly:
             base = float(np.median([s for s, _ in clean]))
             per_miss += [(s - base) / n for s, n in costly]
-    if len(per_miss) >= b.fetch_min_forwards:
+    if len(per_miss) >= t.fetch_min_forwards:
         med, p90 = float(np.median(per_miss)), float(np.percentile(per_miss, 90))
         # As the alert (p99 of the fetch time above the bar, i.e. over 1% of fetches slower than it), on the
         # store's per-miss estimate: the share of forwards whose misses cost more than the bar each.
-        slow_bar = b.fetch_p99_s
-        over, allowed = float(np.mean(np.array(per_miss) > slow_bar)), 1 - b.fetch_quantile
+        slow_bar = t.fetch_p99_s
+        over, allowed = float(np.mean(np.array(per_miss) > slow_bar)), 1 - t.fetch_quantile
         if over > allowed:
             out.append(Finding("switch-jitter", "warning", "Expert fetches are slow", over / allowed,
                                {"seconds_per_miss_p50": round(med, 4), "seconds_per_miss_p90": round(p90, 4),

@@ -24,13 +24,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moescope import sampling, thresholds
+from moescope import sampling, stats, thresholds
 from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import UNKNOWN_MODE, RoutingProbe, StepStats
 from moescope.errors import BadInput
 from moescope.metrics import catalogue
 from moescope.metrics.window import LayerGauges, LearnedReference, RoutingWindow
-from moescope.parallel import planner
 
 # Per-(layer, expert) counters up to 64 MoE layers x 256 experts per replica: DeepSeek-V3's shape and a little
 # beyond (docs/metrics.md, "Cardinality", has the arithmetic).
@@ -277,8 +276,8 @@ class MetricsObserver(Observer):
             if not self.eplb_predicted:
                 return {}, {}, {}
             rows = self.eplb_rows
-            measured = {layer: float(rows[layer].max() / rows[layer].mean()) if layer in rows and rows[layer].sum()
-                        else float("nan") for layer in sorted(self.eplb_predicted)}
+            measured = {layer: float(stats.max_over_mean_rows(rows[layer])) if layer in rows else float("nan")
+                        for layer in sorted(self.eplb_predicted)}
             return self.eplb_before, self.eplb_predicted, measured
 
     def on_request(self, record) -> None:
@@ -412,7 +411,7 @@ class MetricsObserver(Observer):
         with self.lock:
             measured = self.rank_window.loads(self.clock())
         if measured:
-            mom = {layer: float(v) for layer, v in zip(measured, thresholds.max_over_mean(
+            mom = {layer: float(v) for layer, v in zip(measured, stats.max_over_mean_rows(
                 np.array(list(measured.values()), dtype=np.float64)).tolist()) if np.isfinite(v)}
             total = np.sum(list(measured.values()), axis=0)
             return mom, {r: float(v) for r, v in enumerate(total.tolist())}
@@ -426,17 +425,13 @@ class MetricsObserver(Observer):
         p = self.placement()
         if p is None or not len(g.layers):
             return None
-        w = p.world_size
         known = [j for j, layer in enumerate(g.layers) if layer in p.layers]
         if not known:
             return None
         slots = g.slots[known]
-        if not p.replicated:
-            owner = np.array([[p.ranks_of(g.layers[j], x)[0] for x in range(p.n_experts)] for j in known])
-            loads = thresholds.rank_loads(slots, owner, w)
-        else:  # the dispatch's rule, as the planner predicts with it
-            loads = np.stack([planner.rank_loads(slots[i], p.layers[g.layers[j]]) for i, j in enumerate(known)])
-        mom = thresholds.max_over_mean(loads)
+        # the dispatch's rule, as the planner predicts with it (a replicated expert's slots dealt over its replicas)
+        loads = np.stack([stats.rank_loads(slots[i], p.layers[g.layers[j]]) for i, j in enumerate(known)])
+        mom = stats.max_over_mean_rows(loads)
         judged = {g.layers[j]: float(v) for j, v in zip(known, mom.tolist())
                   if np.isfinite(v) and np.isfinite(g.noise_cv[j])}
         return judged, {r: float(v) for r, v in enumerate(loads.sum(0).tolist())}
