@@ -8,10 +8,10 @@ import pytest
 import torch
 from helpers import run_cli_ok
 
-from moescope import stats
 from moescope.runtime import balance, faults, loader, routers_cache, tokenizer, traffic
 from moescope.runtime.config import PRESETS
 from moescope.runtime.model import MoETransformer, Segment
+from reference import naive_dead_experts, naive_load_cv, naive_top_share
 
 # deepseek-v3-shape's routing (256 experts, top-8, 8 groups top-4, sigmoid + bias, shared expert) at 6 layers
 SHAPE = PRESETS["deepseek-v3-shape"].replace(name="ds-test", n_layers=4, dense_layers=(0,))
@@ -49,9 +49,9 @@ def _assert_balanced(model, below: float = 0.5) -> list[float]:
     cfg = model.cfg
     load, n_tokens = _served_load(model)
     floor = math.sqrt((cfg.n_experts - 1) / (n_tokens * cfg.top_k))  # multinomial sampling noise
-    cv = [stats.load_cv(v) for v in load.values()]
+    cv = [naive_load_cv(v) for v in load.values()]
     assert max(cv) < below and min(cv) > floor, (min(cv), max(cv), floor)
-    assert max(stats.dead_experts(v) for v in load.values()) <= 2
+    assert max(naive_dead_experts(v) for v in load.values()) <= 2
     # the correction bias does the balancing it does in DeepSeek-V3: non-zero after calibration
     assert all(float(m.router.e_score_correction_bias.abs().max()) > 0.01 for m in model.moe_layers())
     return cv
@@ -59,7 +59,7 @@ def _assert_balanced(model, below: float = 0.5) -> list[float]:
 
 def test_balanced_init_is_far_more_balanced_than_random_on_other_traffic(balanced):
     raw_load, _ = _served_load(MoETransformer(SHAPE).eval())
-    raw_cv = [stats.load_cv(v) for v in raw_load.values()]
+    raw_cv = [naive_load_cv(v) for v in raw_load.values()]
     assert min(raw_cv) > 0.8  # a random router favours a few experts for every token
     _assert_balanced(balanced, below=min(0.5, min(raw_cv) / 2))
 
@@ -169,10 +169,10 @@ def test_router_faults_bite_on_the_balanced_deepseek_shape(balanced, scenario):
     for layer in healthy:
         if scenario == "collapse":  # expert 0 in (nearly) every token's top-8; a token whose other groups
             # hold two experts scoring higher than expert 0's group pair still routes around it
-            assert stats.top_share(faulty[layer], n_tokens) > 0.9 > 5 * stats.top_share(healthy[layer], n_tokens)
+            assert naive_top_share(faulty[layer], n_tokens) > 0.9 > 5 * naive_top_share(healthy[layer], n_tokens)
             assert max(range(SHAPE.n_experts), key=faulty[layer].__getitem__) == 0
         else:
-            assert stats.load_cv(faulty[layer]) > 2 * stats.load_cv(healthy[layer])
+            assert naive_load_cv(faulty[layer]) > 2 * naive_load_cv(healthy[layer])
 
 
 @pytest.mark.parametrize("max_seq_len, shape", [(64, {}), (200, {"n_experts": 5, "top_k": 3, "n_layers": 3})])

@@ -10,7 +10,6 @@ import moescope
 from conftest import in_ci
 from helpers import Recording
 from metrics_util import by_label, parse, sum_by_label
-from moescope import stats
 from moescope.analysis import baseline as bl
 from moescope.capture.observer import Observer
 from moescope.capture.queued import QueuedObserver
@@ -19,6 +18,7 @@ from moescope.metrics import catalogue
 from moescope.runtime import traffic
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
+from reference import naive_dead_experts, naive_jensen_shannon, naive_load_cv
 
 
 class LogitsSpy:
@@ -75,8 +75,8 @@ def test_exported_counts_equal_recomputation_from_router_logits(tiny_cfg, capaci
         assert by_label(parsed, "moescope_router_nonfinite_logits_total", "layer")[str(layer)] == w["nonfinite"]
         # The window gauges are the documented formulas over the same load.
         assert by_label(parsed, "moescope_expert_load_cv_ratio", "layer")[str(layer)] == \
-            pytest.approx(stats.load_cv(w["slots"]))
-        assert by_label(parsed, "moescope_dead_experts", "layer")[str(layer)] == stats.dead_experts(w["slots"])
+            pytest.approx(naive_load_cv(w["slots"]))
+        assert by_label(parsed, "moescope_dead_experts", "layer")[str(layer)] == naive_dead_experts(w["slots"])
     if capacity_factor is not None:
         assert sum(w["dropped"] for w in want.values()) > 0
     # Every exported sample name is in the catalogue.
@@ -232,7 +232,7 @@ def test_canary_flips_only_under_router_noise_and_drift_against_a_baseline(tiny_
         one_hot = {layer: [1.0] + [0.0] * (tiny_cfg.n_experts - 1) for layer in win}
         inst.metrics.baseline = bl.coerce(one_hot)
         g = inst.metrics.window_gauges()["layers"]
-        want = {layer: stats.jensen_shannon(list(w["slots"]), one_hot[layer]) for layer, w in win.items()}
+        want = {layer: naive_jensen_shannon(list(w["slots"]), one_hot[layer]) for layer, w in win.items()}
         assert {k: v["moescope_routing_drift_jsd_bits"] for k, v in g.items()} == pytest.approx(want)
         assert all(v > 0.3 for v in want.values())
 
@@ -360,7 +360,7 @@ def test_per_request_counts_and_the_judged_series_equal_a_recomputation_from_rec
     np.testing.assert_array_equal(slots, d.counts)  # every slot of the window is in some request
     n = slots.sum(1)
     noise = sampling.noise_cv(tiny_cfg.n_experts, n, d, t.noise_z)
-    cv = np.array([stats.load_cv(row.tolist()) for row in slots])
+    cv = np.array([naive_load_cv(row.tolist()) for row in slots])
     fair = np.full_like(slots, 1 / tiny_cfg.n_experts)
     hot = sampling.hot_factor(slots, d, fair, t.hot_z(len(layers), tiny_cfg.n_experts))
     dead = sampling.dead_unexpected(slots, d, np.full_like(slots, t.dead_reference(tiny_cfg.n_experts)),

@@ -5,12 +5,13 @@ import numpy as np
 import pytest
 
 from metrics_util import by_label, parse
-from moescope import sampling, stats, thresholds
+from moescope import sampling, thresholds
 from moescope.analysis import baseline as bl
 from moescope.capture.routing_probe import LayerStats, StepStats
 from moescope.metrics import catalogue
 from moescope.metrics.exporter import Exporter
 from moescope.metrics.state import EXTREMES_K, MetricsObserver, ModelInfo
+from reference import naive_dead_experts, naive_jensen_shannon, naive_load_cv, naive_max_over_mean, naive_top_share
 
 E, LAYERS = 20, (1, 2, 4)
 
@@ -74,13 +75,13 @@ def _reference_text(st, openmetrics):
             yield f
             judged = _judged(st, win)
             gauges = {
-                "moescope_expert_load_cv_ratio": lambda w: stats.load_cv(w["slots"].tolist()),
+                "moescope_expert_load_cv_ratio": lambda w: naive_load_cv(w["slots"].tolist()),
                 "moescope_expert_load_cv_noise_ratio": lambda w: judged[w["layer"]]["noise"],
                 "moescope_expert_load_excess_cv_ratio": lambda w: judged[w["layer"]]["excess"],
                 "moescope_dead_experts_unexpected": lambda w: judged[w["layer"]]["dead"],
-                "moescope_expert_load_top_share_ratio": lambda w: stats.top_share(w["slots"].tolist(), w["tokens"]),
-                "moescope_expert_load_max_over_mean_ratio": lambda w: stats.max_over_mean(w["slots"].tolist()),
-                "moescope_dead_experts": lambda w: stats.dead_experts(w["slots"].tolist()),
+                "moescope_expert_load_top_share_ratio": lambda w: naive_top_share(w["slots"].tolist(), w["tokens"]),
+                "moescope_expert_load_max_over_mean_ratio": lambda w: naive_max_over_mean(w["slots"].tolist()),
+                "moescope_dead_experts": lambda w: naive_dead_experts(w["slots"].tolist()),
                 "moescope_window_slots_per_expert": lambda w: w["slots"].sum() / E,
                 "moescope_router_entropy_ratio": lambda w: w["entropy"] / w["tokens"],
             }
@@ -90,7 +91,7 @@ def _reference_text(st, openmetrics):
                     f.add_metric([*base, str(layer)], float(fn({**w, "layer": layer})))
                 yield f
             f = fam("moescope_routing_drift_jsd_bits")
-            f.add_metric([*base, "1"], stats.jensen_shannon(win[1]["slots"].tolist(), [1.0] * E))
+            f.add_metric([*base, "1"], naive_jensen_shannon(win[1]["slots"].tolist(), [1.0] * E))
             yield f
             f = fam("moescope_routing_drift_noise_bits")
             f.add_metric([*base, "1"], judged[1]["drift_noise"])
@@ -137,7 +138,7 @@ def _judged(st, win):
         slots = win[layer]["slots"].astype(float)[None]
         d = draws_all.rows([i])
         noise = float(sampling.noise_cv(E, slots.sum(1), d, thresholds.DEFAULT.noise_z)[0])
-        cv = stats.load_cv(slots[0].tolist())
+        cv = naive_load_cv(slots[0].tolist())
         has_base = layer == 1
         ref = np.full((1, E), 1 / E)
         dead_ref = ref if has_base else np.full((1, E), thresholds.DEFAULT.dead_reference(E))
@@ -199,7 +200,7 @@ def test_reduced_tier_keeps_the_hottest_and_coldest_experts_and_the_distribution
         want = set(order[:EXTREMES_K]) | set(sorted(range(E), key=lambda e: (slots[e], e))[:EXTREMES_K])
         assert {int(e): v for (lay, e), v in got.items() if lay == str(layer)} == {e: slots[e] for e in want}
         buckets = by_label(reduced, "moescope_expert_load_relative_bucket", "le", layer=str(layer))
-        assert buckets["0.0"] == stats.dead_experts(slots) and buckets["+Inf"] == E
+        assert buckets["0.0"] == naive_dead_experts(slots) and buckets["+Inf"] == E
     # the aggregates every consumer falls back on are there in both tiers
     cv = "moescope_expert_load_cv_ratio"
     assert by_label(reduced, cv, "layer") == by_label(full, cv, "layer")
@@ -218,7 +219,7 @@ def test_a_rank_that_routes_the_same_tokens_exports_no_routing():
 def test_noise_bound_is_what_uniform_routing_stays_under():
     rng = np.random.default_rng(5)
     for n_experts, slots in ((256, 1000), (256, 14000), (8, 500)):
-        cvs = [stats.load_cv(rng.multinomial(slots, np.ones(n_experts) / n_experts).tolist()) for _ in range(400)]
+        cvs = [naive_load_cv(rng.multinomial(slots, np.ones(n_experts) / n_experts).tolist()) for _ in range(400)]
         bound = sampling.multinomial_noise_cv(n_experts, slots, thresholds.DEFAULT.noise_z)
         assert np.mean(np.array(cvs) > bound) < 0.02  # the chi-square's 3-sigma quantile: rarely crossed
         assert np.mean(np.square(cvs)) == pytest.approx((n_experts - 1) / slots, rel=0.05)  # the mean floor

@@ -8,12 +8,12 @@ import pytest
 
 import moescope
 from metrics_util import by_label, parse
-from moescope import stats
 from moescope.capture.observer import Observer
 from moescope.runtime import faults, loader, traffic
 from moescope.runtime.canary import Canary
 from moescope.runtime.engine import Engine
 from moescope.runtime.router import Mitigation
+from reference import naive_load_cv
 
 
 class _Rerouted(Observer):
@@ -43,7 +43,7 @@ def _serve(scenario, mitigation):
         load.setdefault(int(layer), {})[int(expert)] = v
     rerouted = {int(k): v for k, v in by_label(samples, "moescope_rerouted_slots_total", "layer",
                                                  reason="load").items()}
-    cv = {layer: stats.load_cv([v[e] for e in sorted(v)]) for layer, v in load.items()}
+    cv = {layer: naive_load_cv([v[e] for e in sorted(v)]) for layer, v in load.items()}
     outputs = {r.request_id: r.output_tokens for r in records}
     return cv, outputs, rerouted, tally.load
 

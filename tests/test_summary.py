@@ -8,16 +8,16 @@ import math
 import numpy as np
 
 from helpers import run_cli
-from moescope import stats
 from moescope.cli import summary
 from moescope.thresholds import DEFAULT
+from reference import naive_load_cv
 
 
 def _naive(counts, n=3, dead=None, hot=None):
     total = sum(counts)
     by_hot = sorted(range(len(counts)), key=lambda e: (-counts[e], e))
     by_cold = sorted(range(len(counts)), key=lambda e: (counts[e], e))
-    return {"cv": round(stats.load_cv(counts), 4), "no_slot": sum(1 for c in counts if c == 0), "dead": dead,
+    return {"cv": round(naive_load_cv(counts), 4), "no_slot": sum(1 for c in counts if c == 0), "dead": dead,
             "slots": total, "hottest": [{"expert": e, "share": round(counts[e] / total, 5)} for e in by_hot[:n]],
             "coldest": [{"expert": e, "share": round(counts[e] / total, 5)} for e in by_cold[:n]], "hot": hot or []}
 

@@ -143,9 +143,13 @@ def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, sourc
                                                                                        index=False)
     figures.overview(load, out / "overview.png", f"{model or source}: expert load per MoE layer")
     judged = _judged(j)
+    # The busiest expert's share of the routed tokens, as judged (``stats.top_share_rows``: what the collapse bar
+    # and moescope_expert_load_top_share_ratio are; once a per-slot share, up to 1/k, written beside the verdict
+    # it is not judged by). None: no tokens.
+    top = {layer: float(v) for layer, v in zip(j.layers, j.top_share.tolist())}
     per_layer = {layer: {"cv": round(stats.load_cv(load[layer].tolist()), 4), "slots": int(load[layer].sum()),
                          "hottest": int(np.argmax(load[layer])),
-                         "hottest_share": round(float(load[layer].max() / max(1, load[layer].sum())), 4),
+                         "top_share": round(top[layer], 4) if np.isfinite(top[layer]) else None,
                          "dead": [int(e) for e in np.nonzero(load[layer] == 0)[0]], **judged[layer]}
                  for layer in layers}
     summary = {"source": source, "model": model, "n_experts": n_exp, "layers": layers, "per_layer": per_layer,
@@ -289,7 +293,7 @@ def _markdown(s: dict, files: list[str]) -> str:
               f"over {t.hot_factor:g}x its {s['judged']['reference']} share beyond noise; dead, experts with no "
               f"slot where the {s['judged']['reference']} share predicts at least {t.dead_min_expected_slots:g} "
               "effective slots. \"-\": too few draws to judge.", "",
-              "| layer | load CV | excess CV (bar) | hottest expert (share) | hot | dead experts |",
+              "| layer | load CV | excess CV (bar) | hottest expert (share of tokens) | hot | dead experts |",
               "|---|---|---|---|---|---|"]
     for layer, v in s["per_layer"].items():
         if v["excess_cv"] is None:
@@ -306,7 +310,8 @@ def _markdown(s: dict, files: list[str]) -> str:
         else:
             shown = ", ".join(map(str, judged[:8])) + (f" ... ({len(judged)})" if len(judged) > 8 else "")
             dead_text = f"**{shown}**" + (f" (of {len(dead)} with no slot)" if len(dead) > len(judged) else "")
-        lines.append(f"| {layer} | {v['cv']:.3f} | {excess} | {v['hottest']} ({v['hottest_share']:.1%}) | {hot} | "
+        top = "-" if v["top_share"] is None else f"{v['top_share']:.1%}"
+        lines.append(f"| {layer} | {v['cv']:.3f} | {excess} | {v['hottest']} ({top}) | {hot} | "
                      f"{dead_text} |")
     lines += ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
     if s.get("drift_attribution"):

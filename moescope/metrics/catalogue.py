@@ -95,6 +95,16 @@ CATALOGUE: tuple[MetricSpec, ...] = (
            "(the baseline's, else 1% of the fair share) predicts at least 5 effective slots (expected slots / "
            "design effect; Poisson P(0) < 1%): the dead experts the rule judges. NaN: too few draws to judge.",
            "layer"),
+        _g("moescope_dead_experts_holding", "Experts with no slot over the window where their reference share "
+           "predicts at least 3.75 effective slots (the dead page's clear level: a firing MoEDeadExperts holds "
+           "while this is over 0). NaN: too few draws, or no reference yet.", "layer"),
+        _g("moescope_reference_load_cv_ratio", "The structural load CV (beyond sampling noise) of the reference the "
+           "layer is judged against: reference=baseline (the saved one), learned (the deployment's own first full "
+           "window, followed slowly) or fair (uniform: 0); absent while the reference is being learned.", "layer",
+           "reference"),
+        _g("moescope_reference_top_share_ratio", "The top share (busiest expert's share of the routed tokens) of the "
+           "reference the layer is judged against (baseline, learned, or fair: k/E); absent while learning.",
+           "layer", "reference"),
         _g("moescope_expert_load_excess_cv_ratio", "The load CV beyond sampling noise, sqrt(max(0, cv^2 - "
            "noise^2)): the quantity the imbalance rule judges. NaN: too few draws (requests) to judge.", "layer"),
         _g("moescope_window_draws", "Independent draws the window's noise estimates rest on: requests that "
@@ -187,6 +197,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
     # moescope's own health
     _c("moescope_observer_errors_total", "Exceptions raised by an observer/sink (isolated, never raised into "
        "the engine).", "observer"),
+    _c("moescope_capture_seconds_total", "Host time moescope spent on the engine's step path (an engine adapter's "
+       "work around each forward: on vLLM the step's routing read and request bookkeeping); its rate over "
+       "rate(moescope_step_seconds_sum) is moescope's share of step time."),
     _c("moescope_capture_dropped_total", "Capture records dropped because a bounded queue was full.", "queue"),
     _g("moescope_build_info", "Always 1; labels carry the version, the device and the replica (the launch of an "
        "expert-parallel run: MOESCOPE_REPLICA, else the launcher's run id; empty for one process).", "version",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import http.server
 import logging
+import math
 import os
 import threading
 from typing import Iterable
@@ -81,6 +82,7 @@ class MoescopeCollector:
                     f.add_metric([*base, *labels], v)
                 yield f
             errors = st.errors_source() if st.errors_source else {}
+            cost = st.cost_source() if st.cost_source else None
             dropped = {**(st.dropped_source() if st.dropped_source else {}), "draws": st.draws_dropped}
         for h in st.histograms.values():
             for fam in h.collect():
@@ -93,6 +95,10 @@ class MoescopeCollector:
                 for key, n in sorted(values.items()):
                     f.add_metric([*base, key], float(n))
                 yield f
+        if cost is not None:
+            f = self._family("moescope_capture_seconds_total")
+            f.add_metric(list(base), float(cost))
+            yield f
         yield from self._process(base)
         if self.gpu:
             gpus = system.gpu_memory()
@@ -157,6 +163,15 @@ def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str
         out.append(w.family(spec["moescope_expert_hot_factor_ratio"],
                             [((lay, str(e), reference[j]), f) for j, lay in enumerate(layers) for e, f in hot[j]],
                             openmetrics))
+        if g.dead_holding is not None:
+            out.append(w.family(spec["moescope_dead_experts_holding"],
+                                [((lay,), v) for lay, v in zip(layers, g.dead_holding.tolist())], openmetrics))
+        for name, values in (("moescope_reference_load_cv_ratio", g.reference_cv),
+                             ("moescope_reference_top_share_ratio", g.reference_top)):
+            if values is not None:  # absent while a layer's reference is being learned
+                out.append(w.family(spec[name], [((lay, reference[j]), v) for j, (lay, v) in
+                                                 enumerate(zip(layers, values.tolist())) if math.isfinite(v)],
+                                    openmetrics))
         n_exp = st.info.n_experts
         out.append(w.gauge_histogram(spec["moescope_expert_load_relative"],
                                      [((lay,), [*rel, n_exp], float(n_exp)) for lay, rel in

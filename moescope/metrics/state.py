@@ -159,6 +159,8 @@ class MetricsObserver(Observer):
         self.placement_source: Callable[[], Any] | None = None
         self.cache_capacity_source: Callable[[], dict[int, float]] | None = None
         self.errors_source: Callable[[], dict[str, int]] | None = None  # observer -> errors raised
+        # seconds of host time moescope spent on the engine's step path (an engine adapter's own count)
+        self.cost_source: Callable[[], float] | None = None
         self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
 
     @property

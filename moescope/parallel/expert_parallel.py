@@ -46,9 +46,11 @@ import collections
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from moescope import stats
 from moescope.errors import MoescopeError
 from moescope.parallel.placement import Placement
 from moescope.runtime.experts import Experts, combine
@@ -241,8 +243,11 @@ class ExpertParallel:
 
     @staticmethod
     def max_over_mean(rows: dict[int, list[int]]) -> dict[int, float]:
-        """Per layer: the busiest rank's rows over the mean rank's (layers with no rows left out)."""
-        return {layer: max(r) / (sum(r) / len(r)) for layer, r in sorted(rows.items()) if sum(r)}
+        """Per layer: the busiest rank's rows over the mean rank's (``stats``; layers with no rows left out)."""
+        layers = sorted(rows)
+        ratios = stats.max_over_mean_rows(np.array([rows[layer] for layer in layers], dtype=np.float64)) \
+            if layers else np.zeros(0)
+        return {layer: float(v) for layer, v in zip(layers, ratios.tolist()) if np.isfinite(v)}
 
     def measured_since(self) -> dict[int, float]:
         """Per layer: the busiest rank's rows over the mean rank's since the last rearrangement (or the start)."""
@@ -263,7 +268,7 @@ class ExpertParallel:
     def rebalance(self, moe_layers) -> None:
         """Plan a placement from the fleet's counts of the last ``horizon`` windows and move the weights of the
         layers whose plan gains more than ``min_gain`` (``parallel.eplb``)."""
-        from moescope.parallel.planner import imbalance, plan_layer, rank_loads
+        from moescope.parallel.planner import plan_layer
         from moescope.parallel.eplb import Rebalance
 
         start = time.perf_counter()
@@ -290,9 +295,10 @@ class ExpertParallel:
         for i, layer in enumerate(layers):
             per = plan_layer(load[i], w, slots)
             new_layers[layer] = tuple(tuple(x) for x in per)
-            predicted[layer] = imbalance(rank_loads(load[i], per))
-            current = imbalance(rank_loads(load[i], [list(x) for x in old.layers[layer]]))
-            if current <= predicted[layer] + rb.min_gain:  # a gain the counts cannot tell from noise: no moves
+            predicted[layer] = float(stats.max_over_mean_rows(stats.rank_loads(load[i], per)))
+            current = float(stats.max_over_mean_rows(stats.rank_loads(load[i], old.layers[layer])))
+            # a gain the counts cannot tell from noise, or a layer with no load (NaN: not defined): no moves
+            if not current > predicted[layer] + rb.min_gain:
                 new_layers[layer], predicted[layer] = tuple(tuple(x) for x in old.layers[layer]), current
                 kept += 1
         ops, received = [], []

@@ -6,7 +6,7 @@ heaviest first, each onto the least-loaded rank that has a free slot and no repl
 
 Predicted load per rank follows the runtime's dispatch rule (``parallel.expert_parallel``): a replicated
 expert's slots are dealt over its replicas in turn, so each of its R replicas computes 1/R of its load,
-whichever rank routed the tokens (``rank_loads``).
+whichever rank routed the tokens (``stats.rank_loads``).
 
 Outputs: deepseek-ai/EPLB's tensors (``phy2log`` [layers, N*S], ``log2phy`` [layers, E, max replicas] padded
 with -1, ``logcnt`` [layers, E]) as JSON, and the placement YAML `moescope demo --placement` accepts.
@@ -18,23 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from moescope import stats
 from moescope.errors import BadInput
 from moescope.parallel.placement import _layout
-
-
-def rank_loads(load: np.ndarray, per_rank: list[list[int]]) -> np.ndarray:
-    """[N] slots each rank computes under the runtime's dispatch rule: a replicated expert's slots dealt evenly
-    over its replicas (``ExpertParallel._destinations``), whichever rank routed them."""
-    n = len(per_rank)
-    holders: dict[int, list[int]] = {}
-    for r in range(n):
-        for e in set(per_rank[r]):
-            holders.setdefault(e, []).append(r)
-    out = np.zeros(n)
-    for e, w in enumerate(load):
-        for r in holders.get(e, ()):
-            out[r] += w / len(holders[e])
-    return out
 
 
 def cross_rank_share(load: np.ndarray, per_rank: list[list[int]]) -> float:
@@ -45,9 +31,11 @@ def cross_rank_share(load: np.ndarray, per_rank: list[list[int]]) -> float:
     return 0.0 if load.sum() == 0 else float(1 - 1 / n)
 
 
-def imbalance(loads: np.ndarray) -> float:
-    """max / mean load per rank (1.0 = perfectly balanced)."""
-    return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+def _ratio(load: np.ndarray, per_rank: list[list[int]]) -> float | None:
+    """The busiest rank's load over the mean rank's (``stats``), rounded for the plan's JSON; None for a layer with
+    no load (not defined)."""
+    v = float(stats.max_over_mean_rows(stats.rank_loads(load, per_rank)))
+    return round(v, 4) if np.isfinite(v) else None
 
 
 def plan_layer(load: np.ndarray, ranks: int, slots: int, coactivation: np.ndarray | None = None
@@ -125,8 +113,8 @@ def plan(profile, ranks: int, slots: int | None = None) -> Plan:
         per = plan_layer(load, ranks, slots, profile.coactivation.get(layer))
         layers[layer] = per
         predicted[layer] = {
-            "planned_max_over_mean": round(imbalance(rank_loads(load, per)), 4),
-            "round_robin_max_over_mean": round(imbalance(rank_loads(load, rr)), 4),
+            "planned_max_over_mean": _ratio(load, per),
+            "round_robin_max_over_mean": _ratio(load, rr),
             "planned_cross_rank_share": round(cross_rank_share(load, per), 4),
             "round_robin_cross_rank_share": round(cross_rank_share(load, rr), 4)}
     return Plan(ranks, slots, layers, predicted)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from moescope import prom_http
+from moescope import judge, prom_http
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 from moescope.tui.routing import History, LayerRouting, layer_routing
@@ -263,17 +263,12 @@ def _rank_words(rs: list[LayerRouting], t: Thresholds) -> str:
 
 def cache_judgement(hits: dict, lookups: dict, capacity: dict, t: Thresholds = DEFAULT
                     ) -> dict[int, tuple[float, float]]:
-    """layer -> (hit rate, floor) of the layers whose hit rate is under ``Thresholds.cache_floor`` of their
-    capacity ratio (``hits``/``lookups``: {(layer,): count} over the same interval)."""
-    out = {}
-    for key, n in lookups.items():
-        cap = capacity.get(key)
-        if not n or cap is None or not math.isfinite(cap):
-            continue
-        rate, floor = hits.get(key, 0.0) / n, t.cache_floor(cap)
-        if rate < floor:
-            out[int(key[0])] = (rate, floor)
-    return out
+    """layer -> (hit rate, floor) of the layers whose cache thrashes (``judge.cache_thrash``; ``hits``/``lookups``:
+    {(layer,): count} over the same interval, ``capacity``: {(layer,): resident experts / E})."""
+    keys = [key for key, n in lookups.items() if n and capacity.get(key) is not None]
+    rate, floor, low = judge.cache_thrash([hits.get(key, 0.0) for key in keys], [lookups[key] for key in keys],
+                                          [capacity[key] for key in keys], t)
+    return {int(key[0]): (float(r), float(f)) for key, r, f, bad in zip(keys, rate, floor, low) if bad}
 
 
 def _per_layer_values(samples: Samples, name: str) -> dict:

@@ -3,12 +3,13 @@
 What is read, and through which of vLLM's own extension points:
 - routing: every MoE layer of the worker's model is a ``MoERunner`` whose router (a ``BaseRouter``) takes a
   capture function for the logical expert ids it chose (``set_capture_fn``: the slot vLLM's own routed-experts
-  capturer binds), bound as the model is built (``moescope.vllm.capture``). Each forward hands ``topk_ids``
-  [T, k] here, and a copy of the real rows goes to the observer (no host sync: a slice and a dtype copy, on the
-  device where the ids live).
+  capturer binds), bound as the model is built (``moescope.vllm.capture``). Inside the forward it copies
+  ``topk_ids`` into the layer's slot of a preallocated step buffer (a tensor op: CUDA graphs replay it); after the
+  forward the step's real rows go to the observer, one copy for all layers, on the device (no host sync).
 - steps and requests: vLLM has no per-step hook for plugins, so the plugin wraps the model runner's
-  ``execute_model`` (``moescope.vllm.plugin``) and calls ``begin_step``/``end_step`` around it: the scheduler
-  output says which requests own which rows of the flat batch (``segments``) and which finished.
+  ``execute_model`` (``moescope.vllm.plugin``; both of vLLM's runners) and calls ``begin_step``/``end_step``
+  around it: the scheduler output says which requests were scheduled, with how many tokens, from which position,
+  and which finished; the runner says the batch's row order (``segments``).
 
 What vLLM does not give the capture function, and so moescope does not report: the router's scores (entropy,
 margin and non-finite counts are NaN, "unknown", never a made-up number) and the gate weights (stored NaN).
@@ -78,10 +79,13 @@ class VLLMAdapter:
         self.served_name = served_name
         self.tokenizer = tokenizer
         self.observer = None
-        self._rows = 0  # real (unpadded) rows of the forward in flight; 0 outside a step: captures ignored
+        self._rows = 0  # real (unpadded) rows of the forward in flight (the scheduler's tokens)
         self._step = 0
         self._t0 = 0.0
         self._live: dict[str, _Live] = {}  # engine request id -> the request (its client id among the rest)
+        self._computed: dict[str, int] = {}  # engine request id -> its tokens forwarded so far (the scheduler's)
+        self._buffer = None  # moescope.vllm.capture's step buffer, once attached
+        self._slots: list[tuple[int, int]] = []  # (buffer slot, layer) of this model's MoE layers
         # Per-row-count constants of a decision (what vLLM does not tell: weights, scores), shared by every layer
         # and step of that many rows: immutable after construction, so one allocation serves them all.
         self._consts: dict[int, tuple] = {}
@@ -98,28 +102,31 @@ class VLLMAdapter:
                          top_k=self.top_k, moe_layers=tuple(layer for layer, _ in self.runners),
                          dense_params=max(0, total - expert_total), expert_params=per_expert, device=str(device))
 
-    # -- the routers' ids (moescope.vllm.capture's op hands them here) ----------------------------------------
+    # -- the routers' ids (written into moescope.vllm.capture's step buffer inside the forward) ---------------
     def attach(self, observer) -> None:
         from moescope.vllm import capture
 
+        buf = capture.buffer_of(self.runners[0][1])
+        ours = {layer for layer, r in self.runners if capture.buffer_of(r) is buf}
+        self._slots = [(i, layer) for i, layer in enumerate(buf.layers) if layer in ours] if buf is not None else []
+        self._buffer = buf
         self.observer = observer
-        capture.set_sink(self._on_ids)
 
     def detach(self) -> None:
-        from moescope.vllm import capture
-
-        capture.set_sink(None)
         self.observer = None
+        self._buffer = None
 
-    def _on_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
-        n = self._rows  # 0 outside a step of execute_model (vLLM's start-up and dummy forwards): not counted
-        if n and self.observer is not None:
-            self.observer.on_routing(layer, self._decision(topk_ids, n))
+    def _route(self, rows: int) -> None:
+        """The step's routing to the observer, one decision per MoE layer: the real rows of the step buffer
+        (padding excluded), copied once for all layers on the ids' own device (no host sync)."""
+        buf, observer = self._buffer, self.observer
+        if buf is None or observer is None or not self._slots:
+            return
+        step = buf.step_ids(rows)  # [rows, slots, k] int64
+        for i, layer in self._slots:
+            observer.on_routing(layer, self._decision(step[:, i], rows))
 
-    def _decision(self, topk_ids: torch.Tensor, n: int) -> RoutingDecision:
-        # Padding rows (a captured graph's batch size) are no tokens: only the step's real rows are kept. A copy
-        # (vLLM reuses its buffers), in int64 as the probes index with it, on the ids' own device.
-        ids = topk_ids[:n].to(torch.int64, copy=True)
+    def _decision(self, ids: torch.Tensor, n: int) -> RoutingDecision:
         consts = self._consts.get(n)
         if consts is None or consts[0].device != ids.device:
             nan = torch.full((n,), float("nan"), device=ids.device)
@@ -133,35 +140,45 @@ class VLLMAdapter:
         return RoutingDecision(ids=ids, weights=weights, kept=kept, entropy=nan, margin=nan, nonfinite=zero,
                                dropped=zero, n_experts=self.n_experts, active_ids=ids, scored=False)
 
-    # -- steps and requests (called by the plugin around execute_model) ----------------------------------------
-    def begin_step(self, scheduler_output, requests: dict) -> None:
-        """Before the forward: finish the requests the scheduler says are done (their state is still in the
-        runner's ``requests``), note new ones, and arm the capture functions for this step's real rows."""
+    # -- steps and requests (called by the plugin around a model runner's execute_model) -----------------------
+    # Everything here comes from the scheduler's output, the one input both of vLLM's model runners (V1 and Model
+    # Runner V2) take; of the runner only the batch's row order and a finished request's output tokens are read
+    # (``moescope.vllm.plugin``'s runner views).
+    def begin_step(self, scheduler_output, output_tokens=None) -> None:
+        """Before the forward: finish the requests the scheduler says are done (``output_tokens(engine_id, n)``
+        reads their generated token ids from the runner, whose state still holds them), note new ones and where
+        every scheduled request stands."""
         now = time.perf_counter()
         for engine_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            self._finish(engine_id, requests.get(engine_id), now)
+            self._finish(engine_id, output_tokens, now)
         for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
             params = getattr(new, "sampling_params", None)
             self._live[new.req_id] = _Live(client_id(new.req_id), list(new.prompt_token_ids or ()),
                                            getattr(params, "max_tokens", None), now)
+            self._computed[new.req_id] = int(getattr(new, "num_computed_tokens", 0) or 0)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            for engine_id, n in zip(cached.req_ids, cached.num_computed_tokens):
+                self._computed[engine_id] = int(n)
         self._rows = int(scheduler_output.total_num_scheduled_tokens)
         self._t0 = now
 
-    def end_step(self, scheduler_output, req_order, requests: dict) -> None:
-        """After the forward: tell the observer which requests owned which rows (``req_order``: the runner's
-        batch order)."""
+    def end_step(self, scheduler_output, req_order) -> None:
+        """After the forward: the step's routing to the observer, then which requests owned which rows
+        (``req_order``: the runner's batch order)."""
         rows, self._rows = self._rows, 0
         if not rows:
             return
         now = time.perf_counter()
+        self._route(rows)
         scheduled = scheduler_output.num_scheduled_tokens
         segments, prefill = [], False
         for engine_id in req_order:
             n = scheduled.get(engine_id, 0)
             if not n:
                 continue
-            state = requests.get(engine_id)
-            first = int(getattr(state, "num_computed_tokens", 0)) if state is not None else 0
+            first = self._computed.get(engine_id, 0)
+            self._computed[engine_id] = first + n
             live = self._live.get(engine_id)
             n_prompt = len(live.prompt_ids) if live is not None else 0
             if first < n_prompt:
@@ -175,20 +192,23 @@ class VLLMAdapter:
         if self.observer is not None:
             self.observer.on_step(step)
 
-    def _finish(self, engine_id: str, state, now: float) -> None:
+    def _finish(self, engine_id: str, output_tokens, now: float) -> None:
         live = self._live.pop(engine_id, None)
+        fed = self._computed.pop(engine_id, 0)
         if live is None or self.observer is None:
             return
-        out = list(getattr(state, "output_token_ids", ()) or ()) if state is not None else []
-        times = live.token_times[:len(out)]
+        # Tokens fed = prompt + generated - 1 (the last generated token is never fed back).
+        n_out = max(0, fed - len(live.prompt_ids) + 1) if fed >= len(live.prompt_ids) else 0
+        out = list(output_tokens(engine_id, n_out) or ()) if output_tokens is not None and n_out else []
+        times = live.token_times[:max(len(out), n_out)]
         first = times[0] if times else now
-        lat = tuple([first - live.arrival] + [b - a for a, b in zip(times, times[1:])]) if out else ()
-        reason = "length" if live.max_tokens is not None and len(out) >= live.max_tokens else "stop"
+        lat = tuple([first - live.arrival] + [b - a for a, b in zip(times, times[1:])]) if times else ()
+        reason = "length" if live.max_tokens is not None and max(len(out), n_out) >= live.max_tokens else "stop"
         record = RequestRecord(request_id=live.request_id, prompt=self._text(live.prompt_ids),
                                output=self._text(out), prompt_tokens=tuple(live.prompt_ids),
                                output_tokens=tuple(out), arrival=live.arrival, queue_s=0.0,
-                               prefill_s=first - live.arrival if out else now - live.arrival,
-                               ttft_s=first - live.arrival if out else 0.0, token_latencies_s=lat,
+                               prefill_s=first - live.arrival if times else now - live.arrival,
+                               ttft_s=first - live.arrival if times else 0.0, token_latencies_s=lat,
                                total_s=now - live.arrival, finish_reason=reason)
         self.observer.on_request(record)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,17 +93,21 @@ def install() -> bool:
             return False
         try:
             import vllm
-            from vllm.v1.worker.gpu_model_runner import GPUModelRunner
         except Exception as e:  # noqa: BLE001 (an import that fails for any reason leaves vLLM as it is)
-            log.warning("moescope: off: cannot import vLLM's model runner (%s: %s)", type(e).__name__, e)
+            log.warning("moescope: off: cannot import vLLM (%s: %s)", type(e).__name__, e)
             return False
         version = getattr(vllm, "__version__", "?")
         if not version.startswith(SUPPORTED) and os.environ.get("MOESCOPE_VLLM_ANY_VERSION") != "1":
             log.warning("moescope: off: vLLM %s is not a supported version (%s; MOESCOPE_VLLM_ANY_VERSION=1 "
                         "tries anyway)", version, ", ".join(v + "x" for v in SUPPORTED))
             return False
-        # A graph compiled with moescope's capture op never serves a process without it, nor the reverse
-        # (moescope.vllm.capture): vLLM's compile cache is off here and in the processes this one starts.
+        runners = _runner_classes(RUNNERS)
+        if not runners:
+            log.warning("moescope: off: none of vLLM's model runner classes could be imported (%s)",
+                        ", ".join(f"{m}.{c}" for m, c in RUNNERS))
+            return False
+        # A graph compiled with moescope's capture (a copy into its step buffer) never serves a process without
+        # it, nor the reverse: vLLM's compile cache is off here and in the processes this one starts.
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         try:
             from moescope.vllm import capture
@@ -111,27 +116,49 @@ def install() -> bool:
         except Exception as e:  # noqa: BLE001
             log.warning("moescope: off: cannot watch vLLM's MoE layers (%s)", _one_line(e))
             return False
-        original = GPUModelRunner.execute_model
-        if getattr(original, "_moescope", False):
-            _installed = True
-            return True
+        for cls in runners:
+            _wrap_execute_model(cls)
         _wrap_load_model()
-
-        def execute_model(self, scheduler_output, *args, **kwargs):
-            worker = _worker(self)
-            if worker is None:
-                return original(self, scheduler_output, *args, **kwargs)
-            worker.before(self, scheduler_output)
-            try:
-                return original(self, scheduler_output, *args, **kwargs)
-            finally:
-                worker.after(self, scheduler_output)
-
-        execute_model._moescope = True
-        execute_model.__wrapped__ = original
-        GPUModelRunner.execute_model = execute_model
         _installed = True
         return True
+
+
+# The model runners whose execute_model the plugin wraps: vLLM's V1 runner and Model Runner V2 (the default on
+# every GPU build with Triton: ``VllmConfig.use_v2_model_runner``). The CPU build's runners subclass these.
+RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+           ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"))
+
+
+def _runner_classes(names) -> list[type]:
+    out = []
+    for module, name in names:
+        try:
+            out.append(getattr(__import__(module, fromlist=[name]), name))
+        except Exception as e:  # noqa: BLE001 (a runner this build or release does not have)
+            log.debug("moescope: no %s.%s (%s)", module, name, _one_line(e))
+    return out
+
+
+def _wrap_execute_model(cls) -> None:
+    """Wrap ``cls.execute_model`` once: the step's start and end around vLLM's own (dummy runs pass through)."""
+    original = cls.__dict__.get("execute_model")
+    if original is None or getattr(original, "_moescope", False):
+        return
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        worker = None if kwargs.get("dummy_run") else _worker(self)
+        if worker is None:
+            return original(self, scheduler_output, *args, **kwargs)
+        worker.before(self, scheduler_output)
+        t0 = time.perf_counter()
+        try:
+            return original(self, scheduler_output, *args, **kwargs)
+        finally:
+            worker.after(self, scheduler_output, t0)
+
+    execute_model._moescope = True
+    execute_model.__wrapped__ = original
+    cls.execute_model = execute_model
 
 
 _OFF = object()
@@ -139,14 +166,8 @@ _OFF = object()
 
 def _wrap_load_model() -> None:
     """Set up right after a runner loads its model (so the exporter serves from start-up, before any request),
-    for the model runner classes of this build (the CPU runner loads its own way)."""
-    classes = []
-    for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
-                         ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")):
-        try:
-            classes.append(getattr(__import__(module, fromlist=[name]), name))
-        except Exception:  # noqa: BLE001 (a runner this build does not have)
-            continue
+    for the model runner classes of this build (the V1 CPU runner loads its own way)."""
+    classes = _runner_classes((*RUNNERS, ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")))
     for cls in classes:
         original = cls.__dict__.get("load_model")
         if original is None or getattr(original, "_moescope", False):
@@ -171,12 +192,16 @@ def _worker(runner):
 
 
 class Worker:
-    """One model runner's instrumentation: the adapter, the instrumentation it feeds, the error count."""
+    """One model runner's instrumentation: the adapter, the instrumentation it feeds, the error count, and what
+    moescope cost the step path (``cost_s``: host time in ``before``/``after``; ``step_s``: the forward's own,
+    vLLM's ``execute_model``): exported as ``moescope_capture_seconds_total`` beside the step time."""
 
     def __init__(self, adapter, inst) -> None:
         self.adapter = adapter
         self.inst = inst
         self.errors = 0
+        self.cost_s = 0.0
+        self.step_s = 0.0
 
     def _failed(self, where: str) -> None:
         self.errors += 1
@@ -186,17 +211,62 @@ class Worker:
             log.debug("moescope: %s failed", where, exc_info=True)
 
     def before(self, runner, scheduler_output) -> None:
+        t0 = time.perf_counter()
         try:
-            self.adapter.begin_step(scheduler_output, runner.requests)
+            self.adapter.begin_step(scheduler_output, output_tokens(runner))
         except Exception:
             self.adapter._rows = 0
             self._failed("step start")
+        self.cost_s += time.perf_counter() - t0
 
-    def after(self, runner, scheduler_output) -> None:
+    def after(self, runner, scheduler_output, forward_t0: float) -> None:
+        t0 = time.perf_counter()
+        self.step_s += t0 - forward_t0
         try:
-            self.adapter.end_step(scheduler_output, list(runner.input_batch.req_ids), runner.requests)
+            self.adapter.end_step(scheduler_output, row_order(runner))
         except Exception:
             self._failed("step end")
+        self.cost_s += time.perf_counter() - t0
+
+
+# -- what is read of a model runner (the rest comes from the scheduler's output) --------------------------------
+def row_order(runner) -> list:
+    """The engine request ids in the order of the batch's rows, after ``execute_model``: Model Runner V2 keeps the
+    batch it ran in ``execute_model_state.input_batch`` (until ``sample_tokens``); the V1 runner in
+    ``input_batch``."""
+    batch = getattr(getattr(runner, "execute_model_state", None), "input_batch", None)
+    if batch is None:
+        batch = runner.input_batch
+    return list(batch.req_ids)
+
+
+def output_tokens(runner):
+    """A reader of a finished request's generated token ids, ``read(engine_id, n)``, where the runner holds them in
+    host memory before it frees the request (None: unknown, the trace keeps routing and prompt only):
+    V1: ``requests[id].output_token_ids``; Model Runner V2: its token table ``req_states.all_token_ids``, where
+    that lives in host memory (UVA, the default, or the CPU build); never a device read (a host sync)."""
+    requests = getattr(runner, "requests", None)
+    if isinstance(requests, dict):
+        def v1(engine_id, n):
+            state = requests.get(engine_id)
+            return list(getattr(state, "output_token_ids", ()) or ())[:n] if state is not None else ()
+        return v1
+    states = getattr(runner, "req_states", None)
+    table = getattr(states, "all_token_ids", None)
+    host = getattr(getattr(table, "_uva_buf", None), "np", None)
+    if host is None and table is not None and getattr(table.gpu, "device", None) is not None \
+            and table.gpu.device.type == "cpu":
+        host = table.gpu.numpy()
+    if host is None:
+        return None
+
+    def v2(engine_id, n):
+        idx = states.req_id_to_index.get(engine_id)
+        if idx is None:
+            return ()
+        start = int(states.prompt_len.np[idx])
+        return host[idx, start:start + n].tolist()
+    return v2
 
 
 def _ranks(vllm_config) -> tuple[int, int]:
@@ -252,6 +322,7 @@ def _start(runner):
     import atexit
 
     atexit.register(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
+    inst.metrics.cost_source = lambda: worker.cost_s
     inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {"vllm_step": worker.errors}
                                        if worker.errors else {})
     log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),
