@@ -482,7 +482,8 @@ def _run_cell(fault: str, r: dict, top_k: int) -> str:
     also = f" (also paged: {_by_name(r['others_delivered'])})" if r.get("others_delivered") else ""
     verdict = (f"{after:g} s after the switch" if after is not None else f"{r['seconds_to_detect']:g} s") + also \
         if r.get("detected") else \
-        ("paged as " + _by_name(r["others_delivered"]) if r.get("paged") else "missed")
+        ("paged as " + _by_name(r["others_delivered"]) if r.get("paged") else
+         "missed" + (f" (delivered: {_by_name(r['delivered'])})" if r.get("delivered") else ""))
     return f"`{r['scenario'].split('=', 1)[1]}` ({size}): {verdict}"
 
 
