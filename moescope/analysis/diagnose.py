@@ -77,12 +77,19 @@ class Window:
     layers: list[int]
     tokens: list[np.ndarray]  # per request: the routed positions' token ids
     routing: list[np.ndarray]  # per request [n, L, k] int16
-    entropy: list[np.ndarray]  # [n, L] float32
+    entropy: list[np.ndarray]  # [n, L] float32 (NaN: non-finite router output, or unknown: see nonfinite)
     miss: list[np.ndarray]  # [n, L] uint8
     step_of: list[np.ndarray]  # [n] -> global step key index
     steps: list[dict]  # unique steps (by run, index)
     n_prompt: list[int] = field(default_factory=list)
     run: list[str | None] = field(default_factory=list)  # per request: the writer run that stored it
+    # per request [n, L] bool: non-finite router output (``Routed.nonfinite``: an engine that gives no router
+    # scores, vLLM, stores NaN meaning unknown, which is never read as a non-finite router)
+    nonfinite: list[np.ndarray] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.nonfinite and self.entropy:  # a window built from entropy alone: every step scored
+            self.nonfinite = [~np.isfinite(e) for e in self.entropy]
 
 
 def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=None, runs=None,
@@ -115,6 +122,7 @@ def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=
         w.tokens.append(r.tokens)
         w.routing.append(r.ids)
         w.entropy.append(r.entropy)
+        w.nonfinite.append(r.nonfinite)
         w.miss.append(r.miss)
         index = []
         for st in r.steps:
@@ -134,7 +142,7 @@ def _request_counts(w: Window, rows: range | None = None) -> np.ndarray:
     rows = range(len(w.ids)) if rows is None else rows
     out = np.zeros((len(rows), len(w.layers), w.n_experts), dtype=np.int32)
     for k, i in enumerate(rows):
-        r = w.routing[i].astype(np.int64)[np.isfinite(w.entropy[i]).all(1)]  # NaN logits route arbitrarily
+        r = w.routing[i].astype(np.int64)[~w.nonfinite[i].any(1)]  # NaN logits route arbitrarily
         for j in range(len(w.layers)):
             out[k, j] = np.bincount(r[:, j].ravel(), minlength=w.n_experts + 1)[: w.n_experts]
     return out
@@ -155,7 +163,7 @@ def window_judgement(w: Window, baseline=None, t: Thresholds = DEFAULT, chunk: i
 def _routed_tokens(w: Window) -> np.ndarray:
     """[L] the tokens each layer routed (positions with finite router output, as ``_request_counts`` counts;
     dropped slots included, as the exporter's token count includes them)."""
-    n = sum(int(np.isfinite(e).all(1).sum()) for e in w.entropy)
+    n = sum(int((~bad.any(1)).sum()) for bad in w.nonfinite)
     return np.full(len(w.layers), float(n))
 
 
@@ -181,9 +189,8 @@ def _check_nonfinite(w: Window) -> list[Finding]:
     from moescope.traces.sanitize import sanitize
 
     total = 0
-    for rid, ent, tok, n_prompt in zip(w.ids, w.entropy, w.tokens, w.n_prompt):
-        bad = ~np.isfinite(ent)
-        total += ent.size
+    for rid, bad, tok, n_prompt in zip(w.ids, w.nonfinite, w.tokens, w.n_prompt):
+        total += bad.size
         prompt = set(tok[:n_prompt].tolist())  # outputs sampled from NaN logits are a consequence
         if bad.any():
             for j in np.nonzero(bad.any(0))[0]:
@@ -358,7 +365,7 @@ def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
     examples: list[str] = []
     runs = w.run if len(w.run) == len(w.ids) else [None] * len(w.ids)
     for i, toks in enumerate(w.tokens):
-        finite = np.isfinite(w.entropy[i]).all(1)
+        finite = ~w.nonfinite[i].any(1)
         h = 0
         run = runs[i]
         sets = np.sort(w.routing[i], axis=2)
@@ -369,7 +376,7 @@ def _check_jitter(w: Window, t: Thresholds) -> list[Finding]:
                 first[(run, h)] = (i, pos)
                 continue
             j, p = seen
-            if not (finite[pos] and np.isfinite(w.entropy[j][p]).all()):
+            if not (finite[pos] and not w.nonfinite[j][p].any()):
                 continue
             other = np.sort(w.routing[j][p], axis=1)
             if (sets[pos] == w.n_experts).any() or (other == w.n_experts).any():

@@ -359,6 +359,12 @@ class Routed:
         return _ints(self.step_blob, self.n_routed)
 
     @cached_property
+    def nonfinite(self) -> np.ndarray:
+        """[n_routed, layers] bool: the router's output was NaN/Inf at that token and layer (``nonfinite_cells``:
+        a row of a step whose engine gave no router scores is never non-finite, its NaN means unknown)."""
+        return nonfinite_cells(self.entropy, self.steps, self.step_of)
+
+    @cached_property
     def steps(self) -> list[dict]:
         return json.loads(self.steps_json or "[]")
 
@@ -400,6 +406,27 @@ class Routed:
         step_of = self.step_of
         _check(not len(step_of) or (bool((step_of >= 0).all()) and int(step_of.max()) < len(steps)),
                "step indices point past the request's steps")
+
+
+def unscored_rows(steps: list, step_of: np.ndarray) -> np.ndarray:
+    """[n_routed] bool: the rows routed by a step whose engine gave no router scores (its record says
+    ``"scored": false``; vLLM's capture sees the chosen ids only), whose stored entropy, margin and weights are
+    NaN meaning unknown."""
+    unscored = [j for j, st in enumerate(steps) if isinstance(st, dict) and st.get("scored") is False]
+    if not unscored or not len(step_of):
+        return np.zeros(len(step_of), dtype=bool)
+    return np.isin(np.asarray(step_of), unscored)
+
+
+def nonfinite_cells(entropy: np.ndarray, steps: list, step_of: np.ndarray) -> np.ndarray:
+    """[n_routed, layers] bool: where the router's output was non-finite (stored entropy NaN/Inf), on the rows of
+    scored steps only: every reader that tells a NaN router from a healthy one asks this, never ``isfinite`` of
+    the entropy (an unscored row's NaN is not a fault)."""
+    bad = ~np.isfinite(entropy)
+    unscored = unscored_rows(steps, step_of)
+    if unscored.any():
+        bad &= ~unscored[:, None]
+    return bad
 
 
 def _valid_shape(layers_json, top_k, n_experts) -> bool:
@@ -687,11 +714,7 @@ def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None
     steps = json.loads(r["steps"] or "[]") if steps is None else steps
     # Flags judge every stored layer; the entries hold the selected ones. Whole arrays become lists at once:
     # at 58 layers x 300 tokens a Python loop per number would cost a second.
-    nonfinite = (~np.isfinite(ent)).any(1)
-    unscored = [j for j, st in enumerate(steps) if isinstance(st, dict) and st.get("scored") is False]
-    if unscored and len(step):  # steps whose engine gave no router scores: NaN there is unknown, not non-finite
-        nonfinite &= ~np.isin(np.asarray(step), unscored)
-    nonfinite = nonfinite.tolist()
+    nonfinite = nonfinite_cells(ent, steps, np.asarray(step, dtype=np.int64)).any(1).tolist()
     dropped = (ids == r["n_experts"]).any((1, 2)).tolist()
     missed = miss.any(1).tolist()
     ids_l = ids[:, sel].tolist()
