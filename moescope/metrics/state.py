@@ -11,7 +11,11 @@ each request's slots per (layer, expert); the state sums them per in-flight requ
 ``moescope_capture_dropped_total{queue="draws"}``) and folds a request into the window's draws when
 ``on_request`` reports it finished. A forward the probe could not map to requests is one draw, folded at once.
 
-Updates happen on the engine thread, reads on the HTTP thread: one lock, held for microseconds.
+Updates happen on the engine thread, reads on the HTTP thread. ``lock`` guards the state both touch: the engine's
+thread takes it on every step (its hooks add counts under it), a read only to copy what it needs (the routing
+window's sums: ``RoutingWindow.snapshot``, a copy of a few [L, E] arrays). A scrape judges the copy after releasing
+it (``judge.judge``, then the learned reference's update from that judgement), under ``judge_lock``, which the
+engine never takes: a step never waits for a scrape's judgement, and two scrapes judge one after the other.
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ class MetricsObserver(Observer):
         # forwards stop) a read flushes first, on the reader's thread (moescope.instrument sets it).
         self.reads_flush = False
         self.lock = threading.Lock()
+        # The scrape side's judgement state (the learned reference): judged and updated outside ``lock``
+        self.judge_lock = threading.Lock()
         self.probe = RoutingProbe(self._on_stats, interval_s=flush_interval_s)
         # The per-layer hot-path hooks go straight to the probe (one Python call less per layer).
         self.on_routing = self.probe.on_routing
@@ -377,16 +383,20 @@ class MetricsObserver(Observer):
 
     # -- reads (scrape thread) -------------------------------------------------------------------------
     def layer_gauges(self) -> LayerGauges:
-        """The window gauges of every routed layer, as of the engine side's last flush."""
+        """The window gauges of every routed layer, as of the engine side's last flush. The window is copied under
+        ``lock`` and judged after it is released (module docstring), under ``judge_lock``: the learned reference is
+        read, judged against and updated by one scrape at a time, each from its own copy."""
         if self.reads_flush:
             self.flush()
-        with self.lock:
-            now = self.clock()
-            self.routing_window.prune(int(now))
-            learned = self.learned if self._baseline is None else None
-            g = self.routing_window.gauges(self._baseline, learned=learned)
+        with self.judge_lock:
+            with self.lock:
+                now = self.clock()
+                self.routing_window.prune(int(now))
+                window, baseline = self.routing_window.snapshot(), self._baseline
+            learned = self.learned if baseline is None else None
+            g = window.gauges(baseline, learned=learned)
             if learned is not None:
-                learned.update(now, self.routing_window, g, thresholds.DEFAULT.hot_factor)
+                learned.update(now, window, g, thresholds.DEFAULT.hot_factor)
             return g
 
     def drift(self, g: LayerGauges) -> dict[int, float]:

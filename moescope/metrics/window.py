@@ -198,9 +198,27 @@ class RoutingWindow:
         if not self._draw_bins:
             self.draws = sampling.Draws.zeros(len(self.layers), self.n_experts)
 
+    def snapshot(self) -> "RoutingWindow":
+        """A copy of the window's running sums, taken under the state's lock (one [L, E] array, the draws' six
+        sums and a few [L] ones: a copy, no arithmetic) so that ``gauges`` and ``LearnedReference.update`` read it
+        after the lock is released: a scrape's judgement never holds the lock the engine's thread takes on every
+        step. The copy has no bins: read it, never add to or prune it."""
+        snap = RoutingWindow.__new__(RoutingWindow)
+        snap.layers, snap.n_experts, snap.window_s = self.layers, self.n_experts, self.window_s
+        snap.row = dict(self.row)
+        snap.slots, snap.tokens = self.slots.copy(), self.tokens.copy()
+        snap.entropy, snap.margin = self.entropy.copy(), self.margin.copy()
+        snap.draw_bin_s = self.draw_bin_s
+        snap.draws = self.draws.rows(np.arange(len(self.draws.draws)))  # (fancy indexing: copies)
+        snap.n_draws = self.n_draws
+        snap._bins, snap._draw_bins = collections.deque(), collections.deque()
+        snap._spare_bins, snap._spare_draws = [], []
+        return snap
+
     def gauges(self, profile: Any = None, t: thresholds.Thresholds = thresholds.DEFAULT,
                learned: "LearnedReference | None" = None) -> LayerGauges:
-        """The window gauges of every layer that routed tokens in the window (callers hold the lock): the judged
+        """The window gauges of every layer that routed tokens in the window (callers hold the lock, or read a
+        ``snapshot``): the judged
         ones are ``moescope.judge``'s (every view judges through it). ``profile``: the loaded baseline
         (``analysis.baseline.Profile``), the reference of the hot, dead and drift judgements where it has the
         layer; else the fair share (hot) and ``t.dead_reference`` (dead). ``learned``: without a baseline, the hot
@@ -273,7 +291,8 @@ class LearnedReference:
         return LearnedRows(self.share[keep], self.has[keep])
 
     def update(self, now: float, window: RoutingWindow, g: LayerGauges, hot_factor: float) -> None:
-        """Fold the window in if a window has passed since the last fold (callers hold the state's lock).
+        """Fold the window in if a window has passed since the last fold (``window``: the state's ``snapshot``,
+        read under its ``judge_lock``).
         ``g``: the gauges just judged against this reference (its experts over ``hot_factor`` keep theirs)."""
         if self.started is None:
             if window.n_draws > 0:
