@@ -221,7 +221,7 @@ def _check_load(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray)
     collapsed = j.collapsed
     if collapsed.any():
         out.append(Finding(
-            "collapse", "critical", "Routing collapsed onto one expert", 5.0 + float(j.top_share.max()),
+            "collapse", "critical", "Routing collapsed onto one expert", 5.0 + float(j.top_share[collapsed].max()),
             {"layers": {w.layers[i]: {"expert": int(j.counts[i].argmax()),
                                       "top_share": round(float(j.top_share[i]), 3)} for i in np.nonzero(collapsed)[0]},
              "threshold": t.collapse_top_share},
