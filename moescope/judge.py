@@ -38,7 +38,7 @@ def _finite(x) -> bool:
 class Verdict:
     """One layer's alert verdicts, as the rules and Alertmanager's inhibitions combine them."""
 
-    collapsed: bool  # MoEExpertCollapse: top share over its bar
+    collapsed: bool  # MoEExpertCollapse: top share over its bar (from the layer's reference: Thresholds.collapse_bar)
     imbalanced: bool  # MoEExpertLoadImbalance: excess CV over its bar, unless the layer drifted
     over_bar: bool  # the excess CV over its bar (before the drift rule): shown, not paged, on a drifted layer
     drifted: bool  # MoERoutingDrift: JS divergence from the baseline beyond its noise
@@ -48,6 +48,20 @@ class Verdict:
     dead: bool  # MoEDeadExperts: zero-slot experts the reference says should have slots
     rank_overloaded: bool  # MoERankLoadImbalance
     over_hot: tuple[int, ...] = ()  # every expert over the hot bar, paged or not (hottest first)
+    reference: str = "fair"  # what imbalance, collapse and dead are judged against: baseline, learned, fair, learning
+    uneven: bool = False  # uneven by design or traffic: its reference's own structure is over the no-reference
+    # bars (excess CV over imbalance_cv, or top share over collapse_top_share); shown as information, never paged
+
+    def uneven_words(self, reference_cv: float | None, reference_top: float | None) -> str:
+        """"uneven by design/traffic: ..." for a layer whose reference is itself uneven ('' otherwise)."""
+        if not self.uneven:
+            return ""
+        parts = []
+        if _finite(reference_cv) and reference_cv > 0:
+            parts.append(f"excess CV {reference_cv:.2f}")
+        if _finite(reference_top):
+            parts.append(f"top share {reference_top:.0%}")
+        return f"uneven by design/traffic: {', '.join(parts)} in its {self.reference} reference (not paged)"
 
     def fires(self) -> list[str]:
         """The alerts this layer fires (``MoEExpertHot:E`` per hot expert)."""
@@ -61,21 +75,31 @@ class Verdict:
 def verdict(*, excess_cv: float | None, baseline_cv: float | None, top_share: float | None,
             drift_jsd: float | None = None, drift_noise: float | None = None,
             hot_factors: dict[int, float] | None = None, dead_unexpected: float | None = None,
-            rank_max_over_mean: float | None = None, hot_reference: str = "fair",
+            rank_max_over_mean: float | None = None, hot_reference: str = "fair", reference: str | None = None,
+            reference_cv: float | None = None, reference_top: float | None = None,
             t: Thresholds = DEFAULT) -> Verdict:
     """One layer's verdicts from its judged quantities (None or NaN: not judged, never over a bar).
     ``hot_reference``: what the hot factors are against ("learning": the exporter is still learning the layer's
-    reference, so its hot experts are named but do not page)."""
+    reference, so its hot experts are named but do not page). ``reference``: what imbalance, collapse and dead are
+    judged against (default: "baseline" where ``baseline_cv`` is given, else ``hot_reference``);
+    ``reference_cv`` / ``reference_top``: that reference's structural CV and top share (the exporter's
+    ``moescope_reference_load_cv_ratio`` / ``moescope_reference_top_share_ratio``; default: ``baseline_cv``, none)."""
     base = baseline_cv if _finite(baseline_cv) else None
+    kind = reference or ("baseline" if base is not None else hot_reference)
+    ref_cv = reference_cv if _finite(reference_cv) else base if kind == "baseline" else \
+        (0.0 if kind == "fair" else None)
+    ref_top = reference_top if _finite(reference_top) else None
     drifted = t.drifted(drift_jsd, drift_noise)
-    over = t.imbalanced(excess_cv if _finite(excess_cv) else None, base)
-    collapsed = _finite(top_share) and top_share > t.collapse_top_share
+    over = _finite(excess_cv) and excess_cv > t.imbalance_bar_of(kind, ref_cv)
+    collapsed = _finite(top_share) and top_share > t.collapse_bar(kind, ref_top)
+    uneven = kind in ("baseline", "learned") and (
+        (ref_cv is not None and ref_cv > t.imbalance_cv) or (ref_top is not None and ref_top > t.collapse_top_share))
     hot = tuple(e for e, f in sorted((hot_factors or {}).items(), key=lambda x: (-x[1], x[0]))
                 if _finite(f) and f > t.hot_factor)
     return Verdict(collapsed=bool(collapsed), imbalanced=over and not drifted, over_bar=over, drifted=drifted,
                    hot=() if hot_reference == "learning" else hot, hot_shown=() if collapsed else hot, over_hot=hot,
                    dead=_finite(dead_unexpected) and dead_unexpected > 0,
-                   rank_overloaded=t.rank_overloaded(rank_max_over_mean))
+                   rank_overloaded=t.rank_overloaded(rank_max_over_mean), reference=kind, uneven=bool(uneven))
 
 
 @dataclass
@@ -102,10 +126,14 @@ class Judgement:
     hot_reference: list[str]  # [L] what each layer's hot factor is against: "baseline", "learned", "learning" or
     # "fair" (``judge``'s ``learned``); the exporter's ``reference`` label, and the alert pages all but "learning"
     dead: np.ndarray  # [L] moescope_dead_experts_unexpected
+    dead_holding: np.ndarray  # [L] moescope_dead_experts_holding: zero-slot experts at the clear level
     dead_mask: np.ndarray  # [L, E] the experts counted in ``dead``
     jsd: np.ndarray | None  # [L] moescope_routing_drift_jsd_bits (None: no baseline at all)
     drift_noise: np.ndarray | None  # [L] moescope_routing_drift_noise_bits
     top_share: np.ndarray  # [L] moescope_expert_load_top_share_ratio: busiest expert's slots / routed tokens
+    reference_cv: np.ndarray | None = None  # [L] moescope_reference_load_cv_ratio (NaN: no reference)
+    reference_top: np.ndarray | None = None  # [L] moescope_reference_top_share_ratio (NaN: no reference)
+    collapse_bar: np.ndarray | None = None  # [L] Thresholds.collapse_bar of each layer's reference
     t: Thresholds = DEFAULT
 
     def verdict(self, i: int) -> Verdict:
@@ -118,7 +146,13 @@ class Judgement:
             drift_jsd=None if self.jsd is None else float(self.jsd[i]),
             drift_noise=None if self.drift_noise is None else float(self.drift_noise[i]),
             hot_factors={int(e): float(row[e]) for e in np.nonzero(np.isfinite(row))[0]},
-            dead_unexpected=float(self.dead[i]), hot_reference=self.hot_reference[i], t=self.t)
+            dead_unexpected=float(self.dead[i]), hot_reference=self.hot_reference[i],
+            reference=self.hot_reference[i], reference_cv=_at(self.reference_cv, i),
+            reference_top=_at(self.reference_top, i), t=self.t)
+
+    def uneven_words(self, i: int) -> str:
+        """Layer ``i``'s "uneven by design/traffic: ..." ('' where its reference is not uneven)."""
+        return self.verdicts[i].uneven_words(_at(self.reference_cv, i), _at(self.reference_top, i))
 
     @functools.cached_property
     def verdicts(self) -> list[Verdict]:  # (once: the array properties below read it)
@@ -209,6 +243,10 @@ def delivered(firing: list[dict]) -> list[dict]:
     return [a for a in firing if not muted(a)]
 
 
+def _at(a, i: int) -> float | None:
+    return None if a is None else float(a[i])
+
+
 def top_factors(factors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     """Per row of ``factors`` [L, E], up to ``k`` (expert, factor) with a finite factor, highest first (ties: lower
     id)."""
@@ -228,9 +266,12 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
     reference of hot, dead and drift where it has the layer; else the fair share and ``t.dead_reference``.
     ``family_layers``: the layers the hot test's family spans (default: ``len(layers)``; the exporter's window
     passes every layer of the model, judged in this window or not). ``learned``: where no baseline is saved, the
-    exporter's own learned reference (``metrics.window.LearnedReference.rows``: ``share`` [L, E], ``has`` [L]):
-    the hot reference of the layers it has learned ("learned"), the fair share of the others ("learning": shown,
-    not paged); None: the fair share ("fair", paged: ``--hot-reference fair``)."""
+    exporter's own learned reference (``metrics.window.LearnedReference.rows``: ``share`` [L, E], ``has`` [L],
+    ``cv`` [L] its excess CV, ``top`` [L] its top share): the reference of hot, dead, imbalance and collapse on
+    the layers it has learned ("learned"); the others are "learning" (hot named against the fair share, not
+    paged; dead and imbalance not judged; collapse only over ``Thresholds.collapse_ceiling``); None: the fair
+    share ("fair": 1/E, the no-reference imbalance bar and dead floor, as the user asked with
+    ``--hot-reference fair``). Each layer's reference kind is ``hot_reference``."""
     counts = np.asarray(counts, dtype=np.float64)
     n_layers, n_exp = counts.shape
     layers = list(layers)
@@ -248,17 +289,32 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
     base_cv = base.structural_cv if base is not None else np.full(n_layers, np.nan)
     hot_ref = sampling.hot_reference(n_exp, ref if has_base else None, n_layers)
     kinds = np.where(has, "baseline", "fair").astype(object)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        per_token = np.where(tokens > 0, slots / np.where(tokens > 0, tokens, 1.0), float(top_k))  # k, less drops
+    # The reference's structure: its structural CV and top share (the baseline's; the fair share's: 0 and k/E)
+    ref_cv = np.where(has, base_cv, 0.0)
+    ref_top = np.where(has, (base.share.max(1) if base is not None and n_exp else 0.0) * per_token,
+                       per_token / max(1, n_exp))
+    dead_ref = np.where(has[:, None], ref, t.dead_reference(n_exp) if n_exp else 0.0)
+    dead_judged = np.ones(n_layers, dtype=bool)
     if learned is not None and not has_base:
         lhas = np.asarray(learned.has, dtype=bool)
         hot_ref = np.where(lhas[:, None], sampling.hot_reference(n_exp, learned.share, n_layers), hot_ref)
         kinds = np.where(lhas, "learned", "learning").astype(object)
+        ref_cv = np.where(lhas, np.asarray(learned.cv, dtype=np.float64), np.nan)
+        ref_top = np.where(lhas, np.asarray(learned.top, dtype=np.float64), np.nan)
+        dead_ref = np.where(lhas[:, None], learned.share, 0.0)
+        dead_judged = lhas
     hot_z = t.hot_z(family_layers or n_layers, n_exp)
     with np.errstate(invalid="ignore", divide="ignore"):
         factor = sampling.hot_factor(counts, draws, hot_ref, hot_z, t.noise_z)
         sd = sampling.hot_sd(draws, t.noise_z)
-        dead_ref = np.where(has[:, None], ref, t.dead_reference(n_exp) if n_exp else 0.0)
-        dead = sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
-        dead_mask = sampling.dead_mask(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z)
+        dead = np.where(dead_judged, sampling.dead_unexpected(counts, draws, dead_ref, t.dead_min_expected_slots,
+                                                              t.noise_z), np.nan)
+        holding = np.where(dead_judged, sampling.dead_unexpected(counts, draws, dead_ref,
+                                                                 t.dead_clear_expected_slots, t.noise_z), np.nan)
+        dead_mask = sampling.dead_mask(counts, draws, dead_ref, t.dead_min_expected_slots, t.noise_z) & \
+            dead_judged[:, None]
     jsd = noise_bits = None
     if has_base:
         jsd = np.full(n_layers, np.nan)
@@ -269,9 +325,11 @@ def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, 
         layers=layers, n_experts=n_exp, reference="baseline" if has_base else "fair", counts=counts,
         draws=draws.draws.copy(), tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
         max_over_mean=stats.max_over_mean_rows(counts), has_baseline=has,
-        baseline_cv=base_cv if has_base else None, bar=np.array([t.imbalance_bar(b) for b in base_cv.tolist()]),
+        baseline_cv=base_cv if has_base else None,
+        bar=np.array([t.imbalance_bar_of(str(k), c) for k, c in zip(kinds, ref_cv.tolist())]),
         hot_factor=factor, hot_sd=sd, ref_share=hot_ref, hot_reference=[str(k) for k in kinds], dead=dead,
-        dead_mask=dead_mask, jsd=jsd,
+        dead_holding=holding, dead_mask=dead_mask, jsd=jsd, reference_cv=ref_cv, reference_top=ref_top,
+        collapse_bar=np.array([t.collapse_bar(str(k), c) for k, c in zip(kinds, ref_top.tolist())]),
         drift_noise=noise_bits, top_share=stats.top_share_rows(counts, tokens), t=t)
 
 

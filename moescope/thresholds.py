@@ -77,8 +77,25 @@ class Thresholds:
     # hundreds to tens of thousands), so near the bar its sd is at most (bar - 1) / z, under this quarter of the
     # way: a value hovering at the bar by noise keeps one page instead of firing and resolving.
     clear_fraction: float = 0.25
-    # Collapse: most of the routed tokens (3 in 4) choose one expert; k/E when balanced.
+    # Collapse: the busiest expert's share of the routed tokens (the top share; k/E when balanced) jumped. Against
+    # a reference (the baseline's top share, else the one learned from the deployment's first full window, else
+    # k/E with ``--hot-reference fair``) the bar is ``collapse_bar``: half of the way from the reference to every
+    # token (``collapse_rise``), and never under 3 tokens in 4 (``collapse_top_share``). A layer whose healthy top
+    # share is 0.67 (a vLLM checkpoint's, issue [learned]) pages over 0.835, not at 0.75; a balanced layer (k/E
+    # under 0.5) keeps the bar of 0.75.
     collapse_top_share: float = 0.75
+    collapse_rise: float = 0.5
+    # Absolute limit (no reference, or one learned from a start that was already collapsed): a learned or missing
+    # reference counts as at most ``collapse_top_share``, so ``collapse_ceiling`` = collapse_bar(0.75) = 0.875,
+    # one expert in 7 of every 8 tokens, pages whatever the learned reference says. Why this is no traffic's shape:
+    # with top-k > 1 that expert holds 7/(8k) of the slots, so every other expert shares the remaining
+    # (k - 7/8)/k, and a router that still chose by its input would have had to pick the same expert for 7 in 8 of
+    # even a few fixed prompts' distinct tokens; with top-1 the layer has become one dense FFN for 7 in 8 tokens. A
+    # saved baseline (a reference the user vetted as healthy) is not capped: its own top share sets the bar.
+    # Imbalance and dead experts have no absolute limit: under top-1 routing of a few fixed prompts an excess CV of
+    # several and most experts idle are the traffic (issue [learned]: 11 of 12 healthy layers paged at the old
+    # no-baseline bar, 12 layers at the fair dead floor); they page only as a change from a reference (hot and
+    # collapse cover the extremes without one).
     # Dead: an expert with no slot where its reference share predicts at least this many effective slots
     # (Poisson P(0) = e^-5 < 1%). Without a baseline the reference is this fraction of the fair share: an
     # expert getting under 1% of its fair share is as good as dead, so zero is evidence only at 500 slots per
@@ -178,9 +195,62 @@ class Thresholds:
             bound += self.noise_z * math.sqrt(p * (1 - p) * (1 / n_before + 1 / n_after)) / 2
         return tvd > bound
 
-    def clear_bar(self, bar: float) -> float:
-        """Where a firing ratio page (a bar over 1, the reference) clears: ``clear_fraction`` back towards 1."""
-        return bar - self.clear_fraction * (bar - 1.0)
+    def clear_bar(self, bar: float, reference: float = 1.0) -> float:
+        """Where a firing page clears: ``clear_fraction`` of the way back from its bar towards ``reference``, the
+        value the quantity has when nothing changed (1 for a ratio to its reference; the reference's own CV, top
+        share, or 0 for the divergence beyond noise and the flip ratio)."""
+        return bar - self.clear_fraction * (bar - reference)
+
+    # -- the reference of the change judgements (imbalance, collapse, dead) --------------------------------------
+    # A layer's routing is judged against its reference: "baseline" (the saved one), "learned" (from the
+    # deployment's own first full window, followed slowly: ``learn_half_life_windows``), "fair" (uniform routing,
+    # where the user asked for it: ``--hot-reference fair``), or "learning" (no reference yet: only the absolute
+    # limits page).
+    def imbalance_bar_of(self, kind: str, reference_cv: float | None) -> float:
+        """The excess-CV bar of a layer judged against ``kind``: 1.5 x the reference's structural CV + 0.1
+        (baseline or learned), ``imbalance_cv`` against the fair share, none (inf) while learning."""
+        if kind == "fair":
+            return self.imbalance_cv
+        if kind in ("baseline", "learned") and reference_cv is not None and math.isfinite(reference_cv):
+            return self.imbalance_bar(reference_cv)
+        return math.inf
+
+    def imbalance_clear(self, bar: float, reference_cv: float | None) -> float:
+        """Where a firing imbalance page clears: a quarter of the way back from its bar to the reference's CV (0
+        against the fair share)."""
+        ref = reference_cv if reference_cv is not None and math.isfinite(reference_cv) else 0.0
+        return self.clear_bar(bar, ref)
+
+    def collapse_bar(self, kind: str, reference_top: float | None) -> float:
+        """The top-share bar of a layer judged against ``kind`` (see ``collapse_top_share``): half way from the
+        reference's top share to 1, at least ``collapse_top_share``; a learned or missing reference counts as at
+        most ``collapse_top_share`` (so the bar is at most ``collapse_ceiling``)."""
+        ref = self._collapse_reference(kind, reference_top)
+        return max(self.collapse_top_share, ref + self.collapse_rise * (1.0 - ref))
+
+    def _collapse_reference(self, kind: str, reference_top: float | None) -> float:
+        """The top share a collapse is measured from: while learning (no reference) ``collapse_top_share`` (the
+        bar is then the ceiling); a learned or fair one capped at it; a baseline's as it is; unknown: 0."""
+        if kind == "learning":
+            return self.collapse_top_share
+        ref = reference_top if reference_top is not None and math.isfinite(reference_top) else 0.0
+        return ref if kind == "baseline" else min(ref, self.collapse_top_share)
+
+    @property
+    def collapse_ceiling(self) -> float:
+        """The absolute collapse limit: the bar a learned or missing reference cannot raise."""
+        return self.collapse_bar("learning", None)
+
+    def collapse_clear(self, bar: float, kind: str, reference_top: float | None) -> float:
+        """Where a firing collapse page clears: a quarter of the way back from its bar to the reference's top
+        share (capped as in ``collapse_bar``)."""
+        return self.clear_bar(bar, self._collapse_reference(kind, reference_top))
+
+    @property
+    def dead_clear_expected_slots(self) -> float:
+        """A firing dead-experts page holds while a zero-slot expert's reference predicts at least this many
+        effective slots (a quarter of the way from 5 to 0: 3.75, Poisson P(0) = 2.4%)."""
+        return self.clear_bar(self.dead_min_expected_slots, 0.0)
 
     def rank_overloaded(self, max_over_mean: float | None) -> bool:
         return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean

@@ -103,6 +103,23 @@ BARS = (("imbalance_cv", "MoEExpertLoadImbalance boundary"),
 FLOORS = {"cache_floor_of_capacity", "activation_floor"}  # alerts below the bar
 
 
+def test_every_routing_alert_has_clear_bar_cases():
+    """Hysteresis on every routing alert (issue [learned]): each has a case that holds between its firing and
+    clear bars, one that clears under its clear bar, and one between the bars that never fired (silent), and its
+    rule reads its own firing alert back (the clear bar applies only once it fired)."""
+    suites = cases.suites()
+    by_name = {s.name: s for s in rules.specs()}
+    for name in unit_tests.CLEAR_BAR_CHECKED:
+        got = {c.name: c for c in suites[name].all()}
+        hold = got["firing, it holds between its bar and its clear bar"]
+        assert hold.fires and not got["firing, it clears under its clear bar"].fires, name
+        assert not got["between the bars without having fired is silent"].fires, name
+        assert f'ALERTS{{alertname="{name}", alertstate="firing"}}' in by_name[name].expr, name
+    routing = {"MoEExpertHot", "MoEExpertLoadImbalance", "MoEExpertCollapse", "MoEDeadExperts", "MoERoutingDrift",
+               "MoERoutingFlips", "MoERankLoadImbalance"}
+    assert routing <= set(unit_tests.CLEAR_BAR_CHECKED)
+
+
 def test_boundary_cases_sit_exactly_on_the_bar(tmp_path):
     """The rules read their bars from the thresholds object: moving each bar by 1% across its boundary series
     (down for a ceiling, up for a floor) makes every case on a bar fail, and no case fails that does not depend
@@ -123,20 +140,23 @@ def test_boundary_cases_sit_exactly_on_the_bar(tmp_path):
 
 
 def test_imbalance_rule_is_the_thresholds_judgement(tmp_path):
-    """One judgement: over a grid of (excess CV or NaN, baseline CV or none, drift beyond noise or within it),
-    the rule fires exactly where ``Thresholds.imbalanced`` and not ``Thresholds.drifted`` say so, with the
-    description naming the bar it was judged against."""
+    """One judgement: over a grid of (excess CV or NaN, the reference: none yet (learning), the fair share, a
+    learned or a baseline structural CV, drift beyond noise or within it), the rule fires exactly where
+    ``Thresholds.imbalance_bar_of`` and not ``Thresholds.drifted`` say so, with the description naming the bar it
+    was judged against."""
     t = thresholds.DEFAULT
-    grid = [(excess, base, jsd, noise)
-            for excess in (float("nan"), 0.2, 0.5, 0.6, 0.9, 1.05, 1.4, 2.0)
-            for base in (None, 0.0, 0.3, 0.8)
+    refs = [("learning", None), ("fair", 0.0), ("learned", 0.3), ("learned", 2.5), ("baseline", 0.0),
+            ("baseline", 0.3), ("baseline", 0.8)]
+    grid = [(excess, kind, ref, jsd, noise)
+            for excess in (float("nan"), 0.2, 0.5, 0.6, 0.9, 1.05, 1.4, 2.0, 4.0)
+            for kind, ref in refs
             for jsd, noise in ((None, None), (0.3, 0.01), (0.3, 0.29))]
     series, expected = {}, []
-    for i, (excess, base, jsd, noise) in enumerate(grid):
-        series.update(cases._load(excess, base, layer=str(i), jsd=jsd, noise=noise))
-        if t.imbalanced(excess, base) and not t.drifted(jsd, noise):
+    for i, (excess, kind, ref, jsd, noise) in enumerate(grid):
+        series.update(cases._load(excess, ref, layer=str(i), jsd=jsd, noise=noise, kind=kind))
+        if excess > t.imbalance_bar_of(kind, ref) and not t.drifted(jsd, noise):
             labels = cases.LAYER | {"layer": str(i)}
-            expected.append((labels, cases.imbalance_description(excess, base, t, labels)))
+            expected.append((labels, cases.imbalance_description(excess, ref, t, labels, kind)))
     assert 0 < len(expected) < len(grid)
     suite = cases.imbalance(t)
     spec = next(s for s in rules.specs(t) if s.name == "MoEExpertLoadImbalance")
@@ -152,6 +172,8 @@ def test_no_model_selector_and_no_typed_bar():
     values = {rules.num(getattr(t, f.name)) for f in dataclasses.fields(t) if isinstance(getattr(t, f.name), float)}
     values |= {str(getattr(t, f.name)) for f in dataclasses.fields(t) if isinstance(getattr(t, f.name), int)}
     values |= {rules.num(t.clear_bar(b)) for b in (t.hot_factor, t.rank_max_over_mean)}  # (a Thresholds method)
+    values |= {rules.num(x) for x in (t.clear_bar(t.drift_bits, 0.0), t.clear_bar(t.flip_ratio, 0.0),
+                                      t.collapse_ceiling, t.collapse_clear(t.collapse_ceiling, "learning", None))}
     for s in rules.specs():
         assert "model=" not in s.expr and "model!" not in s.expr, s.name
         for n in re.findall(r"(?:[<>]|[*+]) (\d[\d.e+-]*)\b", s.expr):

@@ -56,62 +56,80 @@ def lab(layer: str = "1", model: str = "m", **more) -> str:
 
 
 # -- MoEExpertLoadImbalance ----------------------------------------------------------------------------------
-def _load(excess: float, baseline: float | None = None, layer: str = "1", model: str = "m",
-          jsd: float | None = None, noise: float | None = None, **more) -> dict:
+def _load(excess: float, ref: float | None = None, layer: str = "1", model: str = "m",
+          jsd: float | None = None, noise: float | None = None, kind: str = "baseline", n: int = 20,
+          steps: tuple[float, float] | None = None, **more) -> dict:
+    """An imbalance case's series: the excess CV (or ``steps``: 15 samples at the first, then 31 at the second),
+    and the reference's structural CV labelled ``kind`` (none: no reference yet, the layer is learning)."""
     labels = lab(layer, model, **more)
-    out = {f"moescope_expert_load_excess_cv_ratio{{{labels}}}": v(excess)}
-    if baseline is not None:
-        out[f"moescope_baseline_load_cv_ratio{{{labels}}}"] = v(baseline)
+    out = {f"moescope_expert_load_excess_cv_ratio{{{labels}}}":
+           v(excess, n) if steps is None else f"{steps[0]!r}x14 {steps[1]!r}x30"}
+    if ref is not None:
+        out[f"moescope_reference_load_cv_ratio{{{labels},reference=\"{kind}\"}}"] = v(ref, n if steps is None else 45)
     if jsd is not None:
-        out[f"moescope_routing_drift_jsd_bits{{{labels}}}"] = v(jsd)
-        out[f"moescope_routing_drift_noise_bits{{{labels}}}"] = v(noise)
+        out[f"moescope_routing_drift_jsd_bits{{{labels}}}"] = v(jsd, n)
+        out[f"moescope_routing_drift_noise_bits{{{labels}}}"] = v(noise, n)
     return out
 
 
-def imbalance_description(excess: float, baseline: float | None, t: Thresholds = DEFAULT,
-                          labels: dict = LAYER) -> str:
-    if baseline is None:
-        bar = f"{t.imbalance_cv:g} (no baseline loaded: `moescope baseline save` records one)"
+def imbalance_description(excess: float, ref: float | None, t: Thresholds = DEFAULT,
+                          labels: dict = LAYER, kind: str = "baseline") -> str:
+    if kind == "fair":
+        bar = f"{t.imbalance_cv:g} (against the fair share, as asked)"
     else:
-        bar = (f"{t.imbalance_bar(baseline):.2f} ({t.imbalance_baseline_factor:g} x its baseline's structural CV + "
-               f"{t.imbalance_baseline_margin:g})")
+        bar = (f"{t.imbalance_baseline_factor:g} x the structural CV {ref:.2f} of its {kind} reference + "
+               f"{t.imbalance_baseline_margin:g}")
     return (f"Layer {labels['layer']} of {labels['model']} (rank {labels['rank']}) has a load CV of {excess:.2f} "
-            f"beyond sampling noise, over its bar {bar}.")
+            f"beyond sampling noise; its bar: {bar}.")
 
 
 def imbalance(t: Thresholds) -> Suite:
-    no_base = 1.2 * t.imbalance_cv
-    b = 0.3  # a baseline's structural CV (the bundled shapes' healthy routers: ~0.3-0.4)
-    over, under = t.imbalance_bar(b) + 0.05, t.imbalance_bar(b) - 0.05
-    wide = 0.8  # a baseline whose own bar lies above the no-baseline bar
-    wide_case = (t.imbalance_cv + t.imbalance_bar(wide)) / 2
-    assert t.imbalance_cv < wide_case < t.imbalance_bar(wide)
-    other = {**_load(wide_case), **_load(0.1, wide, layer="2")}
-    # two replicas of one model (two processes serving the same name, each rank 0), one with a baseline: each is
-    # judged against its own (matched on (model, rank, layer) alone, the rule would not even evaluate)
+    b = 0.3  # a reference's structural CV (the bundled shapes' healthy routers: ~0.3-0.4)
+    bar = t.imbalance_bar(b)
+    over, under = bar + 0.05, bar - 0.05
+    clear = t.imbalance_clear(bar, b)
+    mid = (bar + clear) / 2
+    # two replicas of one model (two processes serving the same name, each rank 0), each judged against its own
+    # reference (matched on (model, rank, layer) alone, the rule would not even evaluate)
     replicas = {**_load(over, b, instance="a:9400", job="moescope"),
-                **_load(0.9 * t.imbalance_cv, instance="b:9400", job="moescope")}
+                **_load(bar - 0.01, b, instance="b:9400", job="moescope")}
     replica = {**LAYER, "instance": "a:9400", "job": "moescope"}
+    learned = {**LAYER}
+    uneven = 2.5  # a top-1 layer under a few fixed prompts: excess CV 2.5 from its first window (issue [learned])
     return Suite(
-        Case("fires", _load(no_base), ((LAYER, imbalance_description(no_base, None, t)),)),
-        # the healthy structure of the bundled shapes' routers (excess ~0.3-0.4), no baseline
-        Case("healthy", _load(0.4)),
-        Case("boundary", _load(t.imbalance_cv)),
+        Case("fires", _load(over, b, kind="learned"),
+             ((learned, imbalance_description(over, b, t, kind="learned")),)),
+        Case("healthy", _load(0.4, b, kind="learned")),
+        Case("boundary", _load(bar, b, kind="learned")),
         (
             Case("with a baseline: above its bar fires", _load(over, b),
                  ((LAYER, imbalance_description(over, b, t)),)),
             Case("with a baseline: below its bar is silent", _load(under, b)),
             Case("with a baseline: exactly at its bar is silent", _load(t.imbalance_bar(b), b)),
-            Case("with a baseline: its bar replaces the no-baseline bar", _load(wide_case, wide)),
-            Case("another layer's baseline does not set this layer's bar", other,
-                 ((LAYER, imbalance_description(wide_case, None, t)),)),
+            Case("against the fair share (asked for): over the no-reference bar fires",
+                 _load(1.2 * t.imbalance_cv, 0.0, kind="fair"),
+                 ((LAYER, imbalance_description(1.2 * t.imbalance_cv, 0.0, t, kind="fair")),)),
+            Case("against the fair share (asked for): exactly at the no-reference bar is silent",
+                 _load(t.imbalance_cv, 0.0, kind="fair")),
+            # the issue's top-1 narrow traffic: no reference yet, an excess CV of several is not judged
+            Case("while its reference is being learned nothing is judged", _load(5.0)),
+            Case("uneven by design or traffic from the start is not paged",
+                 _load(uneven + 0.1, uneven, kind="learned")),
+            Case("another layer's reference does not set this layer's bar",
+                 {**_load(over), **_load(0.1, 0.8, layer="2")}),
             Case("two replicas of one model are judged apart", replicas,
                  ((replica, imbalance_description(over, b, t, replica)),)),
-            Case("NaN excess (too few draws) is not judged", _load(float("nan"))),
+            Case("NaN excess (too few draws) is not judged", _load(float("nan"), b)),
             Case("NaN excess with a baseline is not judged", _load(float("nan"), 0.0)),
-            Case("a drifted layer is drift, not imbalance", _load(no_base, jsd=0.3, noise=0.01)),
+            Case("a drifted layer is drift, not imbalance", _load(over, b, jsd=0.3, noise=0.01)),
             Case("a divergence within its noise does not hold imbalance back",
-                 _load(no_base, jsd=0.3, noise=0.295), ((LAYER, imbalance_description(no_base, None, t)),)),
+                 _load(over, b, jsd=0.3, noise=0.295), ((LAYER, imbalance_description(over, b, t)),)),
+            # hysteresis: 15 minutes over the bar (firing after its 10m), then between the bars: held; under the
+            # clear bar: resolved once its keep_firing_for (10m) passed
+            Case("firing, it holds between its bar and its clear bar", _load(0, b, steps=(over, mid)),
+                 ((LAYER, imbalance_description(mid, b, t)),), eval_time="30m"),
+            Case("firing, it clears under its clear bar", _load(0, b, steps=(over, clear - 0.02)), eval_time="30m"),
+            Case("between the bars without having fired is silent", _load(mid, b)),
         ))
 
 
@@ -190,31 +208,81 @@ def rank(t: Thresholds) -> Suite:
 
 
 # -- MoEExpertCollapse --------------------------------------------------------------------------------------------
-def collapse(t: Thresholds) -> Suite:
-    def s(x):
-        return {f"moescope_expert_load_top_share_ratio{{{L}}}": v(x)}
+def _steps(first: float, then: float, short: bool) -> str:
+    """``short`` (a 2m or 5m ``for``): 10 samples at ``first``, then 21 at ``then``; else 15, then 31."""
+    return f"{first!r}x9 {then!r}x20" if short else f"{first!r}x14 {then!r}x30"
 
-    return Suite(Case("fires", s(0.9), ((LAYER, "90% of layer 1's tokens choose one expert in m (rank 0)."),)),
-                 Case("healthy", s(0.3)), Case("boundary", s(t.collapse_top_share)))
+
+def collapse(t: Thresholds) -> Suite:
+    def s(x, ref=None, kind="learned", then=None):
+        out = {f"moescope_expert_load_top_share_ratio{{{L}}}": v(x) if then is None else _steps(x, then, True)}
+        if ref is not None:
+            out[f'moescope_reference_top_share_ratio{{{L},reference="{kind}"}}'] = v(ref, 30)
+        return out
+
+    def desc(x):
+        return f"{_pct(x)} of layer 1's tokens choose one expert in m (rank 0)."
+
+    fair = 2 / 32  # k/E of a 32-expert top-2 model: the fair share's top share
+    vllm = 0.67  # a vLLM checkpoint's healthy layer (issue [learned]): the old fixed 0.75 paged it
+    bar = t.collapse_bar("learned", vllm)
+    clear = t.collapse_clear(bar, "learned", vllm)
+    mid = (bar + clear) / 2
+    base_bar = t.collapse_bar("baseline", 0.9)
+    return Suite(Case("fires", s(0.9, 0.1), ((LAYER, desc(0.9)),)),
+                 Case("healthy", s(0.3, 0.1)),
+                 Case("boundary", s(t.collapse_top_share, fair, "fair")),
+                 (
+                     Case("a healthy top share of 0.67 learned: 0.8 is not a collapse", s(0.8, vllm)),
+                     Case("a healthy top share of 0.67 learned: over half way to 1 fires", s(bar + 0.02, vllm),
+                          ((LAYER, desc(bar + 0.02)),)),
+                     Case("exactly at its learned reference's bar is silent", s(bar, vllm)),
+                     # the absolute limit: a learned reference cannot raise the bar over the ceiling (0.875)
+                     Case("collapsed from the start: over the ceiling pages whatever was learned", s(0.95, 0.95),
+                          ((LAYER, desc(0.95)),)),
+                     Case("a baseline's own top share sets its bar (not capped)", s((base_bar + 0.9) / 2, 0.9,
+                                                                                   "baseline")),
+                     Case("no reference yet: under the ceiling is silent", s(0.85)),
+                     Case("no reference yet: over the ceiling fires", s(0.9), ((LAYER, desc(0.9)),)),
+                     Case("firing, it holds between its bar and its clear bar", s(0.95, vllm, then=mid),
+                          ((LAYER, desc(mid)),), eval_time="18m"),
+                     Case("firing, it clears under its clear bar", s(0.95, vllm, then=clear - 0.02), eval_time="18m"),
+                     Case("between the bars without having fired is silent", s(mid, vllm)),
+                 ))
 
 
 # -- MoEDeadExperts -------------------------------------------------------------------------------------------
 def dead(t: Thresholds) -> Suite:
-    def s(unexpected, raw=None):
-        out = {f"moescope_dead_experts_unexpected{{{L}}}": v(unexpected)}
+    def s(unexpected, raw=None, holding=None, then=None):
+        out = {f"moescope_dead_experts_unexpected{{{L}}}": v(unexpected) if then is None else
+               _steps(unexpected, then[0], False)}
         if raw is not None:
             out[f"moescope_dead_experts{{{L}}}"] = v(raw)
+        if holding is not None or then is not None:
+            out[f"moescope_dead_experts_holding{{{L}}}"] = v(holding) if then is None else \
+                _steps(unexpected, then[1], False)
         return out
 
-    desc = ("2 experts of layer 1 in m got no slot in the window where their reference share (the baseline's, else "
-            f"{t.dead_floor_share:.0%} of the fair share) predicts at least {t.dead_min_expected_slots:g} effective "
-            "slots.")
+    def desc(n):
+        return (f"{n} experts of layer 1 in m got no slot in the window where their reference share (the baseline's, "
+                "else the one learned from this deployment's traffic; "
+                f"{t.dead_floor_share:.0%} of the fair share with --hot-reference fair) predicts at least "
+                f"{t.dead_min_expected_slots:g} effective slots (firing, it holds down to "
+                f"{t.dead_clear_expected_slots:g}).")
+
     return Suite(
-        Case("fires", s(2, 2), ((LAYER, desc),)), Case("healthy", s(0, 3)), Case("boundary", s(0)),
+        Case("fires", s(2, 2, 2), ((LAYER, desc(2)),)), Case("healthy", s(0, 3, 0)), Case("boundary", s(0, 0, 0)),
         (
             # deepseek-v3-shape after 29 tokens: 1397 experts of 58 x 256 had no slot, all of them chance
             Case("empty experts that sampling explains are not dead", s(0, 1397 // 58)),
-            Case("NaN (too few draws) is not judged", s(float("nan"), 40)),
+            Case("NaN (too few draws, or no reference yet) is not judged", s(float("nan"), 40, float("nan"))),
+            # hysteresis: 15 minutes with 2 unexpected (firing after its 10m), then none over the firing level (5
+            # expected effective slots) but one at the clear level (3.75): held; none at the clear level either:
+            # resolved after its keep_firing_for; one at the clear level that never fired: silent
+            Case("firing, it holds between its bar and its clear bar", s(2, then=(0, 1)),
+                 ((LAYER, desc(1)),), eval_time="30m"),
+            Case("firing, it clears under its clear bar", s(2, then=(0, 0)), eval_time="30m"),
+            Case("between the bars without having fired is silent", s(0, 1, 1)),
         ))
 
 
@@ -251,12 +319,18 @@ def _exact_boundary(bar: float) -> tuple[float, float]:
 
 
 def drift(t: Thresholds) -> Suite:
-    def s(jsd, noise):
-        return {f"moescope_routing_drift_jsd_bits{{{L}}}": v(jsd), f"moescope_routing_drift_noise_bits{{{L}}}":
-                v(noise)}
+    def s(jsd, noise, then=None):
+        return {f"moescope_routing_drift_jsd_bits{{{L}}}": v(jsd) if then is None else _steps(jsd, then, False),
+                f"moescope_routing_drift_noise_bits{{{L}}}": v(noise, 45)}
 
-    desc = (f"Layer 1 of m (rank 0) routes {0.3 - 0.01:.3f} bits (JS divergence) further from its baseline than "
-            f"sampling noise explains (bar: {t.drift_bits:g} bits).")
+    def say(beyond):
+        return (f"Layer 1 of m (rank 0) routes {beyond:.3f} bits (JS divergence) further from its baseline than "
+                f"sampling noise explains (bar: {t.drift_bits:g} bits).")
+
+    desc = say(0.3 - 0.01)
+    noise = 0.03125  # exact in binary: jsd - noise lands where it is put
+    clear = t.clear_bar(t.drift_bits, 0.0)
+    mid = (t.drift_bits + clear) / 2
     return Suite(
         Case("fires", s(0.3, 0.01), ((LAYER, desc),)), Case("healthy", s(0.01, 0.005)),
         Case("boundary", s(*_exact_boundary(t.drift_bits))),
@@ -264,6 +338,10 @@ def drift(t: Thresholds) -> Suite:
             # a thin window: a large divergence that sampling alone gives
             Case("a divergence within its sampling noise is silent", s(0.3, 0.29)),
             Case("no noise estimate (too few draws) is not judged", s(0.3, float("nan"))),
+            Case("firing, it holds between its bar and its clear bar", s(0.3, noise, noise + mid),
+                 ((LAYER, say(noise + mid - noise)),), eval_time="30m"),
+            Case("firing, it clears under its clear bar", s(0.3, noise, noise + clear - 0.002), eval_time="30m"),
+            Case("between the bars without having fired is silent", s(noise + mid, noise)),
         ))
 
 
@@ -368,9 +446,19 @@ def nonfinite(t: Thresholds) -> Suite:
 
 def flips(t: Thresholds) -> Suite:
     s = f"moescope_routing_flip_ratio{{{L}}}"
-    return Suite(Case("fires", {s: v(0.12)}, ((LAYER, "12% of the canary tokens changed experts in layer 1 of m "
-                                                       "(rank 0)."),)),
-                 Case("healthy", {s: v(0.0)}), Case("boundary", {s: v(t.flip_ratio)}))
+    clear = t.clear_bar(t.flip_ratio, 0.0)
+    mid = (t.flip_ratio + clear) / 2
+
+    def desc(x):
+        return f"{_pct(x)} of the canary tokens changed experts in layer 1 of m (rank 0)."
+
+    return Suite(Case("fires", {s: v(0.12)}, ((LAYER, desc(0.12)),)),
+                 Case("healthy", {s: v(0.0)}), Case("boundary", {s: v(t.flip_ratio)}),
+                 (Case("firing, it holds between its bar and its clear bar", {s: _steps(0.12, mid, True)},
+                       ((LAYER, desc(mid)),), eval_time="18m"),
+                  Case("firing, it clears under its clear bar", {s: _steps(0.12, clear - 0.005, True)},
+                       eval_time="18m"),
+                  Case("between the bars without having fired is silent", {s: v(mid)})))
 
 
 def drops(t: Thresholds) -> Suite:

@@ -45,11 +45,18 @@ def num(v: float) -> str:
     return f"{v:g}"
 
 
-def held(name: str, series: str, bar: float, t: Thresholds) -> str:
-    """``series > bar``, and once ``name`` fires for a series, ``series > t.clear_bar(bar)`` (hysteresis: the
-    rule reads its own firing alerts back from ``ALERTS``, written at its previous evaluation)."""
-    return (f'{series} > {num(bar)} or ({series} > {num(t.clear_bar(bar))} and ignoring (alertname, alertstate, '
-            f'severity) ALERTS{{alertname="{name}", alertstate="firing"}})')
+def held(name: str, series: str, bar: float, t: Thresholds, reference: float = 1.0) -> str:
+    """``series > bar``, and once ``name`` fires for a series, ``series > t.clear_bar(bar, reference)``
+    (hysteresis: the rule reads its own firing alerts back from ``ALERTS``, written at its previous evaluation)."""
+    return held_by(name, f"{series} > {num(bar)}", f"{series} > {num(t.clear_bar(bar, reference))}")
+
+
+def held_by(name: str, fire: str, hold: str, match: str = "") -> str:
+    """``fire``, and once ``name`` fires for a series, ``hold`` (a looser condition: its clear bar). ``match``:
+    the ``or``'s matching where ``hold`` reads another series than ``fire`` (its metric name differs: the alert's
+    labels would otherwise hold both)."""
+    return (f'{fire} or {match + " " if match else ""}({hold} and ignoring (alertname, alertstate, severity) '
+            f'ALERTS{{alertname="{name}", alertstate="firing"}})')
 
 
 def _query(expr: str, found: str, missing: str) -> str:
@@ -75,19 +82,60 @@ def drift_beyond_noise(m: str = "") -> str:
     return f"moescope_routing_drift_jsd_bits{s} - {ON} group_left moescope_routing_drift_noise_bits{s}"
 
 
-def drifted(t: Thresholds = DEFAULT) -> str:
-    """Layers whose routing left the baseline by more than sampling noise explains (``Thresholds.drifted``);
-    the value is the divergence beyond noise, in bits."""
-    return f"{drift_beyond_noise()} > {num(t.drift_bits)}"
+def drifted(t: Thresholds = DEFAULT, clear: bool = False) -> str:
+    """Layers whose routing left the baseline by more than sampling noise explains (``Thresholds.drifted``;
+    ``clear``: over the firing page's clear bar); the value is the divergence beyond noise, in bits."""
+    return f"{drift_beyond_noise()} > {num(t.clear_bar(t.drift_bits, 0.0) if clear else t.drift_bits)}"
 
 
-def imbalanced(t: Thresholds = DEFAULT) -> str:
-    """Layers whose load CV beyond noise is over their bar (``Thresholds.imbalanced``): 1.5 x the baseline's
-    structural CV + 0.1 where the layer has a baseline, else the no-baseline bar; NaN (too few draws to judge)
-    compares false. ``group_left`` keeps the live series' labels on the baseline branch, as the other keeps them."""
-    ex = "moescope_expert_load_excess_cv_ratio"
-    return (f"{ex} > {ON} group_left () {baseline_bar(t)} or "
-            f"({ex} > {num(t.imbalance_cv)} unless {ON} moescope_baseline_load_cv_ratio)")
+REF_CV = "moescope_reference_load_cv_ratio"
+REF_TOP = "moescope_reference_top_share_ratio"
+
+
+def imbalance_bar(t: Thresholds = DEFAULT, m: str = "") -> str:
+    """Each layer's imbalance bar from its reference (``Thresholds.imbalance_bar_of``): 1.5 x the structural CV +
+    0.1 of its baseline or learned reference, the no-reference bar against the fair share (reference="fair",
+    asked for); no series (no bar) while the reference is being learned."""
+    sel = f"{m}," if m else ""
+    return (f"({num(t.imbalance_baseline_factor)} * {REF_CV}{{{sel}reference!=\"fair\"}} + "
+            f"{num(t.imbalance_baseline_margin)} or {REF_CV}{{{sel}reference=\"fair\"}} * 0 + {num(t.imbalance_cv)})")
+
+
+def imbalance_clear(t: Thresholds = DEFAULT) -> str:
+    """Where a firing imbalance page clears (``Thresholds.imbalance_clear``): a quarter of the way back from its
+    bar to the reference's CV."""
+    bar = imbalance_bar(t)
+    return f"({bar} - {num(t.clear_fraction)} * ({bar} - {REF_CV}))"
+
+
+def imbalanced(t: Thresholds = DEFAULT, bar: str | None = None) -> str:
+    """Layers whose load CV beyond noise is over their reference's bar (``imbalance_bar``); NaN (too few draws to
+    judge) compares false; a layer still learning its reference has no bar."""
+    return f"moescope_expert_load_excess_cv_ratio > {ON} {bar or imbalance_bar(t)}"
+
+
+def collapse_bar(t: Thresholds = DEFAULT) -> str:
+    """Each layer's collapse bar (``Thresholds.collapse_bar``): half of the way from its reference's top share to
+    1, at least ``collapse_top_share``; a learned reference counts as at most ``collapse_top_share``."""
+    ref = (f"({REF_TOP}{{reference=\"baseline\"}} or clamp_max({REF_TOP}{{reference!=\"baseline\"}}, "
+           f"{num(t.collapse_top_share)}))")
+    return f"clamp_min({ref} + {num(t.collapse_rise)} * (1 - {ref}), {num(t.collapse_top_share)})"
+
+
+def collapse_clear(t: Thresholds = DEFAULT) -> str:
+    ref = (f"({REF_TOP}{{reference=\"baseline\"}} or clamp_max({REF_TOP}{{reference!=\"baseline\"}}, "
+           f"{num(t.collapse_top_share)}))")
+    bar = collapse_bar(t)
+    return f"({bar} - {num(t.clear_fraction)} * ({bar} - {ref}))"
+
+
+def collapsed(t: Thresholds = DEFAULT, clear: bool = False) -> str:
+    """Layers whose top share is over their reference's collapse bar (``clear``: its clear bar), or, with no
+    reference yet, over ``Thresholds.collapse_ceiling`` (the absolute limit)."""
+    top = "moescope_expert_load_top_share_ratio"
+    bar = collapse_clear(t) if clear else collapse_bar(t)
+    ceiling = t.collapse_clear(t.collapse_ceiling, "learning", None) if clear else t.collapse_ceiling
+    return f"({top} > {ON} {bar} or ({top} > {num(ceiling)} unless {ON} {REF_TOP}))"
 
 
 def activation_vs_expected(m: str = "") -> str:
@@ -112,10 +160,15 @@ def cache_floor(t: Thresholds = DEFAULT, m: str = "") -> str:
 def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
     mem_w = _scaled(f"{t.memory_window_s}s", t.for_scale) if t.for_scale else f"{t.memory_window_s // 60}m"
     # Load that moved with the traffic away from the baseline is drift (its own alert), not imbalance.
-    imbalance = f"({imbalanced(t)}) unless {ON} ({drifted(t)})"
-    bar = _query(baseline_bar(t, "SEL").strip("()"), '{{ printf "%.2f" VALUE }} (' + num(t.imbalance_baseline_factor)
-                 + " x its baseline's structural CV + " + num(t.imbalance_baseline_margin) + ")",
-                 num(t.imbalance_cv) + " (no baseline loaded: `moescope baseline save` records one)")
+    imbalance = (f"({held_by('MoEExpertLoadImbalance', imbalanced(t), imbalanced(t, imbalance_clear(t)))}) "
+                 f"unless {ON} ({drifted(t)})")
+    ref_word = ('{{ with printf "moescope_reference_load_cv_ratio{instance=%q,job=%q,model=%q,rank=%q,layer=%q}" '
+                "$labels.instance $labels.job $labels.model $labels.rank $labels.layer | query }}{{ with . | first }}"
+                '{{ if eq .Labels.reference "fair" }}' + num(t.imbalance_cv) + " (against the fair share, as "
+                "asked){{ else }}" + num(t.imbalance_baseline_factor) + ' x the structural CV {{ .Value | printf '
+                '"%.2f" }} of its {{ .Labels.reference }} reference + ' + num(t.imbalance_baseline_margin)
+                + "{{ end }}{{ end }}{{ end }}")
+    bar = ref_word
     floor = _query(cache_floor(t, "SEL").strip("()"), "{{ humanizePercentage VALUE }}", "unknown")
     waits = "rate(moescope_all_to_all_peer_wait_seconds_total[5m])"
     dispatches = 'rate(moescope_all_to_all_seconds_count{op="dispatch"}[5m])'
@@ -131,12 +184,13 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
     return [
         AlertSpec("MoEExpertLoadImbalance", imbalance, "warning", "Expert load is imbalanced.",
                   "Layer {{ $labels.layer }} of {{ $labels.model }} (rank {{ $labels.rank }}) has a load CV of "
-                  '{{ $value | printf "%.2f" }} beyond sampling noise, over its bar ' + bar + ".",
-                  ("moescope_expert_load_excess_cv_ratio", "moescope_baseline_load_cv_ratio",
+                  '{{ $value | printf "%.2f" }} beyond sampling noise; its bar: ' + bar + ".",
+                  ("moescope_expert_load_excess_cv_ratio", "moescope_reference_load_cv_ratio",
                    "moescope_routing_drift_jsd_bits", "moescope_routing_drift_noise_bits"), "10m",
-                  f"load CV beyond sampling noise > {num(t.imbalance_baseline_factor)} x the baseline's structural "
-                  f"CV + {num(t.imbalance_baseline_margin)}, or > {num(t.imbalance_cv)} without a baseline; "
-                  "not where the layer drifted"),
+                  f"load CV beyond sampling noise > {num(t.imbalance_baseline_factor)} x its reference's structural "
+                  f"CV + {num(t.imbalance_baseline_margin)} (the baseline, else the deployment's first full window, "
+                  f"learned), > {num(t.imbalance_cv)} against the fair share only with --hot-reference fair; not "
+                  "where the layer drifted; firing, it clears a quarter of the way back to the reference's CV"),
         # "learning": the exporter has not yet learned the layer's reference (its first full window): views name
         # such experts against 1/E, pages wait (a model's popular experts are not a change).
         AlertSpec("MoEExpertHot", held("MoEExpertHot", 'moescope_expert_hot_factor_ratio{reference!="learning"}',
@@ -156,21 +210,28 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
                   + "x); every all-to-all of the layer waits for it.", ("moescope_rank_load_max_over_mean_ratio",),
                   "10m", f"busiest rank's slots / the mean rank's, per layer, > {num(t.rank_max_over_mean)}; firing, "
                   f"it clears under {num(t.clear_bar(t.rank_max_over_mean))}"),
-        AlertSpec("MoEExpertCollapse", f"moescope_expert_load_top_share_ratio > {num(t.collapse_top_share)}",
+        AlertSpec("MoEExpertCollapse", held_by("MoEExpertCollapse", collapsed(t), collapsed(t, clear=True)),
                   "critical", "Routing collapsed onto one expert.",
                   "{{ $value | humanizePercentage }} of layer {{ $labels.layer }}'s tokens choose one expert in "
                   "{{ $labels.model }} (rank {{ $labels.rank }}).",
-                  ("moescope_expert_load_top_share_ratio",), "2m",
-                  f"share of the routed tokens choosing the busiest expert > {num(t.collapse_top_share)}"),
-        AlertSpec("MoEDeadExperts", "moescope_dead_experts_unexpected > 0", "warning",
+                  ("moescope_expert_load_top_share_ratio", "moescope_reference_top_share_ratio"), "2m",
+                  f"share of the routed tokens choosing the busiest expert > {num(t.collapse_rise)} of the way from "
+                  f"its reference's top share to 1, and > {num(t.collapse_top_share)} (a learned reference counts "
+                  f"as at most {num(t.collapse_top_share)}: over {num(t.collapse_ceiling)} always pages); firing, it "
+                  "clears a quarter of the way back to the reference"),
+        AlertSpec("MoEDeadExperts", held_by("MoEDeadExperts", "moescope_dead_experts_unexpected > 0",
+                                            "moescope_dead_experts_holding > 0", ON), "warning",
                   "Experts receive no tokens where they should.",
                   "{{ $value }} experts of layer {{ $labels.layer }} in {{ $labels.model }} got no slot in the "
-                  "window where their reference share (the baseline's, else "
-                  f"{t.dead_floor_share:.0%} of the fair share) predicts at least "
-                  f"{num(t.dead_min_expected_slots)} effective slots.",
-                  ("moescope_dead_experts_unexpected",), "10m",
+                  "window where their reference share (the baseline's, else the one learned from this deployment's "
+                  f"traffic; {t.dead_floor_share:.0%} of the fair share with --hot-reference fair) predicts at least "
+                  f"{num(t.dead_min_expected_slots)} effective slots (firing, it holds down to "
+                  f"{num(t.dead_clear_expected_slots)}).",
+                  ("moescope_dead_experts_unexpected", "moescope_dead_experts_holding"), "10m",
                   f"experts with no slot where their reference share predicts >= {num(t.dead_min_expected_slots)} "
-                  f"effective slots (baseline share, else {t.dead_floor_share:.0%} of 1/E)"),
+                  f"effective slots (the baseline's share, else the learned one; {t.dead_floor_share:.0%} of 1/E "
+                  f"with --hot-reference fair); firing, it holds while they predict >= "
+                  f"{num(t.dead_clear_expected_slots)}"),
         AlertSpec("MoEActivationRatioLow", f"{activation_vs_expected()} < {num(t.activation_floor)}", "warning",
                   "Tokens touch fewer parameters than the model's config says.",
                   "{{ $labels.model }} (rank {{ $labels.rank }}) touches {{ $value | humanizePercentage }} of the "
@@ -210,17 +271,21 @@ def specs(t: Thresholds = DEFAULT) -> list[AlertSpec]:
                   "Layer {{ $labels.layer }} of {{ $labels.model }} (rank {{ $labels.rank }}) produced "
                   "{{ $value | printf \"%.0f\" }} non-finite router logits in 5 minutes.",
                   ("moescope_router_nonfinite_logits_total",), None, "any NaN or Inf router logit in 5 minutes"),
-        AlertSpec("MoERoutingFlips", f"moescope_routing_flip_ratio > {num(t.flip_ratio)}", "warning",
+        AlertSpec("MoERoutingFlips", held("MoERoutingFlips", "moescope_routing_flip_ratio", t.flip_ratio, t, 0.0),
+                  "warning",
                   "Routing is not deterministic: the canary batch routes differently.",
                   "{{ $value | humanizePercentage }} of the canary tokens changed experts in layer {{ $labels.layer }}"
                   " of {{ $labels.model }} (rank {{ $labels.rank }}).", ("moescope_routing_flip_ratio",), "5m",
-                  f"canary tokens whose expert set changed > {t.flip_ratio:.0%}"),
-        AlertSpec("MoERoutingDrift", drifted(t), "warning", "Routing drifted away from the baseline.",
+                  f"canary tokens whose expert set changed > {t.flip_ratio:.0%}; firing, it clears under "
+                  f"{t.clear_bar(t.flip_ratio, 0.0):.2%}"),
+        AlertSpec("MoERoutingDrift", held_by("MoERoutingDrift", drifted(t), drifted(t, clear=True)), "warning",
+                  "Routing drifted away from the baseline.",
                   "Layer {{ $labels.layer }} of {{ $labels.model }} (rank {{ $labels.rank }}) routes "
                   '{{ $value | printf "%.3f" }} bits (JS divergence) further from its baseline than sampling noise '
                   f"explains (bar: {num(t.drift_bits)} bits).",
                   ("moescope_routing_drift_jsd_bits", "moescope_routing_drift_noise_bits"), "10m",
-                  f"JS divergence from the baseline - its sampling noise > {num(t.drift_bits)} bits"),
+                  f"JS divergence from the baseline - its sampling noise > {num(t.drift_bits)} bits; firing, it "
+                  f"clears under {num(t.clear_bar(t.drift_bits, 0.0))}"),
         AlertSpec("MoETokensDropped",
                   "sum by (model, rank, layer) (rate(moescope_tokens_dropped_total[5m])) / "
                   f"sum by (model, rank, layer) (rate(moescope_router_tokens_total[5m])) > {num(t.drop_ratio)}",

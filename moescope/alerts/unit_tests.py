@@ -44,7 +44,12 @@ def tests_document(t: Thresholds = DEFAULT) -> dict:
 # The gauge-judged alerts whose hysteresis (``keep_firing_for`` = ``for``) the unit tests check on series that
 # vanish and come back (their ``fires`` cases are constant gauges).
 HYSTERESIS_CHECKED = ("MoEExpertHot", "MoEExpertLoadImbalance", "MoEExpertCollapse", "MoERankLoadImbalance",
-                      "MoERoutingDrift", "MoEDeadExperts")
+                      "MoERoutingDrift", "MoEDeadExperts", "MoERoutingFlips")
+# The routing alerts whose clear bar (below the firing bar) the cases check: each has "firing, it holds between its
+# bar and its clear bar", "firing, it clears under its clear bar" and "between the bars without having fired is
+# silent" (tests/test_alerts.py).
+CLEAR_BAR_CHECKED = ("MoEExpertHot", "MoEExpertLoadImbalance", "MoEExpertCollapse", "MoERankLoadImbalance",
+                     "MoERoutingDrift", "MoEDeadExperts", "MoERoutingFlips")
 
 
 def hysteresis_cases(fires: Case, for_: str) -> tuple[Case, Case]:

@@ -67,6 +67,10 @@ class LayerGauges:
     drift_jsd: np.ndarray | None = None  # [L] JS divergence (bits) from the baseline's load (NaN: none)
     drift_noise: np.ndarray | None = None  # [L] what sampling noise gives against the baseline (NaN: none)
     hot_reference: tuple[str, ...] = ()  # [L] what ``hot`` is against: baseline, learned, learning or fair
+    # (and imbalance, collapse and dead: the layer's reference kind)
+    reference_cv: np.ndarray | None = None  # [L] the reference's structural CV (NaN: none yet)
+    reference_top: np.ndarray | None = None  # [L] the reference's top share (NaN: none yet)
+    dead_holding: np.ndarray | None = None  # [L] zero-slot experts at the dead page's clear level
 
     def extremes(self, k: int) -> list[list[int]]:
         """Per layer, the ids of the ``k`` hottest then the ``k`` coldest experts (ties: lower id first;
@@ -245,17 +249,21 @@ class RoutingWindow:
             entropy=self.entropy[keep] / tokens, margin=self.margin[keep] / tokens, relative=relative,
             draws=j.draws, window_draws=int(self.n_draws), dead_unexpected=j.dead, hot=j.hot_factor,
             baseline=j.has_baseline, baseline_cv=base_cv, drift_jsd=drift, drift_noise=drift_noise,
-            hot_reference=tuple(j.hot_reference))
+            hot_reference=tuple(j.hot_reference), reference_cv=j.reference_cv, reference_top=j.reference_top,
+            dead_holding=j.dead_holding)
 
 
 @dataclass(frozen=True)
 class LearnedRows:
     share: np.ndarray  # [L, E] learned draw shares (rows of the judged layers)
     has: np.ndarray  # [L] bool: learned from at least one full window
+    cv: np.ndarray  # [L] learned excess CV (the layer's structure: the imbalance rule's reference)
+    top: np.ndarray  # [L] learned top share (the collapse rule's reference)
 
 
 class LearnedReference:
-    """The hot-expert test's reference where no baseline was saved: the routing this deployment's own traffic
+    """The routing judgements' reference where no baseline was saved (hot, and issue [learned]: imbalance, collapse
+    and dead experts): the routing this deployment's own traffic
     showed (issue [judge]: a fixed multiple of 1/E pages a model's popular experts on narrow traffic, 4-5x
     theirs is common at 384 experts). A page then means an expert's share rose beyond ``hot_factor`` times what
     it was, never that the model has popular experts.
@@ -268,12 +276,18 @@ class LearnedReference:
       ``Thresholds.learn_half_life_windows`` windows, so gradual changes of the traffic mix are absorbed while a
       change that pages is not: an expert over the hot bar keeps its reference (it would otherwise absorb its
       own fault and resolve while it persists). ``moescope baseline save`` replaces all of it with the user's.
+    - The layer's structure: its excess CV and top share, learned from the same window and followed the same way,
+      except while the layer is over the imbalance or collapse bar they set (``Thresholds.imbalance_bar_of``,
+      ``collapse_bar``): the imbalance and collapse rules' reference, so an uneven layer that was uneven from the
+      start is information ("uneven by design/traffic"), and a change pages.
     - Memory: one [L, E] float array (the window's own size), flat for days.
     """
 
     def __init__(self, n_layers: int, n_experts: int, window_s: float, half_life_windows: float) -> None:
         self.share = np.zeros((n_layers, n_experts))
         self.has = np.zeros(n_layers, dtype=bool)
+        self.cv = np.zeros(n_layers)
+        self.top = np.zeros(n_layers)
         self.window_s = window_s
         self.alpha = 1.0 - 2.0 ** (-1.0 / half_life_windows)
         self.started: float | None = None
@@ -285,15 +299,18 @@ class LearnedReference:
             extra = n_layers - len(self.share)
             self.share = np.vstack([self.share, np.zeros((extra, self.share.shape[1]))])
             self.has = np.append(self.has, np.zeros(extra, dtype=bool))
+            self.cv, self.top = np.append(self.cv, np.zeros(extra)), np.append(self.top, np.zeros(extra))
 
     def rows(self, keep: np.ndarray, n_layers: int) -> LearnedRows:
         self._fit(n_layers)
-        return LearnedRows(self.share[keep], self.has[keep])
+        return LearnedRows(self.share[keep], self.has[keep], self.cv[keep], self.top[keep])
 
-    def update(self, now: float, window: RoutingWindow, g: LayerGauges, hot_factor: float) -> None:
+    def update(self, now: float, window: RoutingWindow, g: LayerGauges, hot_factor: float,
+               t: thresholds.Thresholds = thresholds.DEFAULT) -> None:
         """Fold the window in if a window has passed since the last fold (``window``: the state's ``snapshot``,
         read under its ``judge_lock``).
-        ``g``: the gauges just judged against this reference (its experts over ``hot_factor`` keep theirs)."""
+        ``g``: the gauges just judged against this reference (its experts over ``hot_factor`` keep theirs; a layer
+        over its imbalance or collapse bar keeps its learned CV and top share)."""
         if self.started is None:
             if window.n_draws > 0:
                 self.started, self.next_at = now, now + self.window_s
@@ -306,14 +323,26 @@ class LearnedReference:
         ok = window.draws.draws >= sampling.MIN_DRAWS
         shares = sampling.draw_shares(window.draws)
         over = np.zeros_like(self.share, dtype=bool)
-        if g.hot is not None and len(g.layers):
+        cv, top = np.full(n, np.nan), np.full(n, np.nan)  # this window's, where judged
+        changed = np.zeros(n, dtype=bool)  # over the bar its learned CV or top share sets
+        if len(g.layers):
             rows = np.array([window.row[layer] for layer in g.layers])
-            with np.errstate(invalid="ignore"):
-                over[rows] = np.nan_to_num(g.hot, nan=0.0) > hot_factor
+            if g.hot is not None:
+                with np.errstate(invalid="ignore"):
+                    over[rows] = np.nan_to_num(g.hot, nan=0.0) > hot_factor
+            cv[rows], top[rows] = g.excess_cv, g.top_share
+            for r in rows[self.has[rows]].tolist():
+                changed[r] = bool(cv[r] > t.imbalance_bar_of("learned", float(self.cv[r]))
+                                  or top[r] > t.collapse_bar("learned", float(self.top[r])))
+        ok &= np.isfinite(cv) & np.isfinite(top)
         first = ok & ~self.has
         later = ok & self.has
         self.share[first] = shares[first]
+        self.cv[first], self.top[first] = cv[first], top[first]
         blend = (1.0 - self.alpha) * self.share + self.alpha * shares
         self.share[later] = np.where(over[later], self.share[later], blend[later])
+        follow = later & ~changed
+        self.cv[follow] = (1.0 - self.alpha) * self.cv[follow] + self.alpha * cv[follow]
+        self.top[follow] = (1.0 - self.alpha) * self.top[follow] + self.alpha * top[follow]
         self.has |= ok
         self.updates += 1
