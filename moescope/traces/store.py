@@ -58,7 +58,67 @@ CREATE TABLE IF NOT EXISTS requests (
 );
 CREATE INDEX IF NOT EXISTS requests_started ON requests(started);
 CREATE INDEX IF NOT EXISTS requests_total ON requests(total_s);
+-- the ids of the latest requests the writer served but did not keep (sampled out), bounded (``SAMPLED_OUT_MAX``):
+-- what lets `moescope trace ID` say "served, not kept" instead of "no request". (Added beside schema 1: a store
+-- written before it simply has no such table, and its readers say they cannot tell.)
+CREATE TABLE IF NOT EXISTS sampled_out (
+    request_id TEXT PRIMARY KEY,
+    ended REAL NOT NULL,            -- unix seconds
+    sample REAL NOT NULL            -- the writer's sample rate then (MOESCOPE_TRACE_SAMPLE)
+);
 """
+
+# The sampled-out ids remembered: the latest ``SAMPLED_OUT_MAX`` (100,000: a day at ~1 request/s kept whole; at
+# ~60 bytes a row with its index, ~6 MB), never more than a tenth of the store's size budget (``sampled_out_max``)
+# so that retention keeps room for the kept requests themselves.
+SAMPLED_OUT_MAX = 100_000
+SAMPLED_OUT_ROW_BYTES = 200  # a generous row size (an id of up to ~100 characters, twice: table and index)
+# A client asks for one request to be kept by an id that starts with this (``X-Request-Id: moescope-keep-...``;
+# vLLM's response id is then ``cmpl-moescope-keep-...`` or ``chatcmpl-moescope-keep-...``): ``keep_requested``.
+KEEP_PREFIX = "moescope-keep-"
+
+
+def keep_requested(request_id: str) -> bool:
+    """Whether a request's id asks for it to be kept whatever the sample rate: the id starts with ``KEEP_PREFIX``,
+    or an engine's id made of a prefix and the client's id does (``cmpl-`` + ``moescope-keep-...``)."""
+    return isinstance(request_id, str) and (request_id.startswith(KEEP_PREFIX) or f"-{KEEP_PREFIX}" in request_id)
+
+
+def sampled_out_max(max_bytes: int) -> int:
+    """How many sampled-out ids a store of ``max_bytes`` remembers (``SAMPLED_OUT_MAX``, within a tenth of it)."""
+    return max(1, min(SAMPLED_OUT_MAX, max_bytes // 10 // SAMPLED_OUT_ROW_BYTES))
+
+
+def note_sampled_out(conn, rows: list[tuple[str, float, float]], keep: int) -> None:
+    """Remember ``rows`` (request id, end unix s, sample rate) as served but not kept; forget all but the latest
+    ``keep``. The caller commits."""
+    if not rows:
+        return
+    conn.executemany("INSERT OR REPLACE INTO sampled_out (request_id, ended, sample) VALUES (?, ?, ?)", rows)
+    last = conn.execute("SELECT MAX(rowid) FROM sampled_out").fetchone()[0]
+    if last is not None and last > keep:
+        conn.execute("DELETE FROM sampled_out WHERE rowid <= ?", (last - keep,))
+
+
+def sampled_out(conn, request_id: str) -> tuple[float, float] | None:
+    """(end unix s, sample rate) of a request the writer served but did not keep, or None: not among the latest
+    it remembers, or a store that keeps no such record (a lake, a store written before the record existed)."""
+    try:
+        row = conn.execute("SELECT ended, sample FROM sampled_out WHERE request_id = ?", (request_id,)).fetchone()
+    except Exception:  # noqa: BLE001 (no such table: SQLite's or DuckDB's error; nothing to tell)
+        return None
+    if row is None or not (_is_num(row[0]) and _is_num(row[1])):
+        return None
+    return float(row[0]), float(row[1])
+
+
+def not_kept_message(request_id: str, ended: float, sample: float) -> str:
+    """The one line ``trace`` says of a request that was served but not kept."""
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ended))
+    return (f"request {request_id!r} was served (finished {when}) but not kept: the trace store keeps a random "
+            f"{sample:.0%} of requests (MOESCOPE_TRACE_SAMPLE={sample:g}; flagged ones always). To keep every "
+            f"request set MOESCOPE_TRACE_SAMPLE=1; to keep one, send it with an X-Request-Id starting with "
+            f"{KEEP_PREFIX!r}")
 
 
 def _connect(path: Path, *, create: bool) -> sqlite3.Connection:
@@ -611,9 +671,13 @@ def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> d
     cur = conn.execute("SELECT * FROM requests WHERE request_id = ?", (request_id,))
     row = cur.fetchone()
     if row is None:
+        dropped = sampled_out(conn, request_id)
+        if dropped is not None:
+            raise BadInput(not_kept_message(request_id, *dropped))
         near = nearest_ids(conn, request_id)
         hint = f"; nearest stored ids: {', '.join(near)}" if near else "; the store holds no requests"
-        raise BadInput(f"no request {request_id!r} in the trace store{hint}{_other_rank(conn, request_id)}")
+        raise BadInput(f"no request {request_id!r} in the trace store{hint}{_other_rank(conn, request_id)}"
+                       f"{_sampling_note(conn)}")
     r = dict(zip([d[0] for d in cur.description], row))
     try:
         routed = _check_document(r)
@@ -624,6 +688,20 @@ def load_request(conn, request_id: str, *, layers: list[int] | None = None) -> d
         raise
     except (ValueError, TypeError, KeyError, IndexError, AttributeError):  # what the checks do not foresee
         raise BadInput(f"request {request_id!r}: its stored columns do not decode (corrupt row)") from None
+
+
+def _sampling_note(conn) -> str:
+    """What the error of an unknown id adds when the store's writer samples: the id may be of a request that
+    ended moments ago (rows are written within about a second), or one sampled out before the latest ones it
+    remembers."""
+    try:
+        row = conn.execute("SELECT MIN(sample), COUNT(*) FROM sampled_out").fetchone()
+    except Exception:  # noqa: BLE001 (no such table: nothing to add)
+        return ""
+    if not row or not row[1] or not _is_num(row[0]):
+        return ""
+    return (f" (the store keeps a sample of requests, MOESCOPE_TRACE_SAMPLE={row[0]:g}, and remembers the ids of "
+            f"the latest {row[1]} it did not keep; a request that just ended is written within about a second)")
 
 
 def _launch_ranks(conn, request_id: str, sample: int = 20) -> int | None:

@@ -3,8 +3,10 @@
 It receives each step's ``StepTrace`` and each finished ``RequestRecord`` from the queue's worker thread and
 only notes them; at each ``tick()`` (the queue's tick interval) it packs every step noted since the last tick
 in one go (``capture.token_trace.pack``: four copies for the lot), slices every finished request's tokens out
-of the steps it took part in, decides whether to keep it (sampling by request, always keeping anomalies),
-and inserts one row per request in a batch, then commits: a crash loses at most the last interval.
+of the steps it took part in, decides whether to keep it (sampling by request, always keeping anomalies and the
+requests whose id asks for it, ``store.keep_requested``; the latest ids not kept are remembered, bounded:
+``store.note_sampled_out``), and inserts one row per request in a batch, then commits: a crash loses at most the
+last interval.
 
 Why at the tick: the writer shares the engine's cores and its GIL, and what it spends is what serving pays
 for traces (benchmarks/overhead.py). Work done once per interval for hundreds of steps costs a fraction of
@@ -75,6 +77,8 @@ class TraceWriter(Observer):
         self._live: dict[str, list[tuple[int, int, int]]] = {}
         self._recent_tpot: deque[float] = deque(maxlen=200)
         self._rows: list[dict[str, Any]] = []
+        self._not_kept: list[tuple[str, float, float]] = []  # sampled out since the last tick: (id, end, sample)
+        self._not_kept_max = store_mod.sampled_out_max(max_bytes)
         self._pending: list[tuple[StepTrace, int | None]] = []
         self._finished: list = []
         self._rss_value: int | None = None
@@ -109,7 +113,8 @@ class TraceWriter(Observer):
             except Exception:
                 self._failed("the row of request %r", getattr(rec, "request_id", rec))
         rows, self._rows = self._rows, []
-        if self.lake is not None:
+        not_kept, self._not_kept = self._not_kept, []
+        if self.lake is not None:  # (a lake keeps no record of the requests it did not keep)
             try:
                 self.lake.write(rows)
                 self.written += len(rows)
@@ -123,6 +128,7 @@ class TraceWriter(Observer):
             for cols, values in by_cols.items():
                 self.conn.executemany(f"INSERT OR REPLACE INTO requests ({', '.join(cols)}) "
                                       f"VALUES ({', '.join('?' * len(cols))})", values)
+            store_mod.note_sampled_out(self.conn, not_kept, self._not_kept_max)
             self.conn.commit()
             self.written += len(rows)
             store_mod.enforce_retention(self.conn, self.max_bytes)
@@ -191,8 +197,10 @@ class TraceWriter(Observer):
         self._recent_tpot.extend(tpot)
         if rec.truncated_prompt:
             flags.append("truncated")
-        if not (any(f in ALWAYS_KEEP for f in flags) or self._rng.random() < self.sample):
+        if not (any(f in ALWAYS_KEEP for f in flags) or store_mod.keep_requested(rec.request_id)
+                or self._rng.random() < self.sample):
             self.sampled_out += 1
+            self._not_kept.append((rec.request_id, rec.arrival + rec.total_s + self.clock_offset, self.sample))
             return
         row: dict[str, Any] = {
             "request_id": rec.request_id, "started": rec.arrival + self.clock_offset, "model": self.model,
