@@ -89,3 +89,30 @@ def test_a_leak_under_the_alerts_bar_is_not_named_and_one_over_it_is():
         assert bool(found) == named, (rate, found)
     ev = _alarming(_window(BASE + 2 * BAR * T, [None] * len(T), T))[0].evidence
     assert ev["capacity_bytes"] == DEFAULT.memory_capacity_bytes and ev["horizon_s"] == DEFAULT.memory_horizon_s
+
+
+def _would_page(t, rss) -> bool:
+    """The alert's judgement of a line fitted to the whole settled span (after diagnose's first fifth), written
+    out: its value at the end plus the horizon's growth over capacity."""
+    start = len(t) // 5
+    slope, intercept = np.polyfit(t[start:] - t[start], rss[start:], 1)
+    return intercept + slope * (t[-1] - t[start] + DEFAULT.memory_horizon_s) > DEFAULT.memory_capacity_bytes
+
+
+def test_a_warm_up_that_slows_is_not_a_leak_and_a_leak_after_it_is():
+    """Memory that grows fast and then levels off (a young server's allocator pools, compiled graphs and caches,
+    as vLLM's worker: +219 MB in its first two minutes, the growth slowing) crosses the bar on a line fitted to the
+    whole span, but its latest half grows at a fraction of the bar: the alert, which extrapolates the latest
+    window's rate, would not page. The same warm-up with a steady leak of twice the bar after it is named, at the
+    leak's rate."""
+    warm = BASE + 2 * 2**30 * (1 - np.exp(-T / 10))  # 2 GiB, time constant 10 s: levelled off by the last half
+    late = T >= 60
+    assert _would_page(T, warm)  # the premise: the whole span's line pages
+    assert np.polyfit(T[late], warm[late], 1)[0] < BAR / 2
+    found = _check_memory(_window(warm, [None] * len(T), T), DEFAULT)
+    assert found and all(f.severity == "info" for f in found), found
+    assert "warm-up" in found[0].title
+    leak = 2 * BAR
+    found = _alarming(_window(warm + leak * T, [None] * len(T), T))
+    assert [f.cause for f in found] == ["leak"]
+    assert math.isclose(found[0].evidence["latest_half_rss_bytes_per_s"], leak, rel_tol=0.15)

@@ -582,15 +582,26 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
     # horizon, over the capacity; and the slope real, not the noise of a short window (noise_z standard errors
     # above zero: the alert's window is 30 minutes, a store's may be seconds).
     t_rel = ts - ts[0]
-    slope, intercept = np.polyfit(t_rel, rss, 1)
-    resid = rss - (intercept + slope * t_rel)
-    spread = float(((t_rel - t_rel.mean()) ** 2).sum())
-    se = math.sqrt(float((resid ** 2).sum()) / max(1, len(rss) - 2) / spread) if spread > 0 else math.inf
-    now = intercept + slope * t_rel[-1]
-    predicted = now + slope * t.memory_horizon_s
     capacity = t.memory_capacity_bytes
+    slope, se, now = _trend(t_rel, rss)
+    predicted = now + slope * t.memory_horizon_s
     if not (slope > t.noise_z * se and predicted > capacity):
         return []
+    # The alert extrapolates the latest window's rate (predict_linear over memory_window_s) and skips a process
+    # younger than one window: memory that grew and stopped growing (a warm-up: allocator pools, compiled graphs,
+    # caches touched once) is not what it pages on. A store's steps may span seconds of a young process, so the
+    # same question is asked of the span's latest half, the store's "latest window": a leak keeps its rate there
+    # (a line's halves have one slope), a warm-up's rate falls. Named only where the latest half alone also grows
+    # beyond its noise and towards capacity within the horizon.
+    late = t_rel >= t_rel[-1] / 2
+    slope2, se2, now2 = _trend(t_rel[late], rss[late])
+    if not (slope2 > t.noise_z * se2 and now2 + slope2 * t.memory_horizon_s > capacity):
+        return [Finding("leak", "info", "Memory grew, then slowed: warm-up, not a steady growth", 0.0,
+                        {"rss_bytes_per_s": int(slope), "latest_half_rss_bytes_per_s": int(slope2),
+                         "latest_half_slope_z": round(slope2 / se2, 1) if se2 > 0 else None,
+                         "over_s": round(float(t_rel[-1]), 1),
+                         "note": "judged as MoEMemoryGrowth: the latest half's rate extended by the horizon stays "
+                                 "under capacity"})]
     r = float(np.corrcoef(ts, rss)[0, 1]) if rss.std() > 0 else 0.0
     per_step = (rss[-1] - rss[0]) / max(1, len(rss) - 1)
     growth = rss[-1] - rss[0]
@@ -602,9 +613,22 @@ def _check_memory(w: Window, t: Thresholds) -> list[Finding]:
                      "grew_bytes": int(growth), "first_half_bytes": int(first), "second_half_bytes": int(second),
                      "over_s": round(float(ts[-1] - ts[0]), 1),
                      "working_set_bytes_per_kv_token": None if per_kv_token is None else int(per_kv_token),
+                     "latest_half_rss_bytes_per_s": int(slope2),
                      "capacity_bytes": capacity, "hours_to_capacity": round(hours_left, 2),
                      "horizon_s": t.memory_horizon_s, "slope_z": round(slope / se, 1)}, [],
                     "MoEMemoryGrowth")]
+
+
+def _trend(t_rel: np.ndarray, y: np.ndarray) -> tuple[float, float, float]:
+    """The least-squares line of ``y`` over ``t_rel``: its slope, the slope's standard error (inf with fewer than
+    three points or no spread in time) and the line's value at the last point."""
+    if len(y) < 3:
+        return 0.0, math.inf, float(y[-1]) if len(y) else 0.0
+    slope, intercept = np.polyfit(t_rel, y, 1)
+    resid = y - (intercept + slope * t_rel)
+    spread = float(((t_rel - t_rel.mean()) ** 2).sum())
+    se = math.sqrt(float((resid ** 2).sum()) / max(1, len(y) - 2) / spread) if spread > 0 else math.inf
+    return float(slope), se, float(intercept + slope * t_rel[-1])
 
 
 # -- which runs a diagnosis judges ----------------------------------------------------------------------------
