@@ -235,3 +235,19 @@ def test_the_docs_count_the_alert_rules_that_are_generated():
             for n in counted.findall(" ".join(p.read_text().split()))}
     assert said, "the docs no longer count the rules"
     assert {n for _, n in said} == {generated}, (said, generated)
+
+
+def test_the_benchmarks_page_names_every_benchmark_and_results_file():
+    """docs/benchmarks.md's table lists every benchmarks/*.py and names every results file it writes that the docs
+    quote (a `*` in a name covers a family: `detection-shapes-*.json`)."""
+    import fnmatch
+
+    rows = [line for line in (DOCS / "benchmarks.md").read_text().splitlines() if line.startswith("| `benchmarks/")]
+    listed = {re.match(r"\| `benchmarks/(\w+)\.py`", line).group(1) for line in rows}
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_")}
+    assert scripts <= listed, sorted(scripts - listed)
+    named = set(re.findall(r"`([\w*.-]+\.json)`", "\n".join(rows)))
+    named |= set(re.findall(r"`[^`]*benchmarks/results/([\w.-]+\.json)[^`]*`", (DOCS / "benchmarks.md").read_text()))
+    files = [p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")]
+    unnamed = [f for f in files if not any(fnmatch.fnmatch(f, n) for n in named)]
+    assert not unnamed, unnamed
