@@ -42,7 +42,11 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
         _served(url, 16)
         truth = parse(urllib_get(f"http://{url}/metrics"))
         excess = max(series(truth, "moescope_expert_load_excess_cv_ratio").values())  # 16 requests: judged
-        bar = DEFAULT.imbalance_bar(None)  # no baseline loaded
+        # no baseline loaded: the bar of the reference the exporter says it judges against (learned from its first
+        # full window), "learning" before that
+        refs = {dict(labels)["reference"]: v for (name, labels), v in truth.items()
+                if name == "moescope_reference_load_cv_ratio"}
+        bar = "learning" if not refs else f"{max(DEFAULT.imbalance_bar_of(k, v) for k, v in refs.items()):.2f}"
         top = max(series(truth, "moescope_expert_load_top_share_ratio").values())
         hits = sum(series(truth, "moescope_expert_cache_hits_total").values())
         lookups = sum(series(truth, "moescope_expert_cache_lookups_total").values())
@@ -52,7 +56,7 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
             async with app.run_test(size=(80, 24)) as pilot:
                 await _until(pilot, lambda: app.polls >= 2)
                 tiles = _plain(app, "#tiles")
-                assert f"excess CV {excess:.2f}/{bar:.2f}" in tiles, tiles  # the judged series, never raw CV
+                assert f"excess CV {excess:.2f}/{bar}" in tiles, tiles  # the judged series, never raw CV
                 assert f"top share {_fmt(top, 'pct')}" in tiles, tiles
                 # rates are per poll interval: the finished run looks up nothing now (after the first poll,
                 # which covers everything since the exporter started)
@@ -72,7 +76,7 @@ def test_top_shows_scraped_values_and_recovers_an_endpoint(tmp_path):
                     heat = _plain(app, "#heat").splitlines()
                     assert "a cell per expert" in heat[0]
                     # what is judged: a live run's first seconds may hold too few finished requests
-                    assert heat[2].startswith(("no baseline: imbalance only above excess CV",
+                    assert heat[2].startswith(("no baseline: learning the reference", "no baseline: judged against",
                                                "too few requests in the window to judge")), heat[2]
                     assert [line[:2] for line in heat[3:6]] == ["L1", "L2", "L3"]  # one row per layer
                     await pilot.press("tab")  # the selected layer's experts x time
@@ -164,7 +168,7 @@ def test_top_once_cuts_lines_to_the_terminal_or_the_given_width_and_keeps_them_w
         whole = capsys.readouterr().out.splitlines()
         assert max(map(len, whole)) > 80 and not any(line.endswith("…") for line in whole)
         skewed = next(line for line in whole if line.startswith(f"L{SKEWED} "))
-        assert "imbalanced" in skewed and "no baseline); hot e" in skewed, skewed  # past column 80
+        assert "imbalanced" in skewed and "fair share); hot e" in skewed, skewed  # past column 80
         assert whole[-1].startswith(f"L{COLLAPSED} hot e{HOT_EXPERT} ") and f"E{HOT_EXPERT} " in whole[-1]
         assert main(["top", exp.url, "--once", "--interval", "0.1", "--width", "60"]) == 0
         cut = capsys.readouterr().out.splitlines()
@@ -208,14 +212,19 @@ def test_top_reads_prometheus_and_alertmanager(tmp_path):
         urllib.request.urlopen(req, timeout=5).read()
         # The window gauges slide while the finished run lingers: compare with what Prometheus itself answers
         # just before and just after the poll, when both agree (no scrape landed in between).
+        def bar():  # the bar of the reference Prometheus holds (none yet: the exporter is still learning it)
+            refs = prom.query("moescope_reference_load_cv_ratio")
+            return "learning" if not refs else f"{max(DEFAULT.imbalance_bar_of(r['metric']['reference'], float(r['value'][1])) for r in refs):.2f}"  # noqa: E501
+
         for _ in range(20):
-            before = prom.scalar("max(moescope_expert_load_excess_cv_ratio)")
+            before, bar_before = prom.scalar("max(moescope_expert_load_excess_cv_ratio)"), bar()
             frame = Poller([], prometheus=prom.url, alertmanager=f"http://{am.address}").poll()
-            if before is not None and prom.scalar("max(moescope_expert_load_excess_cv_ratio)") == before:
+            if before is not None and prom.scalar("max(moescope_expert_load_excess_cv_ratio)") == before and \
+                    bar() == bar_before:
                 break  # (None: a scrape slower than its interval left the series stale for a moment)
         assert before is not None
         tiles = {t.name: t.text for t in frame.tiles}
-        assert tiles["excess CV"] == f"{before:.2f}/{DEFAULT.imbalance_bar(None):.2f}"
+        assert tiles["excess CV"] == f"{before:.2f}/{bar_before}"
         assert frame.endpoints[prom.url] == "ok"
         assert frame.alerts == ["critical: MoEExpertCollapse layer=2"]
     finally:
@@ -326,7 +335,7 @@ def test_top_reads_deepseek_v3_shape_in_80x24(budget, tier):
                 assert heat[1].startswith(f"worst L{COLLAPSED}: collapsed onto e{HOT_EXPERT} (100% of tokens)")
                 assert all(len(line) <= 80 for line in _screen_lines(app))
                 assert len(_screen_lines(app)) + 1 <= 24  # + the key help
-                assert heat[2].startswith("no baseline: imbalance only above excess CV")
+                assert heat[2].startswith("no baseline: against the fair share (as asked), imbalance above excess CV")
                 await pilot.press("s")  # worst first: the four faults lead, each in words
                 rows = _plain(app, "#heat").splitlines()[3:]
                 assert rows[0].startswith(f"L{COLLAPSED} ") and "collapsed onto e5" in rows[0]

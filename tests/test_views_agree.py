@@ -101,14 +101,20 @@ def _series(j) -> dict[tuple[str, tuple], float]:
         out[("moescope_expert_load_excess_cv_ratio", lab)] = float(j.excess_cv[i])
         out[("moescope_expert_load_top_share_ratio", lab)] = float(j.top_share[i])
         out[("moescope_dead_experts_unexpected", lab)] = float(j.dead[i])
+        out[("moescope_dead_experts_holding", lab)] = float(j.dead_holding[i])
+        kind = (("reference", j.hot_reference[i]),)
+        for name, values in (("moescope_reference_load_cv_ratio", j.reference_cv),
+                             ("moescope_reference_top_share_ratio", j.reference_top)):
+            if math.isfinite(values[i]):  # absent while the layer's reference is being learned
+                out[(name, lab + kind)] = float(values[i])
         if j.baseline_cv is not None and math.isfinite(j.baseline_cv[i]):
             out[("moescope_baseline_load_cv_ratio", lab)] = float(j.baseline_cv[i])
         if j.jsd is not None and math.isfinite(j.jsd[i]):
             out[("moescope_routing_drift_jsd_bits", lab)] = float(j.jsd[i])
             out[("moescope_routing_drift_noise_bits", lab)] = float(j.drift_noise[i])
         for e in np.nonzero(np.isfinite(j.hot_factor[i]))[0]:
-            out[("moescope_expert_hot_factor_ratio", lab + (("expert", str(e)), ("reference", j.reference)))] = \
-                float(j.hot_factor[i, e])
+            out[("moescope_expert_hot_factor_ratio", lab + (("expert", str(e)), ("reference", j.hot_reference[i])))] \
+                = float(j.hot_factor[i, e])
     return out
 
 
@@ -242,15 +248,76 @@ def test_views_and_rules_fire_the_same_alerts(tmp_path):
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
-@pytest.mark.parametrize("excess,base,fires", [(1.05, None, True), (0.95, None, False), (0.5, 0.2, True),
-                                                (0.35, 0.2, False), (float("nan"), 0.2, False)])
-def test_top_reads_the_imbalance_bar_from_the_baseline_series(excess, base, fires):
-    """The imbalance bar top applies comes from moescope_baseline_load_cv_ratio through imbalance_bar."""
+@pytest.mark.parametrize("excess,kind,ref,fires", [
+    (1.05, "fair", 0.0, True), (0.95, "fair", 0.0, False), (0.5, "baseline", 0.2, True), (0.35, "baseline", 0.2, False),
+    (0.5, "learned", 0.2, True), (0.35, "learned", 0.2, False), (float("nan"), "baseline", 0.2, False),
+    (3.0, "learned", 2.5, False), (4.0, "learned", 2.5, True), (5.0, None, None, False)])
+def test_top_reads_the_imbalance_bar_from_the_reference_series(excess, kind, ref, fires):
+    """The imbalance bar top applies comes from moescope_reference_load_cv_ratio and its ``reference`` label
+    through ``Thresholds.imbalance_bar_of`` (none exported: the layer is still learning, nothing judged)."""
     series = {("moescope_expert_load_excess_cv_ratio", (("layer", "1"),)): excess}
-    if base is not None:
-        series[("moescope_baseline_load_cv_ratio", (("layer", "1"),))] = base
+    if kind is not None:
+        series[("moescope_reference_load_cv_ratio", (("layer", "1"), ("reference", kind)))] = ref
     assert (("MoEExpertLoadImbalance", "1", "") in _top_fires(_exposition(series))) == fires
-    assert DEFAULT.imbalanced(excess, base) == fires
+    assert (excess > DEFAULT.imbalance_bar_of(kind or "learning", ref)) == fires
+
+
+def _learned_cases():
+    """(name, first window's requests, later requests): the reference is learned from the first (as the exporter
+    learns it from its first full window, and diagnose from the run's), the later judged against it."""
+    rng = np.random.default_rng(11)
+    narrow = {layer: _skew(0.35) for layer in LAYERS}  # a few fixed prompts: excess CV over 1 from the start
+    dead = np.full(E, 1.0)
+    dead[[30, 31]] = 0.0
+    collapse = _requests(rng, 40, 48, {})
+    collapse[:, 0, 0] = 48
+    collapse[:, 0, 1:] = rng.multinomial(48, np.full(E - 1, 1 / (E - 1)), size=40)
+    return [
+        ("uneven from the start (narrow traffic)", _requests(rng, 40, 48, narrow), _requests(rng, 40, 48, narrow)),
+        ("imbalance that appears", _requests(rng, 40, 48, {}), _requests(rng, 40, 48, {2: _skew(0.35)})),
+        ("experts idle from the start", _requests(rng, 400, 50, {3: dead / dead.sum()}, False),
+         _requests(rng, 400, 50, {3: dead / dead.sum()}, False)),
+        ("experts that die", _requests(rng, 400, 50, {}, False),
+         _requests(rng, 400, 50, {3: dead / dead.sum()}, False)),
+        ("collapse that appears", _requests(rng, 40, 48, {}), collapse),
+    ]
+
+
+def test_views_and_rules_agree_against_a_learned_reference(tmp_path):
+    """Issue [learned]: without a baseline, imbalance, collapse and dead experts are judged against the reference
+    learned from the first window; the judgement's verdicts, top's (over the exported series, the reference series
+    and their ``reference`` label included) and the generated rules in the real promtool fire the same alerts. What
+    was uneven from the start fires nothing (against the fair share it does: the case is not vacuous); what changed
+    fires."""
+    from moescope.alerts.rules import rules_document
+
+    promtool = require("promtool", "prometheus")
+    tests, seen = [], {}
+    for name, first, later in _learned_cases():
+        learned = diagnose.learned_reference(first, LAYERS, K)
+        assert learned.has.all(), name
+        j = diagnose.judge_requests(later, LAYERS, K, learned=learned)
+        assert set(j.hot_reference) == {"learned"}, name
+        fires = _judge_fires(j)
+        series = _series(j)
+        assert _top_fires(_exposition(series)) == fires, name
+        seen[name] = fires
+        tests.append(_promtool_test(name, _input_series(series), fires))
+    assert seen["uneven from the start (narrow traffic)"] == set()
+    fair = _judge_fires(diagnose.judge_requests(_learned_cases()[0][2], LAYERS, K))
+    assert {a for a, _, _ in fair} >= {"MoEExpertLoadImbalance"}, fair  # against 1/E it pages every layer
+    assert ("MoEExpertLoadImbalance", "2", "") in seen["imbalance that appears"]
+    assert seen["experts idle from the start"] == set()
+    # two of 32 experts dead: the layer's load CV grew past its learned (uniform) structure's bar too
+    assert ("MoEDeadExperts", "3", "") in seen["experts that die"] and {la for _, la, _ in seen["experts that die"]} \
+        == {"3"}
+    assert ("MoEExpertCollapse", "1", "") in seen["collapse that appears"]
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "moescope-rules.yml").write_text(yaml.safe_dump(rules_document(), sort_keys=False))
+    doc = {"rule_files": ["../moescope-rules.yml"], "evaluation_interval": "1m", "tests": tests}
+    (tmp_path / "tests" / "t.yml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = subprocess.run([promtool, "test", "rules", "tests/t.yml"], cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
 # -- recorded traffic: the exporter, top, diagnose and report on the same requests ------------------------------

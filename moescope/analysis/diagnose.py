@@ -168,17 +168,32 @@ def _routed_tokens(w: Window) -> np.ndarray:
 
 
 def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: int, baseline=None,
-          t: Thresholds = DEFAULT, tokens=None) -> Judgement:
-    """``moescope.judge.judge`` with ``baseline`` as a ``baseline.Profile``, a path or {layer: load}."""
+          t: Thresholds = DEFAULT, tokens=None, learned=None) -> Judgement:
+    """``moescope.judge.judge`` with ``baseline`` as a ``baseline.Profile``, a path or {layer: load}; ``learned``:
+    without a baseline, the reference learned from the run's first window (``learned_reference``)."""
     return judging.judge(counts, draws, layers, top_k, bl.coerce(baseline) if baseline is not None else None, t,
-                         tokens=tokens)
+                         tokens=tokens, learned=learned)
 
 
 def judge_requests(per_request: np.ndarray, layers: list[int], top_k: int, baseline=None,
-                   t: Thresholds = DEFAULT, tokens=None) -> Judgement:
+                   t: Thresholds = DEFAULT, tokens=None, learned=None) -> Judgement:
     """``judge`` of per-request counts [R, L, E] (each request one draw, as the exporter folds them)."""
     per_request = np.asarray(per_request)
-    return judge(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t, tokens)
+    return judge(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t, tokens, learned)
+
+
+def learned_reference(per_request: np.ndarray, layers: list[int], top_k: int, t: Thresholds = DEFAULT,
+                      tokens=None):
+    """The reference the exporter learns from its first full window (``metrics.window.LearnedReference``), from
+    that window's per-request counts [R, L, E]: each layer's draw shares, excess CV and top share, learned where
+    the window judged the layer (at least ``sampling.MIN_DRAWS`` requests)."""
+    from moescope.metrics.window import LearnedRows
+
+    per_request = np.asarray(per_request)
+    draws = draws_of(per_request)
+    j = judge(per_request.sum(0), draws, layers, top_k, None, t, tokens)
+    has = (draws.draws >= sampling.MIN_DRAWS) & np.isfinite(j.excess_cv) & np.isfinite(j.top_share)
+    return LearnedRows(sampling.draw_shares(draws), has, np.nan_to_num(j.excess_cv), np.nan_to_num(j.top_share))
 
 
 def _check_nonfinite(w: Window) -> list[Finding]:

@@ -47,6 +47,9 @@ class LayerRouting:
     rank_max_over_mean: float | None = None
     fires: tuple[str, ...] = ()  # the alert rules this layer's series meet (before Alertmanager's inhibitions)
     eplb: tuple[float, float] | None = None  # EPLB's last rearrangement: (predicted, measured since) max/mean
+    reference: str = "fair"  # what imbalance, collapse and dead are judged against (judge.Verdict.reference)
+    uneven: str = ""  # "uneven by design/traffic: ..." (its reference itself uneven: information, not paged)
+    collapse_bar: float | None = None  # Thresholds.collapse_bar of the layer's reference
 
     @property
     def judged(self) -> bool:
@@ -118,12 +121,15 @@ def profile(buckets: dict[float, float], hottest: float | None) -> np.ndarray | 
 def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *,
                   counts: np.ndarray | None = None, reported: dict[int, float] | None = None,
                   buckets: dict[float, float] | None = None,
-                  hot_factors: dict[int, tuple[float, str]] | None = None, t: Thresholds = DEFAULT) -> LayerRouting:
+                  hot_factors: dict[int, tuple[float, str]] | None = None, reference: str | None = None,
+                  t: Thresholds = DEFAULT) -> LayerRouting:
     """One layer's routing, judged as the alert rules judge it (``Thresholds`` methods over the exporter's
     judged series). ``gauges``: the window gauges by short name (``GAUGES``); ``counts``: per-expert slots
     (per-expert tier); ``reported``: {expert: window slots} of the hottest and coldest experts the exporter names
     (every tier); ``buckets``: its histogram of experts by relative load {le: cumulative experts};
-    ``hot_factors``: {expert: (factor, reference)} of moescope_expert_hot_factor_ratio."""
+    ``hot_factors``: {expert: (factor, reference)} of moescope_expert_hot_factor_ratio; ``reference``: the
+    ``reference`` label of the layer's reference series (None: none exported: the layer is still learning its
+    reference, or a baseline's older exporter)."""
     g = gauges.get
     cv, excess, top, mom = g("cv"), g("excess_cv"), g("top_share"), g("max_over_mean")
     per_expert = g("slots_per_expert")
@@ -137,7 +143,10 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
     else:
         hot, cold = (), ()
     base = g("baseline_cv")
-    bar = t.imbalance_bar(base)
+    ref_cv, ref_top = g("reference_cv"), g("reference_top")
+    hot_kind = next((ref for _, ref in (hot_factors or {}).values()), None)
+    kind = reference or ("baseline" if levels.finite(base) else hot_kind if hot_kind == "fair" else "learning")
+    bar = t.imbalance_bar_of(kind, ref_cv if levels.finite(ref_cv) else base if kind == "baseline" else None)
     jsd, noise = g("drift_jsd"), g("drift_noise")
     over_noise = jsd - noise if levels.finite(jsd) and levels.finite(noise) else None
     unexpected = g("dead_unexpected")
@@ -146,19 +155,20 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
     eplb = (predicted, measured) if levels.finite(predicted) and levels.finite(measured) else None
     v = judge.verdict(excess_cv=excess, baseline_cv=base, top_share=top, drift_jsd=jsd, drift_noise=noise,
                       hot_factors={e: f for e, (f, _) in (hot_factors or {}).items()}, dead_unexpected=unexpected,
-                      rank_max_over_mean=rank, t=t,
-                      hot_reference=next((ref for _, ref in (hot_factors or {}).values()), "fair"))
+                      rank_max_over_mean=rank, t=t, hot_reference=hot_kind or kind, reference=kind,
+                      reference_cv=ref_cv, reference_top=ref_top)
+    collapse_bar = t.collapse_bar(kind, ref_top)
     hots = tuple((e, hot_factors[e][0], hot_factors[e][1]) for e in v.over_hot)
     cv_level = levels.level(excess, bar)  # bad exactly where the verdict's bar is passed
     if cv_level == "bad" and not v.imbalanced:  # as the rule: a drifted layer's imbalance is the drift's
         cv_level = "warn"
-    top_level = levels.level(top, t.collapse_top_share)
+    top_level = levels.level(top, collapse_bar)
     dead_level = "warn" if v.dead else "none" if dead is None else "ok"
     words = []
     if v.collapsed:
         words.append(f"collapsed{f' onto e{hot[0][0]}' if hot else ''} ({top:.0%} of tokens)")
     elif v.imbalanced:
-        against = "baseline" if levels.finite(base) else "no baseline"
+        against = {"baseline": "baseline", "learned": "learned", "fair": "fair share"}.get(kind, kind)
         words.append(f"imbalanced (excess cv {excess:.2f}>{bar:.2f} {against})")
     if v.hot_shown:  # collapse inhibits the hot alert (Alertmanager), as it does here
         # "learning": against 1/E while the exporter learns the layer's reference (named here, not paged)
@@ -170,12 +180,15 @@ def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *
         words.append(f"rank max/mean {rank:.2f}")
     if v.dead:
         words.append(f"{int(unexpected)} dead")
+    uneven = v.uneven_words(ref_cv, ref_top)
+    if uneven and not words:
+        words.append(uneven)
     lvl = levels.worst(cv_level, top_level, dead_level, "bad" if v.hot else "warn" if hots else "none",
                        "bad" if v.drifted or v.rank_overloaded else "none")
     fires = tuple(v.fires())
     return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,
                         ", ".join(words), base if levels.finite(base) else None, bar, unexpected, hots, over_noise,
-                        rank, fires, eplb)
+                        rank, fires, eplb, kind, uneven, collapse_bar)
 
 
 class History:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,8 +182,10 @@ GAUGES = {"cv": "moescope_expert_load_cv_ratio", "excess_cv": "moescope_expert_l
           "rank_max_over_mean": "moescope_rank_load_max_over_mean_ratio",
           "eplb_predicted": "moescope_eplb_predicted_max_over_mean_ratio",
           "eplb_measured": "moescope_eplb_measured_max_over_mean_ratio",
-          "slots_per_expert": "moescope_window_slots_per_expert"}
+          "slots_per_expert": "moescope_window_slots_per_expert",
+          "reference_cv": "moescope_reference_load_cv_ratio", "reference_top": "moescope_reference_top_share_ratio"}
 HOT_SERIES = "moescope_expert_hot_factor_ratio"
+REFERENCE_SERIES = ("moescope_reference_load_cv_ratio", "moescope_reference_top_share_ratio")
 
 
 def _merge(old: float | None, v: float) -> float:
@@ -194,18 +196,22 @@ def _merge(old: float | None, v: float) -> float:
 
 
 def _per_layer(cur: Samples):
-    """Per layer: the window gauges by short name, the named experts' window slots {expert: slots}, and the
-    relative-load histogram {le: cumulative experts}."""
+    """Per layer: the window gauges by short name, the named experts' window slots {expert: slots}, the
+    relative-load histogram {le: cumulative experts}, the hot factors {expert: (factor, reference)} and the
+    reference kind the layer is judged against (the reference series' ``reference`` label)."""
     names = {v: k for k, v in GAUGES.items()}
     gauges: dict[int, dict[str, float]] = defaultdict(dict)
     named: dict[int, dict[int, float]] = defaultdict(dict)
     buckets: dict[int, dict[float, float]] = defaultdict(dict)
     hot: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
+    kinds: dict[int, str] = {}
     for (n, labels), v in cur.items():
         short = names.get(n)
         if short is not None:
             layer = int(dict(labels)["layer"])
             gauges[layer][short] = _merge(gauges[layer].get(short), v)
+            if n in REFERENCE_SERIES:
+                kinds[layer] = dict(labels).get("reference", "fair")
         elif n == HOT_SERIES:
             d = dict(labels)
             e = int(d["expert"])
@@ -218,7 +224,7 @@ def _per_layer(cur: Samples):
         elif n == "moescope_expert_load_relative_bucket":
             d = dict(labels)
             buckets[int(d["layer"])][float(d["le"])] = v
-    return gauges, named, buckets, hot
+    return gauges, named, buckets, hot, kinds
 
 
 def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> str:
@@ -236,13 +242,21 @@ def _judged_words(rs: list[LayerRouting], t: Thresholds) -> str:
     judged = [r for r in with_excess if r.judged]
     if not judged:
         return "too few requests in the window to judge (excess CV NaN): imbalance, hot and dead wait"
-    base = sum(1 for r in judged if r.baseline_cv is not None)
-    if base == len(judged):
+    kinds = Counter(r.reference for r in judged)
+    if kinds.get("baseline") == len(judged):
         words = "imbalance: judged against baseline"
-    elif base:
-        words = f"imbalance: {base}/{len(judged)} layers against baseline, the rest above excess CV {t.imbalance_cv:g}"
+    elif kinds.get("learned") == len(judged):
+        words = "no baseline: judged against the reference learned from this deployment's first window"
+    elif kinds.get("fair") == len(judged):
+        words = f"no baseline: against the fair share (as asked), imbalance above excess CV {t.imbalance_cv:g}"
+    elif kinds.get("learning") == len(judged):
+        words = (f"no baseline: learning the reference from the first full window (imbalance and dead wait, "
+                 f"collapse only over {t.collapse_ceiling:g})")
     else:
-        words = f"no baseline: imbalance only above excess CV {t.imbalance_cv:g} (moescope baseline save)"
+        words = "imbalance against " + ", ".join(f"{k}: {n}/{len(judged)}" for k, n in sorted(kinds.items()))
+    uneven = [r for r in judged if r.uneven]
+    if uneven:
+        words += f"; {len(uneven)} layers uneven by design/traffic (not paged)"
     if len(judged) < len(rs):
         words += f"; {len(rs) - len(judged)} layers: too few requests to judge"
     return words
@@ -311,15 +325,19 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     routing, tier, window, n_exp, columns = _routing(cur, t, history, expert_counts(cur) if totals is None else totals)
     judged = [r for r in routing.values() if r.judged]
     worst = max(judged, key=lambda r: r.excess_cv / r.bar, default=None)
+    tops = [r for r in routing.values() if levels.finite(r.top_share)]
+    busiest = max(tops, key=lambda r: r.top_share / (r.collapse_bar or t.collapse_top_share), default=None)
     drift = [r.drift_over_noise for r in routing.values() if r.drift_over_noise is not None]
     values = [  # (tile, value, text, level): every level a judgement of the rules' own
         ("tokens/s", tok_rate, None, levels.level(tok_rate, None)),
         ("excess CV", None if worst is None else worst.excess_cv,
-         None if worst is None else f"{worst.excess_cv:.2f}/{worst.bar:.2f}",
+         None if worst is None else f"{worst.excess_cv:.2f}/" + (f"{worst.bar:.2f}" if math.isfinite(worst.bar)
+                                                                  else "learning"),
          "none" if worst is None else worst.level if worst.verdict.startswith("imbalanced") else
          levels.level(worst.excess_cv, worst.bar)),
         ("top share", _max(cur, "moescope_expert_load_top_share_ratio"), None,
-         levels.level(_max(cur, "moescope_expert_load_top_share_ratio"), t.collapse_top_share)),
+         levels.level(_max(cur, "moescope_expert_load_top_share_ratio"), t.collapse_top_share) if busiest is None
+         else levels.level(busiest.top_share, busiest.collapse_bar)),
         ("flips", _max(cur, "moescope_routing_flip_ratio"), None,
          levels.level(_max(cur, "moescope_routing_flip_ratio"), t.flip_ratio)),
         ("drift", max(drift) if drift else None, None, levels.level(max(drift) if drift else None, t.drift_bits)),
@@ -341,7 +359,7 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
 
 def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[int, np.ndarray]):
     """Per layer routing from what this tier serves, and what the per-expert window covers."""
-    gauges, named, buckets, hot = _per_layer(cur)
+    gauges, named, buckets, hot, kinds = _per_layer(cur)
     n_exp = max((len(c) for c in totals.values()), default=None)
     if n_exp is None and buckets:  # the histogram counts every expert of a layer
         n_exp = int(round(max(max(bk.values()) for bk in buckets.values())))
@@ -356,7 +374,7 @@ def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[
         window = "the exporter's window"
     routing = {layer: layer_routing(layer, gauges.get(layer, {}), n_exp, counts=counts.get(layer),
                                     reported=named.get(layer), buckets=buckets.get(layer),
-                                    hot_factors=hot.get(layer), t=t)
+                                    hot_factors=hot.get(layer), reference=kinds.get(layer), t=t)
                for layer in sorted(set(gauges) | set(totals) | set(named))}
     columns = {layer: history.columns(layer) for layer in totals} if history is not None else {}
     return routing, tier, window, n_exp, columns
