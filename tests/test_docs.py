@@ -251,3 +251,40 @@ def test_the_benchmarks_page_names_every_benchmark_and_results_file():
     files = [p.name for p in (ROOT / "benchmarks" / "results").glob("*.json")]
     unnamed = [f for f in files if not any(fnmatch.fnmatch(f, n) for n in named)]
     assert not unnamed, unnamed
+
+
+def test_precise_prose_figures_come_from_a_results_file():
+    """A figure written with three or more decimals in the docs' prose (outside the printed tables and code) is a
+    value some benchmarks/results/*.json holds (or the demo model's asset), or a bar the generated alert rules
+    hold: a measured figure with no file behind it (the EPLB prose's 1.289 and 1.176 were) fails here."""
+    values: set[str] = set()
+
+    def walk(x):
+        if isinstance(x, (int, float)) and not isinstance(x, bool):
+            values.add(repr(float(x)))
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, list):
+            for v in x:
+                walk(v)
+        elif isinstance(x, str):
+            values.update(repr(float(m)) for m in re.findall(r"-?\d+\.\d+", x))
+
+    for path in [*(ROOT / "benchmarks" / "results").glob("*.json"), ROOT / "moescope" / "assets" / "tiny-demo.json"]:
+        walk(json.loads(path.read_text()))
+    rules = set(re.findall(r"\d+\.\d+", (ROOT / "collectors" / "prometheus" / "moescope-rules.yml").read_text()))
+    held = [float(v) for v in values]
+
+    def found(tok: str) -> bool:
+        d = len(tok.split(".")[1])
+        return tok in rules or any(round(v, d) == float(tok) for v in held)
+
+    unsourced = {}
+    for page in [README, *sorted(DOCS.glob("*.md"))]:
+        text = re.sub(r"<!-- table:.*?<!-- /table -->", "", page.read_text(), flags=re.S)
+        text = re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
+        missing = sorted({t for t in re.findall(r"(?<![\w.])(\d+\.\d{3,})(?![\w.])", text) if not found(t)})
+        if missing:
+            unsourced[page.name] = missing
+    assert not unsourced, unsourced
