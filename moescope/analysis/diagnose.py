@@ -303,7 +303,9 @@ def _what_was_judged(w: Window, j: Judgement) -> Finding:
                           "hot_and_dead_against": j.reference, "requests": len(w.ids),
                           "layers_judged": int(judged.sum()), "layers": len(w.layers)}
     if not judged.all():
-        ev["not_judged"] = (f"{len(w.ids)} request(s): too few requests in the window to judge "
+        counted = int(np.min(j.draws)) if len(j.draws) else 0
+        with_tokens = f", {counted} with counted tokens in a layer" if counted < len(w.ids) else ""
+        ev["not_judged"] = (f"{len(w.ids)} request(s){with_tokens}: too few requests in the window to judge "
                             f"(needs {sampling.MIN_DRAWS})")
     quiet = [i for i in range(len(w.layers)) if judged[i] and j.noise_cv[i] >= j.cv[i]]
     if quiet:
