@@ -73,6 +73,16 @@ class VLLMAdapter:
         if not self.runners:
             raise BadInput(f"no MoE layers in {type(model).__name__}: moescope reads the routers of vLLM's MoE "
                            "layers (MoERunner with a BaseRouter), bound as the model is built; this model has none")
+        # A monolithic MoE kernel routes inside the kernel and never calls the router's capture function (vLLM
+        # hands it a routing sink of its own instead): such a layer would count nothing, so it is not watched.
+        mono = [layer for layer, r in self.runners if getattr(getattr(r, "_quant_method", None), "is_monolithic",
+                                                              False) is True]
+        if mono:
+            log.warning("moescope: MoE layers %s run a monolithic MoE kernel (routing inside the kernel, no capture "
+                        "function called): not watched", mono)
+            self.runners = [(layer, r) for layer, r in self.runners if layer not in mono]
+            if not self.runners:
+                raise BadInput("every MoE layer runs a monolithic MoE kernel, which hands moescope no routing")
         cfg = self.runners[0][1].moe_config
         self.n_experts = int(getattr(cfg, "num_logical_experts", 0) or cfg.num_experts)
         self.top_k = int(cfg.experts_per_token)
