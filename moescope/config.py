@@ -77,6 +77,17 @@ class Traces:
         if not 0 <= self.sample <= 1:
             raise ConfigError(f"trace sample must be within 0..1, got {self.sample}")
 
+    def for_rank(self, rank: int) -> "Traces":
+        """Where rank ``rank`` of a multi-rank deployment writes: rank 0 where it was told; rank r > 0 of a SQLite
+        store beside it, ``NAME.rankR.sqlite`` (a SQLite file has one writer); a trace lake (a directory, or a path
+        ending in ``/``) takes every rank's files."""
+        from moescope.traces import lake
+
+        if rank == 0 or lake.is_lake(self.path):
+            return self
+        p = Path(self.path)
+        return dataclasses.replace(self, path=str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}")))
+
 
 @dataclass(frozen=True)
 class Cache:

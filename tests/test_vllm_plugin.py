@@ -32,7 +32,8 @@ def test_client_id_is_the_responses_id(engine_id, client):
     ({"MOESCOPE_METRICS_PORT": "abc"}, "MOESCOPE_METRICS_PORT='abc' is not an integer"),
     ({"MOESCOPE_METRICS_PORT": "70000"}, "must be 1..65535"),
     ({"MOESCOPE_TRACES": "x.sqlite", "MOESCOPE_TRACE_SAMPLE": "2"}, "within 0..1"),
-    ({"MOESCOPE_WINDOW_S": "0"}, "MOESCOPE_WINDOW_S must be > 0"),
+    ({"MOESCOPE_WINDOW_S": "0"}, "MOESCOPE_WINDOW_S: metrics window must be > 0"),
+    ({"MOESCOPE_HOT_REFERENCE": "median"}, "MOESCOPE_HOT_REFERENCE: hot reference must be"),
     ({"MOESCOPE_BASELINE": "/nonexistent/baseline.json"}, "no such file"),
 ])
 def test_bad_settings_are_one_clear_line(env, error):
@@ -62,11 +63,14 @@ def test_unconfigured_plugin_imports_nothing_heavy():
 
 
 def test_rank_paths_keep_every_ranks_traces_apart(tmp_path):
-    assert plugin._rank_path(str(tmp_path / "t.sqlite"), 0) == str(tmp_path / "t.sqlite")
-    assert plugin._rank_path(str(tmp_path / "t.sqlite"), 1) == str(tmp_path / "t.rank1.sqlite")
+    settings = plugin.Settings.from_env({"MOESCOPE_TRACES": str(tmp_path / "t.sqlite"),
+                                         "MOESCOPE_METRICS_PORT": "9500"})
+    assert settings.config(0).traces.path == str(tmp_path / "t.sqlite")
+    assert settings.config(1).traces.path == str(tmp_path / "t.rank1.sqlite")
+    assert (settings.config(0).metrics.port, settings.config(3).metrics.port) == (9500, 9503)
     lake = tmp_path / "lake"
     lake.mkdir()
-    assert plugin._rank_path(str(lake), 1) == str(lake)  # a lake takes every rank's files
+    assert plugin.Settings.from_env({"MOESCOPE_TRACES": str(lake)}).config(1).traces.path == str(lake)
 
 
 def test_a_bad_setting_turns_the_plugin_off_with_one_line():

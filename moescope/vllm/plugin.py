@@ -55,24 +55,36 @@ class Settings:
                 raise SettingsError(f"{name}={raw!r} is not {'an integer' if kind is int else 'a number'}") from None
 
         port = number("MOESCOPE_METRICS_PORT", int, None)
-        if port is not None and not 0 < port <= 65535:
+        if port is not None and not 0 < port <= 65535:  # (0, "any free port", would be one no scraper knows)
             raise SettingsError(f"MOESCOPE_METRICS_PORT must be 1..65535, got {port}")
-        sample = number("MOESCOPE_TRACE_SAMPLE", float, DEFAULT_TRACE_SAMPLE)
-        if not 0 <= sample <= 1:
-            raise SettingsError(f"MOESCOPE_TRACE_SAMPLE must be within 0..1, got {sample}")
-        window = number("MOESCOPE_WINDOW_S", float, 60.0)
-        if not window > 0:
-            raise SettingsError(f"MOESCOPE_WINDOW_S must be > 0, got {window}")
         baseline = env.get("MOESCOPE_BASELINE") or None
         if baseline is not None and not Path(baseline).is_file():
             raise SettingsError(f"MOESCOPE_BASELINE={baseline!r}: no such file")
-        hot_reference = (env.get("MOESCOPE_HOT_REFERENCE") or "learned").strip()
-        if hot_reference not in ("learned", "fair"):
-            raise SettingsError(f"MOESCOPE_HOT_REFERENCE must be learned or fair, got {hot_reference!r}")
-        return cls(port=port, addr=env.get("MOESCOPE_METRICS_ADDR") or "127.0.0.1",
-                   traces=env.get("MOESCOPE_TRACES") or None, sample=sample,
-                   model_name=env.get("MOESCOPE_MODEL_NAME") or None, baseline=baseline, window_s=window,
-                   hot_reference=hot_reference)
+        settings = cls(port=port, addr=env.get("MOESCOPE_METRICS_ADDR") or "127.0.0.1",
+                       traces=env.get("MOESCOPE_TRACES") or None,
+                       sample=number("MOESCOPE_TRACE_SAMPLE", float, DEFAULT_TRACE_SAMPLE),
+                       model_name=env.get("MOESCOPE_MODEL_NAME") or None, baseline=baseline,
+                       window_s=number("MOESCOPE_WINDOW_S", float, 60.0),
+                       hot_reference=(env.get("MOESCOPE_HOT_REFERENCE") or "learned").strip())
+        settings.config(rank=0)  # the checks and defaults are moescope.config's, as for the CLI
+        return settings
+
+    def config(self, rank: int, model_name: str | None = None):
+        """The ``moescope.Config`` of data-parallel rank ``rank``'s worker: its exporter on port + rank, its traces
+        at the rank's path (``moescope.config.Traces.for_rank``). Raises ``SettingsError`` naming the variable."""
+        from moescope.config import Config, ConfigError, Metrics, Traces
+
+        where = {"metrics port": "MOESCOPE_METRICS_PORT", "metrics window": "MOESCOPE_WINDOW_S",
+                 "hot reference": "MOESCOPE_HOT_REFERENCE", "trace sample": "MOESCOPE_TRACE_SAMPLE"}
+        try:
+            traces = Traces(self.traces, sample=self.sample).for_rank(rank) if self.traces else None
+            metrics = Metrics(port=None if self.port is None else self.port + rank, addr=self.addr,
+                              model_name=self.model_name or model_name, rank=rank, window_s=self.window_s,
+                              baseline=self.baseline, hot_reference=self.hot_reference)
+        except ConfigError as e:
+            name = next((var for key, var in where.items() if str(e).startswith(key)), "MOESCOPE_*")
+            raise SettingsError(f"{name}: {e}") from None
+        return Config(metrics=metrics, traces=traces)
 
 
 _installed = False
@@ -306,20 +318,13 @@ def _start(runner):
             log.info("moescope: tensor-parallel rank %d routes the tokens rank 0 reports: not exported", tp_rank)
             return None
         from moescope.api import instrument
-        from moescope.config import Config, Metrics, Traces
         from moescope.vllm.adapter import VLLMAdapter
 
         served = _served_name(vllm_config)
         tokenizer = _tokenizer(vllm_config) if settings.traces else None
         adapter = VLLMAdapter(runner.get_model(), served_name=served, tokenizer=tokenizer)
-        port = None if settings.port is None else settings.port + dp_rank
-        traces = None
-        if settings.traces:
-            traces = Traces(_rank_path(settings.traces, dp_rank), sample=settings.sample)
-        config = Config(metrics=Metrics(port=port, addr=settings.addr, model_name=settings.model_name or served,
-                                        rank=dp_rank, window_s=settings.window_s, baseline=settings.baseline,
-                                        hot_reference=settings.hot_reference),
-                        traces=traces)
+        config = settings.config(dp_rank, served)
+        port, traces = config.metrics.port, config.traces
         inst = instrument(adapter, config)
     except Exception as e:  # noqa: BLE001 (whatever it is, vLLM serves on without moescope)
         log.warning("moescope: off in this worker: %s", _one_line(e))
@@ -345,16 +350,6 @@ def _with(source, extra):
 def _one_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def _rank_path(path: str, rank: int) -> str:
-    """Rank 0 writes where it was told; data-parallel rank r > 0 beside it (a lake directory takes every rank)."""
-    from moescope.traces import lake
-
-    if rank == 0 or lake.is_lake(path):
-        return path
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix}"))
 
 
 def _tokenizer(vllm_config):
