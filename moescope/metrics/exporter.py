@@ -62,16 +62,17 @@ class MoescopeCollector:
     def collect(self) -> Iterable:
         st = self.state
         base = (st.info.name, str(st.rank))
+        out = []  # built under the lock, yielded after it: the consumer formats them with the lock free
         with st.lock:
             f = self._family("moescope_build_info")
             f.add_metric([*base, __version__, st.info.device, self.replica], 1.0)
-            yield f
+            out.append(f)
             f = self._family("moescope_expert_series_per_expert")
             f.add_metric(list(base), 1.0 if st.per_expert else 0.0)
-            yield f
+            out.append(f)
             f = self._family("moescope_window_seconds")
             f.add_metric(list(base), float(st.window_s))
-            yield f
+            out.append(f)
             by_name: dict[str, list] = {}
             for (name, labels), v in sorted(st.counters.items()):
                 if not catalogue.BY_NAME[name].routing:  # routing counters: the fast writer's
@@ -80,10 +81,11 @@ class MoescopeCollector:
                 f = self._family(name)
                 for labels, v in items:
                     f.add_metric([*base, *labels], v)
-                yield f
+                out.append(f)
             errors = st.errors_source() if st.errors_source else {}
             cost = st.cost_source() if st.cost_source else None
             dropped = {**(st.dropped_source() if st.dropped_source else {}), "draws": st.draws_dropped}
+        yield from out
         for h in st.histograms.values():
             for fam in h.collect():
                 if any(s.name.endswith("_count") for s in fam.samples):  # observed at least once
