@@ -128,6 +128,8 @@ SHAPE_WATCH_S, SHAPE_HEALTHY_WATCH_S = 100, 60
 SHAPE_DEMO_ARGS = {"hot": ["--metrics-window", str(pipeline.SHAPE_HOT_WINDOW_S), "--hot-reference", "fair"],
                    "imbalance": ["--hot-reference", "fair"]}
 SHAPE_WATCH = {"hot": pipeline.SHAPE_HOT_WATCH_S}
+# diagnose judges as the demo's exporter does: those rows against the fair share too
+SHAPE_DIAGNOSE_ARGS = {s: ["--hot-reference", "fair"] for s, a in SHAPE_DEMO_ARGS.items() if "--hot-reference" in a}
 
 
 def _state(prom):  # what Prometheus itself saw, for the failure message
@@ -166,7 +168,7 @@ def _one_at_shape(base, scenario, model):
     def during(prom):  # Prometheus' view, then diagnose on the store and the same Prometheus
         # a fast alert can come before the first request finished into the store
         run = wait_until(lambda: run_cli("diagnose", "--traces", store, "--prometheus", prom.url, "--json",
-                                         timeout=240),
+                                         *SHAPE_DIAGNOSE_ARGS.get(scenario, ()), timeout=240),
                          until=lambda r: r.returncode != 2 or "no routed requests" not in r.stderr, timeout=90,
                          what="a request in the store for diagnose", interval=5)
         try:

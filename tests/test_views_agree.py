@@ -379,8 +379,10 @@ def test_recorded_traffic_is_judged_alike_by_every_view_at_384_experts(tmp_path)
 
     report = json.loads(run_cli_ok("report", "--traces", str(store), "--out", str(tmp_path / "r"), "--json",
                                    timeout=300).stdout)
-    run = run_cli("diagnose", "--traces", str(store), "--json", timeout=300)
-    assert run.returncode == 1, run.stderr  # 1: findings need attention (the hot expert)
+    # diagnose learns its reference as the exporter does, over the exporter's window (--metrics-window 3600): the
+    # whole run is within it, so the hot experts are named against 1/E and page nothing (exit 0), as in top
+    run = run_cli("diagnose", "--traces", str(store), "--json", "--learn-window", "3600", timeout=300)
+    assert run.returncode == 0, run.stderr
     diag = json.loads(run.stdout)
     per = {str(k): v for k, v in report["per_layer"].items()}
     for la in ("1", "2"):
@@ -392,6 +394,7 @@ def test_recorded_traffic_is_judged_alike_by_every_view_at_384_experts(tmp_path)
     for key, f in hot_exported.items():
         assert reported_hot[key] == pytest.approx(f, abs=0.01), key
     hot_found = [f for f in diag["findings"] if f["cause"] == "hot-expert"]
+    assert hot_found and hot_found[0]["severity"] == "info" and "not paged" in hot_found[0]["title"], hot_found
     named: dict[str, list] = {}
     for h in hot_found[0]["evidence"]["experts"] if hot_found else []:
         named.setdefault(str(h["layer"]), []).append((str(h["layer"]), str(h["expert"])))
@@ -406,3 +409,49 @@ def test_recorded_traffic_is_judged_alike_by_every_view_at_384_experts(tmp_path)
     assert not any(name.startswith("MoEExpertHot") for r in top.routing.values() for name in r.fires)
     for la in ("1", "2"):  # top share: slots of the busiest expert over the tokens the layer routed, in both
         assert top.routing[int(la)].top_share == pytest.approx(top_share[la])
+
+
+@pytest.mark.integration
+def test_diagnose_judges_against_the_reference_learned_from_the_runs_first_window(tmp_path):
+    """Issue [learned], part 4: without a baseline diagnose learns its reference from the run's first window, as
+    the exporter does (tests/test_detection_matrix.py's interleaved row: the same shape and traffic through the
+    real alerting path). A top-1 interleaved shape under 7 fixed prompts: the healthy run names nothing (against
+    the fair share it names hot experts: the case is not vacuous); an expert made hot after the first window is
+    named, on its layer only, against its learned share."""
+    import json
+
+    from helpers import run_cli, run_cli_ok
+    from test_detection_matrix import INTERLEAVED_HOT, INTERLEAVED_PROMPTS, INTERLEAVED_SHAPE
+
+    cfg = tmp_path / "acme-interleaved.yaml"
+    cfg.write_text(yaml.safe_dump(INTERLEAVED_SHAPE))
+    layer, expert = INTERLEAVED_HOT
+    learn = 8  # s: the exporter's window here (--metrics-window) and diagnose's --learn-window
+
+    def run(name, *scenario):
+        store = tmp_path / f"{name}.sqlite"
+        run_cli_ok("demo", "--no-tui", "--json", "--model", str(cfg), "--prompts", str(INTERLEAVED_PROMPTS),
+                   "--rate", "20", "--duration", "24", "--metrics-port", "-1", "--metrics-window", str(learn),
+                   "--canary-interval", "0", "--traces", str(store), *scenario, timeout=600)
+        return store
+
+    def findings(store, *extra):
+        got = run_cli("diagnose", "--traces", str(store), "--json", "--learn-window", str(learn), *extra,
+                      timeout=300)
+        assert got.returncode in (0, 1), got.stderr
+        return got.returncode, json.loads(got.stdout)["findings"]
+
+    healthy = run("healthy")
+    code, found = findings(healthy)
+    assert code == 0 and not [f for f in found if f["severity"] != "info"], found
+    judged = next(f for f in found if f["cause"] == "judged")["evidence"]
+    assert judged["imbalance"] == "no baseline: judged against the reference learned from the run's first window"
+    code, fair = findings(healthy, "--hot-reference", "fair")
+    assert code == 1 and "hot-expert" in {f["cause"] for f in fair}, fair
+    hot = run("hot", "--scenario", f"hot={layer}:{expert}:8x", "--fault-after", str(2 * learn))
+    code, found = findings(hot)
+    alarming = [f for f in found if f["severity"] != "info"]
+    assert code == 1 and {f["cause"] for f in alarming} <= {"hot-expert", "imbalance"}, alarming
+    named = {(h["layer"], h["expert"]) for f in alarming if f["cause"] == "hot-expert"
+             for h in f["evidence"]["experts"]}
+    assert (layer, expert) in named and {la for la, _ in named} == {layer}, named

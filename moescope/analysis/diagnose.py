@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -196,6 +196,33 @@ def learned_reference(per_request: np.ndarray, layers: list[int], top_k: int, t:
     return LearnedRows(sampling.draw_shares(draws), has, np.nan_to_num(j.excess_cv), np.nan_to_num(j.top_share))
 
 
+def _against_learned(w: Window, per_request: np.ndarray, t: Thresholds, learn_window_s: float):
+    """(the requests judged, their counts, the learned reference): the reference learned from the requests that
+    started within ``learn_window_s`` of the first (``learned_reference``), the later ones judged against it;
+    when fewer than ``sampling.MIN_DRAWS`` came later (or first), every request is judged and the reference is
+    still being learned (``has`` all False)."""
+    from moescope.metrics.window import LearnedRows
+
+    first = w.started < (w.started.min() if len(w.started) else 0.0) + learn_window_s
+    later = np.nonzero(~first)[0]
+    if first.sum() < sampling.MIN_DRAWS or len(later) < sampling.MIN_DRAWS:
+        n_layers = len(w.layers)
+        return w, per_request, LearnedRows(np.zeros((n_layers, w.n_experts)), np.zeros(n_layers, dtype=bool),
+                                           np.zeros(n_layers), np.zeros(n_layers))
+    wf = _subset(w, np.nonzero(first)[0])
+    learned = learned_reference(per_request[first], w.layers, w.top_k, t, _routed_tokens(wf))
+    return _subset(w, later), per_request[later], learned
+
+
+def _subset(w: Window, rows: np.ndarray) -> Window:
+    """``w`` with only the requests ``rows`` (the per-request lists; the steps stay shared)."""
+    pick = rows.tolist()
+    per = {f.name: [getattr(w, f.name)[i] for i in pick] for f in fields(w)
+           if isinstance(getattr(w, f.name), list) and f.name not in ("layers", "steps")
+           and len(getattr(w, f.name)) == len(w.ids)}
+    return replace(w, started=w.started[rows], **per)
+
+
 def _check_nonfinite(w: Window) -> list[Finding]:
     bad_layers: Counter = Counter()
     examples: list[str] = []
@@ -257,9 +284,13 @@ def _check_load(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray)
         hot.sort(key=lambda x: -j.hot_factor[x])
         experts = [_hot_evidence(w, j, int(i), int(e), per_request) for i, e in hot]
         first = experts[0]
+        # while every layer's reference is still being learned the alert pages none of them: named, not paged
+        paged = any(v.hot for v in j.verdicts)
         out.append(Finding(
-            "hot-expert", "warning",
-            f"Hot expert: L{first['layer']} E{first['expert']} at {first['factor']:.1f}x its {j.reference} share",
+            "hot-expert", "warning" if paged else "info",
+            f"Hot expert: L{first['layer']} E{first['expert']} at {first['factor']:.1f}x its "
+            f"{j.hot_reference[hot[0][0]] if paged else 'fair'} share" + ("" if paged else
+                                                                           " (reference being learned: not paged)"),
             max(h["factor"] for h in experts) / t.hot_factor,
             {"experts": experts, "threshold": t.hot_factor, "reference": j.reference},
             first.pop("examples"), "MoEExpertHot"))
@@ -279,7 +310,24 @@ def _bar_source(j: Judgement) -> str:
     if j.baseline_cv is not None:
         return (f"baseline: {j.t.imbalance_baseline_factor:g} x its structural CV + "
                 f"{j.t.imbalance_baseline_margin:g}")
-    return f"no baseline: excess CV {j.t.imbalance_cv:g} (moescope baseline save)"
+    if "learned" in j.hot_reference:
+        return (f"learned from the run's first window: {j.t.imbalance_baseline_factor:g} x its structural CV + "
+                f"{j.t.imbalance_baseline_margin:g}")
+    return f"the fair share (as asked): excess CV {j.t.imbalance_cv:g}"
+
+
+def _judged_against(j: Judgement) -> str:
+    """What imbalance (and collapse, dead) was judged against, in words (the views' one phrasing)."""
+    kinds = set(j.hot_reference)
+    if j.baseline_cv is not None:
+        return "judged against baseline"
+    if kinds == {"learned"}:
+        return "no baseline: judged against the reference learned from the run's first window"
+    if kinds == {"learning"}:
+        return (f"no baseline: the reference is still being learned (every request within the run's first window): "
+                f"imbalance and dead experts wait, collapse only over {j.t.collapse_ceiling:g}")
+    return (f"no baseline: against the fair share (as asked), imbalance above excess CV {j.t.imbalance_cv:g} "
+            "(moescope baseline save)")
 
 
 def _hot_evidence(w: Window, j: Judgement, i: int, e: int, per_request: np.ndarray) -> dict:
@@ -297,11 +345,13 @@ def _hot_evidence(w: Window, j: Judgement, i: int, e: int, per_request: np.ndarr
 def _what_was_judged(w: Window, j: Judgement) -> Finding:
     """An info finding: what the window could judge, against what, and where the traffic cannot tell."""
     judged = j.judged
-    ev: dict[str, Any] = {"imbalance": ("judged against baseline" if j.baseline_cv is not None else
-                                        f"no baseline: imbalance only above excess CV {j.t.imbalance_cv:g} "
-                                        "(moescope baseline save)"),
-                          "hot_and_dead_against": j.reference, "requests": len(w.ids),
-                          "layers_judged": int(judged.sum()), "layers": len(w.layers)}
+    ev: dict[str, Any] = {"imbalance": _judged_against(j),
+                          "hot_and_dead_against": j.reference if j.baseline_cv is not None else
+                          sorted(set(j.hot_reference))[0] if len(set(j.hot_reference)) == 1 else j.reference,
+                          "requests": len(w.ids), "layers_judged": int(judged.sum()), "layers": len(w.layers)}
+    uneven = {w.layers[i]: j.uneven_words(i) for i in range(len(w.layers)) if j.uneven_words(i)}
+    if uneven:  # information, never a finding that needs attention (the rules do not page it)
+        ev["uneven"] = uneven
     if not judged.all():
         counted = int(np.min(j.draws)) if len(j.draws) else 0
         with_tokens = f", {counted} with counted tokens in a layer" if counted < len(w.ids) else ""
@@ -739,16 +789,25 @@ def select_runs(conn, run: str | None = None, *, since: float | None = None, mod
 
 def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=None,
              thresholds: Thresholds = DEFAULT, prometheus: str | None = None, corrupt=None,
-             run: str | None = None, model: str | None = None) -> dict:
+             run: str | None = None, model: str | None = None, hot_reference: str = "learned",
+             learn_window_s: float = 60.0) -> dict:
     """Ranked findings. ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load}): the reference of
-    imbalance, hot and dead experts and drift, as the exporter's. ``run``: which writer run to judge
-    (``select_runs``): None the latest, ``ALL_RUNS`` every run, else a run id. ``model``: only this model's
-    requests (None: the shape most of the window's requests have)."""
+    imbalance, collapse, hot and dead experts and drift, as the exporter's. Without one, ``hot_reference``
+    "learned" (the exporter's default): the reference is learned, as the exporter learns it, from the requests of
+    the run's first ``learn_window_s`` (the exporter's window, ``--metrics-window``), and the later requests are
+    judged against it (all of them in that first window: the reference is still being learned, as the
+    exporter's is: hot experts named, not paged; imbalance and dead not judged; collapse over the ceiling only);
+    "fair": against uniform routing. ``run``: which writer run to judge (``select_runs``): None the latest,
+    ``ALL_RUNS`` every run, else a run id. ``model``: only this model's requests (None: the shape most of the
+    window's requests have)."""
     choice = select_runs(conn, run, since=since, model=model)
     w = load_window(conn, since=since, limit=limit, corrupt=corrupt, runs=choice.ids, model=model)
     per_request = _request_counts(w)
-    j = judge_requests(per_request, w.layers, w.top_k, baseline, thresholds, _routed_tokens(w))
-    findings = [*_check_nonfinite(w), *_check_load(w, thresholds, j, per_request),
+    wj, pj, learned = w, per_request, None
+    if baseline is None and hot_reference == "learned":
+        wj, pj, learned = _against_learned(w, per_request, thresholds, learn_window_s)
+    j = judge_requests(pj, w.layers, w.top_k, baseline, thresholds, _routed_tokens(wj), learned)
+    findings = [*_check_nonfinite(w), *_check_load(wj, thresholds, j, pj),
                 *_check_drift(w, thresholds, j, per_request),
                 *_check_jitter(w, thresholds), *_check_drop(w, thresholds), *_check_cache(w, thresholds),
                 *_check_ranks(w, thresholds), *_check_memory(w, thresholds)]

@@ -32,6 +32,14 @@ def _brief(evidence: dict) -> str:
               help="Judge against this baseline profile (`moescope baseline save`): the imbalance bar from its "
               "structural CV, hot and dead experts against its shares, drift against its load (else: the "
               "no-baseline bar, the fair share, and the window's earlier half).")
+@click.option("--hot-reference", "hot_reference", type=click.Choice(["learned", "fair"]), default="learned",
+              show_default=True,
+              help="Without --baseline, what routing is judged against, as the exporter's option: learned (the "
+              "run's first --learn-window seconds of requests, the later ones judged against it: a finding means the "
+              "routing changed) or fair (uniform routing: the absolute bars).")
+@click.option("--learn-window", "learn_window_s", type=click.FloatRange(min=0, min_open=True), default=60.0,
+              show_default=True, help="Seconds of the run's first requests the learned reference comes from (the "
+              "exporter's --metrics-window).")
 @click.option("--prometheus", default=None, help="Prometheus URL: add its firing moescope alerts as evidence.")
 @click.option("--run", "run", default=None, metavar="ID|all",
               help="Which writer run to judge (each process that wrote the store is one run; a store often holds "
@@ -39,7 +47,8 @@ def _brief(evidence: dict) -> str:
               "the latest run (with any run written alongside it: a launch's ranks). Identical prefixes are "
               "compared within a run, never across.")
 @json_option
-def diagnose_cmd(traces_path, since, model, limit, baseline_path, prometheus, run, as_json) -> None:
+def diagnose_cmd(traces_path, since, model, limit, baseline_path, hot_reference, learn_window_s, prometheus, run,
+                 as_json) -> None:
     """Name what is wrong, with evidence and the playbook to follow. Exit 1 when something is."""
     from moescope.analysis import baseline as bl
     from moescope.analysis.diagnose import diagnose
@@ -47,7 +56,7 @@ def diagnose_cmd(traces_path, since, model, limit, baseline_path, prometheus, ru
     baseline = bl.load(baseline_path) if baseline_path else None
     with read_store(traces_path) as (conn, corrupt):
         report = diagnose(conn, since=since, limit=limit, baseline=baseline, prometheus=prometheus, corrupt=corrupt,
-                          run=run, model=model)
+                          run=run, model=model, hot_reference=hot_reference, learn_window_s=learn_window_s)
     report["corrupt_rows"] = corrupt.count
     if as_json:
         emit_json(report)
