@@ -278,8 +278,8 @@ def test_device_summary_path_equals_the_host_path(tiny_cfg):
     by_layer[2][0].nonfinite.fill_(2)  # a made-up count, so the non-finite column is not all zeros
     draws = [np.array([0] * 4 + [2] * 5), 1, 2]  # rows of the first forward split over two draws
     items = {layer: list(zip(decs, draws)) for layer, decs in by_layer.items()}
-    host, host_draws = RoutingProbe._host(items, 6, 3)
-    dev, dev_draws = RoutingProbe._device(items, 6, 3)
+    host, host_draws = RoutingProbe._host(items, 6, 3)[:2]
+    dev, dev_draws = RoutingProbe._device(items, 6, 3)[:2]
     np.testing.assert_allclose(dev, host, rtol=1e-12, atol=1e-9)
     np.testing.assert_array_equal(dev_draws, host_draws)
     assert host[:, :6].sum() > 0 and host[:, 10].sum() > 0 and host[1, 9] == 2
@@ -296,9 +296,9 @@ def test_device_summary_path_equals_the_host_path(tiny_cfg):
     # Layers need not hold the same decisions (one routed in fewer forwards, one with an empty forward): each
     # layer's row is its own, as summarising it alone gives.
     uneven = {1: items[1][:1], 2: items[2], 3: [(route(torch.randn(0, 6), 2), 0), (by_layer[1][2], 1)]}
-    together, together_draws = RoutingProbe._host(uneven, 6, 3)
+    together, together_draws = RoutingProbe._host(uneven, 6, 3)[:2]
     for i, (layer, its) in enumerate(uneven.items()):
-        alone, alone_draws = RoutingProbe._host({layer: its}, 6, 3)
+        alone, alone_draws = RoutingProbe._host({layer: its}, 6, 3)[:2]
         np.testing.assert_allclose(together[i], alone[0], rtol=1e-12)
         np.testing.assert_array_equal(together_draws[:, i], alone_draws[:, 0])
 

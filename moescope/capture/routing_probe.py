@@ -78,6 +78,24 @@ class StepStats:
     n_experts: int
     top_k: int
     draws: DrawCounts | None = None  # None: no per-draw information (a CUDA-graph decode's in-graph counters)
+    experts: "StepExperts | None" = None  # None: no per-step information (a CUDA-graph decode's counters)
+
+
+@dataclass(frozen=True)
+class StepExperts:
+    """The distinct experts each summarised step touched, per MoE layer (issue 44: what a step reads).
+
+    A step is an engine step (``on_step``'s bounds); decisions no step reported are split into forwards where
+    a layer repeats (``index`` -1, phase "unknown"). Dropped slots are not counted (no expert computed them)."""
+
+    index: tuple[int, ...]  # [S] the engine's step index (-1: a forward no engine step reported)
+    phases: tuple[str, ...]  # [S] forward mode
+    rows: np.ndarray  # [S] int64 token rows the step routed (its first routed layer's)
+    distinct: np.ndarray  # [S, L] int64 distinct experts, layers in ``StepStats.layers`` order; -1: not routed
+    # [S] int64 from the step's segments (0 where none): the positions its requests hold after it (the KV a
+    # step reads), and the positions its rows attend to (causal: row i of a segment at p attends p + i + 1)
+    context: np.ndarray | None = None
+    attended: np.ndarray | None = None
 
 
 REROUTE_REASONS = ("load", "smoothing")
@@ -141,6 +159,40 @@ def draw_rows(pending, bounds) -> tuple[list, list[np.ndarray | int]]:
     return keys, out
 
 
+def step_rows(pending, bounds, index=()) -> tuple[list[int], tuple[int, ...], tuple[str, ...], list[tuple]]:
+    """Each pending decision's step (an index into the returned steps), the steps' engine index and phase, and
+    their (context, attended) positions (``StepExperts``). ``bounds`` as ``draw_rows`` takes them; decisions
+    after the last bound are split where a layer repeats."""
+    step_of: list[int] = []
+    s_index: list[int] = []
+    s_phase: list[str] = []
+    s_ctx: list[tuple[int, int]] = []
+    start = 0
+    for j, (end, segments, phase) in enumerate(bounds):
+        if end > start:  # (a step that called no per-layer hook, a CUDA-graph decode, touched nothing here)
+            step_of += [len(s_index)] * (end - start)
+            s_index.append(index[j] if j < len(index) else -1)
+            s_phase.append(phase)
+            s_ctx.append((sum(p + n for _, p, n in segments), sum(n * p + n * (n + 1) // 2 for _, p, n in segments)))
+        start = end
+    seen: set[int] = set()
+    for layer, _ in pending[start:]:
+        if not seen or layer in seen:
+            s_index.append(-1)
+            s_phase.append(UNKNOWN_MODE)
+            s_ctx.append((0, 0))
+            seen = set()
+        seen.add(layer)
+        step_of.append(len(s_index) - 1)
+    return step_of, tuple(s_index), tuple(s_phase), s_ctx
+
+
+def _step_keys(items, steps: list[int], n_steps: int, width: int, layer: int) -> np.ndarray:
+    """[sum T] int64: each row's (layer, step) block start in the distinct-expert table (``width`` per block)."""
+    base = (layer * n_steps + np.asarray(steps, dtype=np.int64)) * width
+    return np.repeat(base, [d.ids.shape[0] for d, _ in items])
+
+
 class RoutingProbe(Observer):
     """Turns routing decisions into ``StepStats``, once per ``interval_s`` (0: every step)."""
 
@@ -151,6 +203,7 @@ class RoutingProbe(Observer):
         self._pending: list[tuple[int, "RoutingDecision"]] = []
         self._bounds: list[tuple[int, tuple, str]] = []  # (end index into _pending, segments, phase) per step
         self._finished: list[str] = []
+        self._step_index: list[int] = []  # the engine's index of each step in _bounds
         self._stepped = False  # an on_step was seen: flushes take finished steps only
         self._times: dict[int, tuple[float, float]] = {}
         self._steps = 0
@@ -171,6 +224,7 @@ class RoutingProbe(Observer):
         with self._lock:
             self._bounds.append((len(self._pending), tuple(getattr(step, "segments", ()) or ()),
                                  getattr(step, "phase", None) or UNKNOWN_MODE))
+            self._step_index.append(int(getattr(step, "index", -1)))
             self._stepped = True
         self._steps += 1
         if self._steps >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
@@ -187,29 +241,37 @@ class RoutingProbe(Observer):
                 (self._bounds[-1][0] if self._bounds else 0)
             pending, self._pending = self._pending[:cut], self._pending[cut:]
             bounds, self._bounds = self._bounds, []
+            index, self._step_index = self._step_index, []
             finished, self._finished = self._finished, []
             times, self._times = self._times, {}
             steps, self._steps = self._steps, 0
             self._last_flush = self._clock()
         if pending:
-            self._listener(self.summarise(pending, times, steps, bounds, tuple(finished)))
+            self._listener(self.summarise(pending, times, steps, bounds, tuple(finished), tuple(index)))
         elif finished:
             self._listener(StepStats(steps, (), 0, 0, DrawCounts((), np.zeros((0, 0, 0), np.int64),
                                                                 tuple(finished))))
 
-    def summarise(self, pending, times, steps: int = 1, bounds=(), finished: tuple[str, ...] = ()) -> StepStats:
+    def summarise(self, pending, times, steps: int = 1, bounds=(), finished: tuple[str, ...] = (),
+                  index: tuple[int, ...] = ()) -> StepStats:
         first = pending[0][1]
         n_exp, k = first.n_experts, first.ids.shape[1]
         keys, draw_of = draw_rows(pending, bounds)
         n_draws = max(1, len(keys))
+        step_of, s_index, s_phase, s_ctx = step_rows(pending, bounds, index)
         by_layer: dict[int, list] = {}
+        step_by_layer: dict[int, list[int]] = {}
         modes: dict[int, dict[str, int]] = {}
-        for (layer, d), dr, mode in zip(pending, draw_of, _modes(len(pending), bounds)):
+        s_rows = np.zeros(len(s_index), np.int64)
+        for (layer, d), dr, mode, s in zip(pending, draw_of, _modes(len(pending), bounds), step_of):
             by_layer.setdefault(layer, []).append((d, dr))
+            step_by_layer.setdefault(layer, []).append(s)
+            if not s_rows[s]:
+                s_rows[s] = d.ids.shape[0]  # (host metadata: no device access)
             per = modes.setdefault(layer, {})
             per[mode] = per.get(mode, 0) + d.ids.shape[0]  # (host metadata: no device access)
         summary = self._host if first.ids.device.type == "cpu" else self._device
-        rows, per_draw = summary(by_layer, n_exp, n_draws)
+        rows, per_draw, distinct = summary(by_layer, n_exp, n_draws, step_by_layer, len(s_index))
         layers = []
         for (layer, decs), row in zip(by_layer.items(), rows):
             r_s, e_s = times.get(layer, (None, None))
@@ -223,7 +285,9 @@ class RoutingProbe(Observer):
                                      margin_sum=float(row[n_exp + 2]), router_s=r_s, experts_s=e_s,
                                      rerouted=rerouted, modes=tuple(sorted(modes[layer].items()))))
         return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k,
-                         draws=DrawCounts(tuple(keys), per_draw, finished))
+                         draws=DrawCounts(tuple(keys), per_draw, finished),
+                         experts=StepExperts(s_index, s_phase, s_rows, distinct.T.astype(np.int64),
+                                             *np.asarray(s_ctx, np.int64).reshape(-1, 2).T))
 
     @staticmethod
     def _offsets(decs, width: int, cache: dict | None = None) -> np.ndarray:
@@ -239,7 +303,8 @@ class RoutingProbe(Observer):
         return off
 
     @classmethod
-    def _host(cls, by_layer, n_exp: int, n_draws: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    def _host(cls, by_layer, n_exp: int, n_draws: int = 1, step_by_layer=None,
+              n_steps: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """([L, E + 7] float64, [R, L, E] int32). The first: slots per expert + dropped bucket, entropy sum,
         margin sum, non-finite, dropped, slots rerouted by load-aware routing, by smoothing; the second: slots
         per draw per expert (dropped excluded), whose sum over draws is the first's slots.
@@ -262,6 +327,14 @@ class RoutingProbe(Observer):
         counts = counts.reshape(n_layers, n_draws, width)
         per_draw = np.ascontiguousarray(counts[:, :, :n_exp].transpose(1, 0, 2), dtype=np.int32)
         rows[:, :width] = counts.sum(1)
+        # distinct experts per (layer, step): one boolean table of L x S x (E + 1), marked by every slot at once
+        hit = np.zeros(n_layers * n_steps * width, dtype=bool)
+        if step_by_layer is not None:
+            skeys = np.concatenate([_step_keys(items, step_by_layer[layer], n_steps, width, i)
+                                    for i, (layer, items) in enumerate(by_layer.items())])
+            hit[(skeys[:, None] + ids).ravel()] = True
+        distinct = cls._distinct(hit.reshape(n_layers, n_steps, width)[:, :, :n_exp].sum(-1), step_by_layer,
+                                 by_layer, n_steps)
         tokens = np.fromiter((d.ids.shape[0] for d in decs), np.int64, len(decs))
         layer_of_row = np.repeat(np.repeat(np.arange(n_layers), per_layer), tokens)  # each token row's layer
         for j, name in ((n_exp + 1, "entropy"), (n_exp + 2, "margin")):
@@ -274,13 +347,26 @@ class RoutingProbe(Observer):
             rows[:, n_exp + 5:] = np.add.reduceat(torch.stack([_rerouted(d) for d in decs]).numpy(), starts, axis=0)
         else:
             rows[:, n_exp + 5:] = 0
-        return rows, per_draw
+        return rows, per_draw, distinct
+
+    @staticmethod
+    def _distinct(counted, step_by_layer, by_layer, n_steps: int) -> np.ndarray:
+        """[L, S] int64 distinct experts (``counted``: experts marked per layer and step, the dropped bucket
+        excluded), with -1 where the layer routed nothing in the step."""
+        distinct = np.asarray(counted).astype(np.int64)
+        routed = np.zeros((len(by_layer), n_steps), dtype=bool)
+        for i, layer in enumerate(by_layer):
+            routed[i, (step_by_layer or {}).get(layer, [])] = True
+        distinct[~routed] = -1
+        return distinct
 
     @classmethod
-    def _device(cls, by_layer, n_exp: int, n_draws: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """Same as ``_host``, computed with batched device ops: the rows' draw offsets go up in one
-        host->device copy, every slot of every layer is counted by one ``scatter_add_``, and the counts and
-        scalars come back in one device->host copy."""
+    def _device(cls, by_layer, n_exp: int, n_draws: int = 1, step_by_layer=None,
+                n_steps: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Same as ``_host``, computed with batched device ops: the rows' draw and step offsets go up in one
+        host->device copy, every slot of every layer is counted by one ``scatter_add_`` and marked in the
+        distinct-expert table by one indexed write, and the counts, distinct experts and scalars come back in one
+        device->host copy."""
         width = n_exp + 1
         block = n_draws * width
         n_layers = len(by_layer)
@@ -299,14 +385,23 @@ class RoutingProbe(Observer):
                                         *(torch.stack([_rerouted(d) for d in decs]).sum(0).double()
                                           if decs[0].rerouted is not None
                                           else torch.zeros(2, dtype=torch.float64, device=device))]))
-        off = torch.from_numpy(np.concatenate(offsets)).to(device, non_blocking=True)
-        flat = (off[:, None] + torch.cat(ids)).reshape(-1)
+        skeys = np.concatenate([_step_keys(items, step_by_layer[layer], n_steps, width, i)
+                                for i, (layer, items) in enumerate(by_layer.items())]) if step_by_layer is not None \
+            else np.zeros(sum(len(o) for o in offsets), np.int64)
+        both = torch.from_numpy(np.stack([np.concatenate(offsets), skeys])).to(device, non_blocking=True)
+        slots = torch.cat(ids)
+        flat = (both[0][:, None] + slots).reshape(-1)
         counts = torch.zeros(n_layers * block, dtype=torch.float64, device=device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        hit = torch.zeros(n_layers * n_steps * width, dtype=torch.bool, device=device)
+        hit[(both[1][:, None] + slots).reshape(-1)] = True  # an indexed write: no host sync
+        distinct = hit.view(n_layers, n_steps, width)[:, :, :n_exp].sum(-1, dtype=torch.float64)
         # The interval's one device->host copy.
-        host = torch.cat([counts, torch.stack(scalars).reshape(-1)]).cpu().numpy()
+        host = torch.cat([counts, torch.stack(scalars).reshape(-1), distinct.reshape(-1)]).cpu().numpy()
         per_draw = host[: n_layers * block].reshape(n_layers, n_draws, width)
         rows = np.empty((n_layers, n_exp + 7))
         rows[:, :width] = per_draw.sum(1)
-        rows[:, width:] = host[n_layers * block:].reshape(n_layers, 6)
-        return rows, np.ascontiguousarray(per_draw[:, :, :n_exp].transpose(1, 0, 2), dtype=np.int32)
+        rows[:, width:] = host[n_layers * block: n_layers * block + 6 * n_layers].reshape(n_layers, 6)
+        d = cls._distinct(host[n_layers * block + 6 * n_layers:].reshape(n_layers, n_steps), step_by_layer,
+                          by_layer, n_steps)
+        return rows, np.ascontiguousarray(per_draw[:, :, :n_exp].transpose(1, 0, 2), dtype=np.int32), d

@@ -23,6 +23,10 @@ FAST_BUCKETS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.00
 SERVE_BUCKETS = (*LATENCY_BUCKETS, 20.0, 40.0, 80.0, 160.0, 320.0, 640.0, 1280.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)  # vLLM's 1-2-5
 
+# Shares of a whole (experts touched / experts, parameters read / total): finer at the low end, where a decode
+# step of a sparse model sits (DeepSeek-V3's per-token activation is ~5.5%).
+RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
 # Experts by load relative to the layer's mean (1 = fair share; le="0": dead), a gauge histogram per layer.
 RELATIVE_LOAD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 
@@ -189,6 +193,23 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "phase"),
     _c("moescope_requests_total", "Finished requests.", "finish_reason"),
     _c("moescope_steps_total", "Engine steps.", "phase"),
+    # what routing costs the hardware (moescope.efficiency; docs/metrics.md, "Efficiency")
+    *map(_routing, (
+        _c("moescope_expert_distinct_total", "Distinct experts each engine step touched in the layer, summed over "
+           "steps (its rate over moescope_expert_distinct_steps_total's: experts touched per step).", "layer"),
+        _c("moescope_expert_distinct_steps_total", "Engine steps that routed tokens in the layer.", "layer"),
+    )),
+    _h("moescope_step_experts_touched_ratio", "Distinct experts an engine step touched / experts, over all its "
+       "MoE layers (1 = every expert read).", RATIO_BUCKETS, "phase"),
+    _h("moescope_step_activation_ratio", "Parameters an engine step reads (its dense part and every distinct "
+       "expert it touched) / total parameters: the activation rate per step.", RATIO_BUCKETS, "phase"),
+    _c("moescope_step_read_bytes_total", "Bytes engine steps read: kind=weights (dense part and the distinct "
+       "experts touched, at the served dtype), kv (the KV cache of every request in the step).", "phase", "kind"),
+    _c("moescope_step_flops_total", "FLOPs of engine steps (2 per parameter a token touches, and attention over "
+       "its context).", "phase"),
+    _g("moescope_peak_bandwidth_bytes_per_second", "The device's peak memory bandwidth S-MBU divides by (the "
+       "table by NVML's name, or a setting); absent when unknown."),
+    _g("moescope_peak_flops_per_second", "The device's peak dense FLOP/s S-MFU divides by; absent when unknown."),
     # memory
     _g("moescope_process_resident_memory_bytes", "Resident set size of the serving process."),
     _c("moescope_process_cpu_seconds_total", "User and system CPU time of the serving process."),

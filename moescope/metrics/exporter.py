@@ -33,7 +33,8 @@ log = logging.getLogger("moescope.metrics")
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-ROUTING_LAYER_COUNTERS = ("moescope_tokens_dropped_total", "moescope_router_nonfinite_logits_total")
+ROUTING_LAYER_COUNTERS = ("moescope_tokens_dropped_total", "moescope_router_nonfinite_logits_total",
+                          "moescope_expert_distinct_total", "moescope_expert_distinct_steps_total")
 CACHE_LAYER_COUNTERS = tuple(m.name for m in catalogue.CATALOGUE
                              if m.name.startswith("moescope_expert_cache_") and m.kind == "counter")
 
@@ -73,6 +74,13 @@ class MoescopeCollector:
             f = self._family("moescope_window_seconds")
             f.add_metric(list(base), float(st.window_s))
             out.append(f)
+            peak = st.peak
+            for name, value in (("moescope_peak_bandwidth_bytes_per_second", peak and peak.bandwidth),
+                                ("moescope_peak_flops_per_second", peak and peak.flops)):
+                if value:
+                    f = self._family(name)
+                    f.add_metric(list(base), float(value))
+                    out.append(f)
             by_name: dict[str, list] = {}
             for (name, labels), v in sorted(st.counters.items()):
                 if not catalogue.BY_NAME[name].routing:  # routing counters: the fast writer's

@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from moescope import sampling, stats, thresholds
+from moescope import efficiency, sampling, stats, thresholds
 from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import UNKNOWN_MODE, RoutingProbe, StepStats
 from moescope.errors import BadInput
@@ -65,6 +65,10 @@ class ModelInfo:
     dense_params: int  # everything that every token touches: attention, embeddings, norms, routers, dense FFNs
     expert_params: int  # one expert
     device: str = "cpu"
+    # What a step reads and computes (moescope.efficiency; 0: unknown, the byte and FLOP counters stay absent)
+    dtype_bytes: int = 0  # bytes per parameter at the served dtype
+    kv_bytes_per_token: int = 0  # K and V of every layer for one position
+    attn_flops_per_context: int = 0  # attention FLOPs per (row, position it attends to)
 
     @property
     def total_params(self) -> int:
@@ -81,9 +85,14 @@ class ModelInfo:
         cfg = model.cfg
         total = sum(p.numel() for p in model.parameters())
         expert = cfg.expert_params
+        dtype_bytes = next(iter(model.parameters())).element_size()
+        width = cfg.n_heads * cfg.head_dim  # the runtime's attention: every head has its own K and V
         return cls(name=name or cfg.name, n_experts=cfg.n_experts, top_k=cfg.top_k, moe_layers=cfg.moe_layers,
                    dense_params=total - len(cfg.moe_layers) * cfg.n_experts * expert, expert_params=expert,
-                   device=str(model.device))
+                   device=str(model.device), dtype_bytes=dtype_bytes,
+                   kv_bytes_per_token=2 * cfg.n_layers * width * dtype_bytes,
+                   # q.k and p.v: a multiply-add each, per head dimension, per layer
+                   attn_flops_per_context=4 * cfg.n_layers * width)
 
 
 HELD_EXPERTS = "held"  # moescope_expert_physical_slots_total's expert label in the reduced tier: all held together
@@ -168,6 +177,10 @@ class MetricsObserver(Observer):
         # seconds of host time moescope spent on the engine's step path (an engine adapter's own count)
         self.cost_source: Callable[[], float] | None = None
         self.dropped_source: Callable[[], dict[str, int]] | None = None  # queue -> events dropped
+        # The device's peak bandwidth and FLOPs S-MBU and S-MFU divide by (moescope.efficiency; None: unknown):
+        # MOESCOPE_PEAK_BANDWIDTH / MOESCOPE_PEAK_FLOPS, else the table by the CUDA device's name; an assembly
+        # point with --peak-bandwidth / --peak-flops assigns its own
+        self.peak: efficiency.Peak | None = efficiency.resolve_peak(info.device)
 
     @property
     def baseline(self):
@@ -323,6 +336,36 @@ class MetricsObserver(Observer):
                     self.hist("moescope_expert_compute_seconds").observe(ls.experts_s)
             if st.draws is not None:
                 self._fold(st, second)
+            if st.experts is not None:
+                self._experts(st)
+
+    def _experts(self, st: StepStats) -> None:
+        """The distinct experts each step touched, and the bytes and FLOPs that implies (moescope.efficiency;
+        the caller holds the lock)."""
+        x, info = st.experts, self.info
+        lc = self.layer_counters
+        routed = x.distinct >= 0  # [S, L]
+        for j, ls in enumerate(st.layers):
+            lc["moescope_expert_distinct_total"][ls.layer] += float(x.distinct[routed[:, j], j].sum())
+            lc["moescope_expert_distinct_steps_total"][ls.layer] += float(routed[:, j].sum())
+        n_moe, e = max(1, len(info.moe_layers)), info.n_experts
+        counters = self.counters
+        total = info.total_params
+        for s, phase in enumerate(x.phases):
+            d = int(x.distinct[s][routed[s]].sum())
+            self.hist("moescope_step_experts_touched_ratio", phase).observe(d / (n_moe * e))
+            self.hist("moescope_step_activation_ratio", phase).observe(
+                efficiency.step_activation(info.dense_params, info.expert_params, d, total))
+            if info.dtype_bytes:
+                counters[("moescope_step_read_bytes_total", (phase, "weights"))] += efficiency.weight_bytes(
+                    info.dtype_bytes, info.dense_params, info.expert_params, d)
+                if x.context is not None and info.kv_bytes_per_token:
+                    counters[("moescope_step_read_bytes_total", (phase, "kv"))] += \
+                        float(info.kv_bytes_per_token * x.context[s])
+            if x.attended is not None:
+                counters[("moescope_step_flops_total", (phase,))] += efficiency.step_flops(
+                    int(x.rows[s]), int(x.attended[s]), info.dense_params, info.expert_params,
+                    len(info.moe_layers), info.top_k, info.attn_flops_per_context)
 
     def _fold(self, st: StepStats, second: int) -> None:
         """Per-request counts into the in-flight requests; finished requests and unmapped forwards into the
@@ -447,6 +490,19 @@ class MetricsObserver(Observer):
         judged = {g.layers[j]: float(v) for j, v in zip(known, mom.tolist())
                   if np.isfinite(v) and np.isfinite(g.noise_cv[j])}
         return judged, {r: float(v) for r, v in enumerate(loads.sum(0).tolist())}
+
+    def utilisation(self, phase: str = "decode") -> tuple[float | None, float | None]:
+        """(S-MBU, S-MFU) of the phase's steps since start (moescope.efficiency): bytes read and FLOPs summed over
+        the steps whose routing was summarised, over their summed seconds; None where the peak is unknown."""
+        with self.lock:
+            c = self.counters
+            read = c.get(("moescope_step_read_bytes_total", (phase, "weights")), 0.0) + \
+                c.get(("moescope_step_read_bytes_total", (phase, "kv")), 0.0)
+            flops = c.get(("moescope_step_flops_total", (phase,)), 0.0)
+            child = self._children.get(("moescope_step_seconds", (phase,)))
+            seconds = child._sum.get() if child is not None else 0.0  # prometheus_client keeps the sum here
+        peak = self.peak or efficiency.Peak()
+        return efficiency.utilisation(read, seconds, peak.bandwidth), efficiency.utilisation(flops, seconds, peak.flops)
 
     def cache_capacity(self) -> dict[int, float]:
         """{layer: experts the cache holds resident / experts} where an expert cache is on."""

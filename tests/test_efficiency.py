@@ -1,0 +1,140 @@
+"""What routing costs the hardware (issue 44): distinct experts per step against a recomputation from the trace
+store, and S-MBU / S-MFU against a hand computation from the model's config and the recorded steps."""
+
+import collections
+
+import numpy as np
+import pytest
+
+import moescope
+from moescope import efficiency
+from moescope.capture.routing_probe import RoutingProbe
+from moescope.errors import BadInput
+from moescope.runtime import traffic
+from moescope.runtime.config import MoEConfig
+from moescope.runtime.engine import Engine
+from moescope.runtime.model import MoETransformer
+from moescope.traces import store
+from moescope.traces.recorder import TraceRecorder
+
+# A shape no preset names: 5 blocks, the first dense, 10 experts top-3, one shared expert, capacity-limited (so
+# dropped slots, which no expert computes, must stay out of the count).
+SHAPE = MoEConfig(name="eff-odd", hidden_size=24, n_layers=5, n_heads=3, n_experts=10, top_k=3, ffn_size=20,
+                  dense_layers=(0,), n_shared_experts=1, capacity_factor=0.8, max_seq_len=96, seed=11)
+
+
+def _run(path, peak_env=None, n=7):
+    model = MoETransformer(SHAPE).eval()
+    seen = []
+    probe = RoutingProbe(seen.append, interval_s=0.0)
+    with moescope.instrument(model, observers=[TraceRecorder(path), probe]) as handle:
+        engine = Engine(model, max_batch=4)
+        for r in traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=5), n):
+            engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
+        while engine.has_work:
+            engine.step()
+        handle.metrics.flush()
+    probe.flush(final=True)
+    return model, handle.metrics, seen
+
+
+def _recomputed(path):
+    """{(step index, layer): distinct experts} from every stored token's experts, and {step index: (phase,
+    seconds, {request: its positions after the step})}: grouped by the engine step that routed each row."""
+    conn = store.open_store(path)
+    touched: dict[tuple[int, int], set] = collections.defaultdict(set)
+    steps: dict[int, dict] = {}
+    for r in store.iter_routed(conn):
+        for row in range(r.n_routed):
+            st = r.steps[r.step_of[row]]
+            steps.setdefault(st["index"], {"phase": st["phase"], "seconds": st["seconds"], "rows": 0})
+            steps[st["index"]]["rows"] += 1
+            for j, layer in enumerate(r.layers):
+                touched[(st["index"], layer)] |= {int(e) for e in r.ids[row, j] if e != r.n_experts}
+    return {key: len(v) for key, v in touched.items()}, steps
+
+
+def test_distinct_experts_per_step_equal_a_recomputation_from_the_trace_store(tmp_path):
+    path = tmp_path / "t.sqlite"
+    _, metrics, seen = _run(path)
+    want, steps = _recomputed(path)
+    got = {}
+    for st in seen:
+        x = st.experts
+        if x is None:  # a flush that only reported finished requests
+            assert not st.layers
+            continue
+        for s, idx in enumerate(x.index):
+            assert idx >= 0  # every forward came from an engine step
+            for j, ls in enumerate(st.layers):
+                if x.distinct[s, j] >= 0:
+                    got[(idx, ls.layer)] = int(x.distinct[s, j])
+    assert got == want  # step by step, layer by layer
+    assert len({i for i, _ in want}) == len(steps) >= 5
+    assert any(steps[i]["rows"] > 1 and steps[i]["phase"] == "decode" for i in steps)  # batched decodes
+    # the exported per-layer summary: distinct experts summed over steps, and the steps counted
+    lc = metrics.layer_counters
+    for layer in SHAPE.moe_layers:
+        assert lc["moescope_expert_distinct_total"][layer] == sum(v for (_, lay), v in want.items() if lay == layer)
+        assert lc["moescope_expert_distinct_steps_total"][layer] == len(steps)
+
+
+def _params_by_hand(model):
+    """(dense params, one routed expert's params, total) read off the module tree, not from ModelInfo: a
+    routed expert's weights are every tensor of the MoE layers' routed-expert stacks divided by E."""
+    total = sum(p.numel() for p in model.parameters())
+    # the routed experts are stacked [E, ...] tensors; every other weight is 1-D or 2-D
+    routed = sum(p.numel() for name, p in model.named_parameters() if p.dim() == 3 and "shared" not in name)
+    per_expert = routed // (len(SHAPE.moe_layers) * SHAPE.n_experts)
+    assert per_expert * len(SHAPE.moe_layers) * SHAPE.n_experts == routed
+    return total - routed, per_expert, total
+
+
+def test_smbu_and_smfu_equal_a_hand_computation_from_the_config_and_the_recorded_steps(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOESCOPE_PEAK_BANDWIDTH", "2e9")
+    monkeypatch.setenv("MOESCOPE_PEAK_FLOPS", "5e10")
+    path = tmp_path / "t.sqlite"
+    model, metrics, _ = _run(path)
+    want, steps = _recomputed(path)
+    dense, expert, total = _params_by_hand(model)
+    # fp32 weights: 4 bytes; K and V: hidden_size each per block per position
+    b, kv_per_pos = 4, 2 * SHAPE.n_layers * SHAPE.hidden_size * 4
+    conn = store.open_store(path)
+    positions = collections.Counter()  # step index -> the positions its requests hold after it
+    attended = collections.Counter()  # step index -> positions its rows attend to (causal)
+    for r in store.iter_routed(conn):
+        for row in range(r.n_routed):
+            idx = r.steps[r.step_of[row]]["index"]
+            attended[idx] += row + 1  # row i of the request attends to positions 0..i
+            last_of_step = row + 1 == r.n_routed or r.steps[r.step_of[row + 1]]["index"] != idx
+            if last_of_step:
+                positions[idx] += row + 1
+    by_phase = collections.defaultdict(lambda: np.zeros(4))  # bytes weights, bytes kv, flops, seconds
+    for idx, st in steps.items():
+        d = sum(v for (i, _), v in want.items() if i == idx)
+        acc = by_phase[st["phase"]]
+        acc[0] += b * (dense + d * expert)
+        acc[1] += kv_per_pos * positions[idx]
+        acc[2] += 2 * st["rows"] * (dense + len(SHAPE.moe_layers) * SHAPE.top_k * expert) \
+            + 4 * SHAPE.n_layers * SHAPE.hidden_size * attended[idx]
+        acc[3] += st["seconds"]
+    for phase, (w_bytes, kv_bytes, flops, seconds) in by_phase.items():
+        c = metrics.counters
+        assert c[("moescope_step_read_bytes_total", (phase, "weights"))] == pytest.approx(w_bytes, rel=1e-12)
+        assert c[("moescope_step_read_bytes_total", (phase, "kv"))] == pytest.approx(kv_bytes, rel=1e-12)
+        assert c[("moescope_step_flops_total", (phase,))] == pytest.approx(flops, rel=1e-12)
+        smbu, smfu = metrics.utilisation(phase)
+        assert smbu == pytest.approx((w_bytes + kv_bytes) / (seconds * 2e9), rel=1e-6)
+        assert smfu == pytest.approx(flops / (seconds * 5e10), rel=1e-6)
+
+
+def test_the_peak_comes_from_settings_or_the_device_table_and_never_guessed_on_cpu():
+    assert efficiency.resolve_peak("cpu", env={}) is None
+    assert efficiency.resolve_peak("cpu", bandwidth=1e9, env={}).bandwidth == 1e9
+    h100 = efficiency.resolve_peak("cuda:0", device_name="NVIDIA H100 80GB HBM3", env={})
+    assert (h100.bandwidth, h100.flops) == (3.35e12, 989e12)
+    assert efficiency.resolve_peak("cuda:0", device_name="NVIDIA H100 PCIe", env={}).bandwidth == 2.0e12
+    assert efficiency.resolve_peak("cuda:0", device_name="NVIDIA A100-SXM4-80GB", env={}).bandwidth == 2.039e12
+    assert efficiency.resolve_peak("cuda:0", device_name="Some Future GPU", env={}) is None
+    with pytest.raises(BadInput, match="MOESCOPE_PEAK_BANDWIDTH"):
+        efficiency.resolve_peak("cpu", env={"MOESCOPE_PEAK_BANDWIDTH": "fast"})
