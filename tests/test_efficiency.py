@@ -138,3 +138,29 @@ def test_the_peak_comes_from_settings_or_the_device_table_and_never_guessed_on_c
     assert efficiency.resolve_peak("cuda:0", device_name="Some Future GPU", env={}) is None
     with pytest.raises(BadInput, match="MOESCOPE_PEAK_BANDWIDTH"):
         efficiency.resolve_peak("cpu", env={"MOESCOPE_PEAK_BANDWIDTH": "fast"})
+
+
+def test_device_distinct_path_equals_a_naive_count_and_the_host_path():
+    """The CUDA path's distinct-expert table (one indexed write, summed on the device) equals the numpy path and
+    a naive set count, dropped slots excluded (run here on CPU tensors: the same torch ops)."""
+    import torch
+
+    from moescope.runtime.router import route
+
+    gen = torch.Generator().manual_seed(7)
+    decs = {layer: [route(torch.randn(n, 9, generator=gen), 3, capacity_factor=cf)
+                    for n, cf in ((5, None), (11, 0.6), (2, None))] for layer in (1, 3)}
+    items = {layer: [(d, 0) for d in ds] for layer, ds in decs.items()}
+    steps = {1: [0, 1, 2], 3: [0, 2, 2]}  # layer 3 routed nothing in step 1; two of its forwards in step 2
+    host = RoutingProbe._host(items, 9, 1, steps, 3)[2]
+    dev = RoutingProbe._device(items, 9, 1, steps, 3)[2]
+    sets: dict = {}
+    for i, layer in enumerate(decs):
+        for d, s in zip(decs[layer], steps[layer]):
+            sets.setdefault((i, s), set()).update(int(e) for e in d.active_ids.reshape(-1) if int(e) != 9)
+    naive = np.full((2, 3), -1)
+    for (i, s), v in sets.items():
+        naive[i, s] = len(v)
+    np.testing.assert_array_equal(host, naive)
+    np.testing.assert_array_equal(dev, naive)
+    assert naive[1, 1] == -1 and (naive[naive >= 0] > 0).all()
