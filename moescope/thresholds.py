@@ -15,9 +15,9 @@ deployment comes from three places, never from a model's name:
   with baseline series in PromQL, one expression for every model.
 
 What stays here is model-independent: z-scores, factors and SLO-like limits, each with its meaning beside it.
-Without a baseline only what needs none is judged tightly (collapse, non-finite logits, drops, latencies); hot
-experts are judged against the reference the exporter learns from its own first window (``learn_half_life_windows``)
-and imbalance waits for a baseline below the no-baseline bar; views say so.
+Every routing judgement is a change from a reference (issue [learned]): the baseline, else the reference the
+exporter learns from its own first window (``learn_half_life_windows``), else (``--hot-reference fair``, asked
+for) uniform routing; only the collapse ceiling pages without one (``collapse_top_share``); views say so.
 """
 
 from __future__ import annotations

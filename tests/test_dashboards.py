@@ -80,7 +80,8 @@ def test_colour_steps_and_lines_are_the_alert_bars():
         value = getattr(t, bar) if bar else None
         check(panel["fieldConfig"]["defaults"]["thresholds"]["steps"], value, kind)
         if bar in alert_of:  # the rule judges by the same number
-            bar_re = rf"[<>] (on \([a-z, ]+\) )?\(?{re.escape(rules.num(value))}\b"
+            # (the collapse bar is the floor of a reference's bar: clamp_min(..., 0.75))
+            bar_re = rf"([<>] (on \([a-z, ]+\) )?\(?|, ){re.escape(rules.num(value))}\b"
             assert re.search(bar_re, exprs[alert_of[bar]]), (bar, title)
     lines = {p["title"]: p["fieldConfig"]["defaults"] for d in docs.values() for p in d["panels"]
              if p["type"] == "timeseries" and p["fieldConfig"]["defaults"].get("custom", {}).get("thresholdsStyle")}

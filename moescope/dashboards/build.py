@@ -122,15 +122,14 @@ def excess_cv(matcher: str) -> str:
 
 
 def imbalance_bar(t: Thresholds, matcher: str) -> str:
-    """The layer's imbalance bar: from its baseline where the exporter loaded one, else the no-baseline bar."""
-    return f"{rules.baseline_bar(t, matcher)} or on () vector({rules.num(t.imbalance_cv)})"
+    """The layer's imbalance bar, from the reference it is judged against (baseline, learned, or the fair share's
+    absolute bar; none while learning): the rule's own expression."""
+    return rules.imbalance_bar(t, matcher)
 
 
 def excess_over_bar(t: Thresholds, matcher: str) -> str:
     """The load CV beyond noise over the layer's own bar (the MoEExpertLoadImbalance judgement: > 1 fires)."""
-    return (f"({excess_cv(matcher)} / {ON} group_left () {rules.baseline_bar(t, matcher)} or "
-            f"({excess_cv(matcher)} / {rules.num(t.imbalance_cv)} unless {ON} "
-            f"moescope_baseline_load_cv_ratio{{{matcher}}}))")
+    return f"({excess_cv(matcher)} / {ON} {rules.imbalance_bar(t, matcher)})"
 
 
 def judged_dead(matcher: str) -> str:
@@ -269,7 +268,7 @@ def experts(t: Thresholds = DEFAULT):
         _q(prometheus, f"moescope_expert_hot_factor_ratio{{{SEL}}}", "L{{layer}} e{{expert}} vs {{reference}}")],
         "none", 12, 34, bar=t.hot_factor))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: load CV beyond noise and its bar "
-                               "(baseline's, else the no-baseline bar)", [
+                               "(from its reference: baseline, learned or fair)", [
         _q(prometheus, f"max(moescope_expert_load_cv_ratio{{{LSEL}}})", "CV"),
         _q(prometheus, f"max(moescope_expert_load_cv_noise_ratio{{{LSEL}}})", "noise bound"),
         _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise"),
