@@ -164,3 +164,32 @@ def test_device_distinct_path_equals_a_naive_count_and_the_host_path():
     np.testing.assert_array_equal(host, naive)
     np.testing.assert_array_equal(dev, naive)
     assert naive[1, 1] == -1 and (naive[naive >= 0] > 0).all()
+
+
+def test_top_once_shows_experts_touched_bytes_per_token_and_smbu(tmp_path, monkeypatch, capsys):
+    """`top --once` against a real exporter: the line's experts per step and layer, batch, and S-MBU equal the
+    trace store's recomputation and the hand formula."""
+    from servers import free_port
+
+    from moescope.cli import main
+    from moescope.metrics.exporter import Exporter
+
+    monkeypatch.setenv("MOESCOPE_PEAK_BANDWIDTH", "2e9")
+    path = tmp_path / "t.sqlite"
+    model, metrics, _ = _run(path)
+    want, steps = _recomputed(path)
+    n_moe = len(SHAPE.moe_layers)
+    touched = sum(want.values()) / (len(steps) * n_moe)
+    dense, expert, _ = _params_by_hand(model)
+    decode = [i for i, st in steps.items() if st["phase"] == "decode"]
+    rows = sum(steps[i]["rows"] for i in decode)
+    exp = Exporter(metrics, port=free_port()).start()
+    try:
+        assert main(["top", exp.url, "--once", "--interval", "0.1"]) == 0
+    finally:
+        exp.stop()
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("experts/step/layer"))
+    assert f"experts/step/layer {touched:.1f}/{SHAPE.n_experts} " in line, line
+    assert f"decode batch {rows / len(decode):.1f}" in line, line
+    smbu = metrics.utilisation("decode")[0]
+    assert f"S-MBU {smbu:.1%}" in line and "S-MFU -" in line, line  # no FLOPs peak given: not computed

@@ -18,6 +18,7 @@ import numpy as np
 from moescope import judge, prom_http
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
+from moescope.tui.efficiency_view import efficiency_line
 from moescope.tui.routing import History, LayerRouting, layer_routing
 
 Samples = dict[tuple[str, frozenset], float]
@@ -133,6 +134,7 @@ class Frame:
     cache_low: dict[int, tuple[float, float]] = field(default_factory=dict)  # layer -> (hit rate, its floor)
     alerts: list[str] | None = None  # None: no Alertmanager configured
     alert_error: str | None = None
+    efficiency: str = ""  # experts touched per step, bytes per token, S-MBU (moescope.tui.efficiency_view)
 
 
 def _fmt(v: float | None, kind: str) -> str:
@@ -354,7 +356,7 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     a2a = _hist_delta(cur, None, "moescope_all_to_all_seconds", ("rank",))
     a2a_p99 = {rank[0]: q for rank, hb in sorted(a2a.items()) if (q := _quantile(hb, 0.99)) is not None}
     return Frame(at or time.time(), model, endpoints, tiles, routing, tier, window, n_exp, columns,
-                 judged_note(routing, t), a2a_p99, cache_low)
+                 judged_note(routing, t), a2a_p99, cache_low, efficiency=efficiency_line(cur, prev, n_exp))
 
 
 def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[int, np.ndarray]):
