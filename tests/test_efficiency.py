@@ -193,3 +193,69 @@ def test_top_once_shows_experts_touched_bytes_per_token_and_smbu(tmp_path, monke
     assert f"decode batch {rows / len(decode):.1f}" in line, line
     smbu = metrics.utilisation("decode")[0]
     assert f"S-MBU {smbu:.1%}" in line and "S-MFU -" in line, line  # no FLOPs peak given: not computed
+
+
+@pytest.mark.integration
+def test_the_efficiency_row_returns_data_from_a_real_prometheus(tmp_path, monkeypatch):
+    """Every query of the overview's efficiency row, variables filled in, returns finite data from a real
+    Prometheus scraping a live run (with a peak set: the S-MBU/S-MFU panel has no series without one)."""
+    import math
+    import threading
+
+    from helpers import wait_until
+    from servers import Prometheus, free_port
+
+    from moescope.dashboards import build
+    from moescope.metrics.exporter import Exporter
+
+    monkeypatch.setenv("MOESCOPE_PEAK_BANDWIDTH", "2e9")
+    monkeypatch.setenv("MOESCOPE_PEAK_FLOPS", "5e10")
+    model = MoETransformer(SHAPE).eval()
+    stop = threading.Event()
+    port = free_port()
+    ready = threading.Event()
+    box = {}
+
+    def serve():
+        with moescope.instrument(model) as handle:
+            box["exp"] = Exporter(handle.metrics, port=port).start()
+            ready.set()
+            engine = Engine(model, max_batch=4)
+            reqs = iter(traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=8), 10_000))
+            while not stop.is_set():
+                if not engine.has_work:  # a batch of 6 at a time: decode steps batch up to 4
+                    for _ in range(6):
+                        r = next(reqs)
+                        engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
+                engine.step()
+            box["exp"].stop()
+
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    prom = None
+    try:
+        assert ready.wait(120)
+        prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
+        doc = build.build_all()["moescope-overview"]
+        row = [(t, e) for t, e in build.queries(doc) if t.startswith(("Experts touched", "Bytes read", "S-MBU"))]
+        assert len(row) == 5
+
+        def values():
+            out = {}
+            for _, expr in row:
+                q = (expr.replace("$model", SHAPE.name).replace("$rank", ".*").replace("$layer", "1")
+                     .replace("$__rate_interval", "10s"))
+                out[expr] = [float(r["value"][1]) for r in prom.query(q)]
+            return out
+
+        got = wait_until(values, timeout=180, what="every efficiency panel's series in Prometheus", interval=1,
+                         until=lambda v: all(x and all(math.isfinite(y) for y in x) for x in v.values()))
+        touched = next(v for e, v in got.items() if "moescope_expert_distinct_total" in e)
+        assert all(1 <= x <= SHAPE.n_experts for x in touched)
+        util = [v for e, v in got.items() if "moescope_peak_" in e]
+        assert all(0 < x for v in util for x in v)
+    finally:
+        stop.set()
+        worker.join(60)
+        if prom is not None:
+            prom.stop()

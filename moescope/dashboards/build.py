@@ -207,7 +207,44 @@ def overview(t: Thresholds = DEFAULT):
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Step time p99 by phase", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le, phase) (rate(moescope_step_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "{{phase}}", True)], "s", 12, 14))
-    return serving(dash, prometheus, timeseries, ds, 22)
+    return efficiency(serving(dash, prometheus, timeseries, ds, 22), prometheus, timeseries, ds, 46)
+
+
+def per_step(name: str, matcher: str, by: str = "model, rank") -> str:
+    """A counter's rate over the panel's interval, summed by ``by`` (a ratio of two is a mean per step, per token)."""
+    return f"sum by ({by}) (rate({name}{{{matcher}}}[$__rate_interval]))"
+
+
+def smbu(matcher: str, phase: str = "decode") -> str:
+    """S-MBU (moescope.efficiency): bytes the phase's steps read / their seconds / the device's peak bandwidth;
+    no series where the peak is unknown (a CPU without MOESCOPE_PEAK_BANDWIDTH)."""
+    m = f'{matcher}, phase="{phase}"'
+    return (f"{per_step('moescope_step_read_bytes_total', m)} / {per_step('moescope_step_seconds_sum', m)} / on "
+            f"(model, rank) moescope_peak_bandwidth_bytes_per_second{{{matcher}}}")
+
+
+def smfu(matcher: str, phase: str = "decode") -> str:
+    """S-MFU: FLOPs of the phase's steps / their seconds / the device's peak FLOP/s (none where unknown)."""
+    m = f'{matcher}, phase="{phase}"'
+    return (f"{per_step('moescope_step_flops_total', m)} / {per_step('moescope_step_seconds_sum', m)} / on "
+            f"(model, rank) moescope_peak_flops_per_second{{{matcher}}}")
+
+
+def efficiency(dash, prometheus, timeseries, ds, y: int):
+    """The efficiency row (issue 44): what the steps read. Experts touched per step against the decode batch,
+    bytes read per output token, S-MBU and S-MFU (docs/metrics.md, "Efficiency")."""
+    dec = f'{SEL}, phase="decode"'
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Experts touched per step and layer vs decode batch", [
+        _q(prometheus, f"{per_step('moescope_expert_distinct_total', SEL)} / "
+           f"{per_step('moescope_expert_distinct_steps_total', SEL)}", "experts / step / layer, rank {{rank}}"),
+        _q(prometheus, f"{per_step('moescope_tokens_total', dec)} / {per_step('moescope_steps_total', dec)}",
+           "decode batch, rank {{rank}}")], "none", 0, y, 8))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Bytes read per output token (decode)", [
+        _q(prometheus, f"{per_step('moescope_step_read_bytes_total', dec, 'model, rank, kind')} / on (model, rank) "
+           f"group_left {per_step('moescope_tokens_total', dec)}", "{{kind}}, rank {{rank}}")], "bytes", 8, y, 8))
+    return dash.with_panel(_ts(timeseries, prometheus, ds, "S-MBU and S-MFU (decode; none without a known peak)", [
+        _q(prometheus, smbu(SEL), "S-MBU, rank {{rank}}"), _q(prometheus, smfu(SEL), "S-MFU, rank {{rank}}")],
+        "percentunit", 16, y, 8))
 
 
 def _quantiles(prometheus, name: str, label: str = "", qs=(0.5, 0.99)):
