@@ -127,3 +127,27 @@ def step_activation(dense_params: int, expert_params: int, distinct_sum: int, to
     """The seeds' activation rate of a step: the parameters it touches (dense part and every distinct expert it
     touched) / total parameters."""
     return (dense_params + distinct_sum * expert_params) / total_params
+
+
+# PromQL of the same quantities over an interval (``window``: a range such as "5m" or Grafana's
+# "$__rate_interval"), for the dashboards and `diagnose --prometheus`: ratio-of-sums, as the module docstring says.
+def per_step(name: str, matcher: str, by: str = "model, rank", window: str = "$__rate_interval") -> str:
+    """A counter's rate summed by ``by`` (a ratio of two is a mean per step, per token)."""
+    return f"sum by ({by}) (rate({name}{{{matcher}}}[{window}]))"
+
+
+def smbu(matcher: str, phase: str = "decode", window: str = "$__rate_interval") -> str:
+    """S-MBU: bytes the phase's steps read / their seconds / the device's peak bandwidth; no series where the peak
+    is unknown (a CPU without MOESCOPE_PEAK_BANDWIDTH)."""
+    m = f'{matcher}, phase="{phase}"'
+    return (f"{per_step('moescope_step_read_bytes_total', m, window=window)} / "
+            f"{per_step('moescope_step_seconds_sum', m, window=window)} / on (model, rank) "
+            f"moescope_peak_bandwidth_bytes_per_second{{{matcher}}}")
+
+
+def smfu(matcher: str, phase: str = "decode", window: str = "$__rate_interval") -> str:
+    """S-MFU: FLOPs of the phase's steps / their seconds / the device's peak FLOP/s (none where unknown)."""
+    m = f'{matcher}, phase="{phase}"'
+    return (f"{per_step('moescope_step_flops_total', m, window=window)} / "
+            f"{per_step('moescope_step_seconds_sum', m, window=window)} / on (model, rank) "
+            f"moescope_peak_flops_per_second{{{matcher}}}")

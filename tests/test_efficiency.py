@@ -259,3 +259,50 @@ def test_the_efficiency_row_returns_data_from_a_real_prometheus(tmp_path, monkey
         worker.join(60)
         if prom is not None:
             prom.stop()
+
+
+def test_the_spread_band_equals_a_simulation_of_independent_uniform_routing():
+    """The band's mean and variance (closed form) against a plain simulation of uniform top-k routing."""
+    from moescope.analysis import step_experts
+
+    rng = np.random.default_rng(0)
+    for e, k, b in ((10, 3, 4), (64, 6, 8), (256, 8, 32)):
+        sims = np.array([len({int(x) for _ in range(b) for x in rng.choice(e, k, replace=False)})
+                         for _ in range(4000)])
+        mean, var = step_experts.uniform_distinct(e, k, [b])
+        assert mean[0] == pytest.approx(sims.mean(), abs=4 * sims.std() / np.sqrt(len(sims)))
+        assert var[0] == pytest.approx(sims.var(), rel=0.12)
+
+
+def _window(pick, n_steps=40, batch=6, e=16, k=2, layers=3, seed=1):
+    """(routing per request, step keys per request): ``batch`` one-row requests per step, experts from ``pick``."""
+    rng = np.random.default_rng(seed)
+    routing, step_of = [], []
+    for s in range(n_steps):
+        rows = pick(rng, batch, e, k, layers)  # [batch, layers, k]
+        for r in rows:
+            routing.append(r[None].astype(np.int16))
+            step_of.append(np.array([s]))
+    return routing, step_of
+
+
+def test_diagnose_names_steps_that_spread_above_the_band_and_only_those():
+    from moescope.analysis import step_experts
+
+    def uniform(rng, b, e, k, n_l):
+        return np.array([[rng.choice(e, k, replace=False) for _ in range(n_l)] for _ in range(b)])
+
+    def apart(rng, b, e, k, n_l):  # the batch's tokens never share an expert: b x k distinct per layer
+        off = rng.integers(e)
+        return np.array([[(np.arange(k) + i * k + off) % e for _ in range(n_l)] for i in range(b)])
+
+    def popular(rng, b, e, k, n_l):  # a trained router's favourites: the batch shares its experts
+        return np.array([[rng.choice(4, k, replace=False) for _ in range(n_l)] for _ in range(b)])
+
+    for pick in (uniform, popular):
+        assert step_experts.finding(*_window(pick), 16, 2) is None, pick.__name__
+    f = step_experts.finding(*_window(apart), 16, 2)
+    assert f["cause"] == "expert-spread" and f["severity"] == "info"  # no bandwidth evidence: info
+    assert f["evidence"]["distinct_per_step_layer"] == 12.0  # 6 tokens x 2 experts, never shared
+    assert step_experts.finding(*_window(apart), 16, 2, (0.8, 0.1))["severity"] == "warning"  # memory-bound
+    assert step_experts.finding(*_window(apart), 16, 2, (0.1, 0.8))["severity"] == "info"  # compute-bound

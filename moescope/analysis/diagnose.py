@@ -42,6 +42,7 @@ from moescope import sampling
 from moescope import judge as judging
 from moescope.judge import Judgement, draws_of
 from moescope.analysis import baseline as bl
+from moescope.analysis import step_experts
 from moescope.errors import BadInput
 from moescope.thresholds import DEFAULT, Thresholds
 
@@ -815,6 +816,9 @@ def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=No
         from moescope.analysis import prom_evidence
 
         findings += [Finding(**f) for f in prom_evidence.findings(prometheus, w.model, thresholds)]
+    spread = step_experts.finding(w.routing, w.step_of, w.n_experts, w.top_k,
+                                  step_experts.utilisation_from(prometheus, w.model) if prometheus else None)
+    findings += [Finding(**spread)] if spread else []
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.score))
     for f in findings:
         if f.playbook:

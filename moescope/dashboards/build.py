@@ -22,6 +22,7 @@ import json
 from pathlib import Path
 
 from moescope.alerts import rules
+from moescope.efficiency import per_step, smbu, smfu
 from moescope.thresholds import DEFAULT, WARN_FRACTION, Thresholds
 
 SEL = 'model="$model", rank=~"$rank"'
@@ -208,26 +209,6 @@ def overview(t: Thresholds = DEFAULT):
         _q(prometheus, "histogram_quantile(0.99, sum by (le, phase) (rate(moescope_step_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "{{phase}}", True)], "s", 12, 14))
     return efficiency(serving(dash, prometheus, timeseries, ds, 22), prometheus, timeseries, ds, 46)
-
-
-def per_step(name: str, matcher: str, by: str = "model, rank") -> str:
-    """A counter's rate over the panel's interval, summed by ``by`` (a ratio of two is a mean per step, per token)."""
-    return f"sum by ({by}) (rate({name}{{{matcher}}}[$__rate_interval]))"
-
-
-def smbu(matcher: str, phase: str = "decode") -> str:
-    """S-MBU (moescope.efficiency): bytes the phase's steps read / their seconds / the device's peak bandwidth;
-    no series where the peak is unknown (a CPU without MOESCOPE_PEAK_BANDWIDTH)."""
-    m = f'{matcher}, phase="{phase}"'
-    return (f"{per_step('moescope_step_read_bytes_total', m)} / {per_step('moescope_step_seconds_sum', m)} / on "
-            f"(model, rank) moescope_peak_bandwidth_bytes_per_second{{{matcher}}}")
-
-
-def smfu(matcher: str, phase: str = "decode") -> str:
-    """S-MFU: FLOPs of the phase's steps / their seconds / the device's peak FLOP/s (none where unknown)."""
-    m = f'{matcher}, phase="{phase}"'
-    return (f"{per_step('moescope_step_flops_total', m)} / {per_step('moescope_step_seconds_sum', m)} / on "
-            f"(model, rank) moescope_peak_flops_per_second{{{matcher}}}")
 
 
 def efficiency(dash, prometheus, timeseries, ds, y: int):
