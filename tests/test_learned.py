@@ -11,6 +11,7 @@ from __future__ import annotations
 
 
 import numpy as np
+import pytest
 
 from moescope.metrics.window import LearnedReference, RoutingWindow
 from moescope.thresholds import DEFAULT
@@ -91,3 +92,45 @@ def test_a_gradual_shift_is_followed_not_paged():
         paged |= {x for x in over_bar(g) if x[2] == "learned"}
     assert lr.has.all()
     assert not paged, paged
+
+
+def _stats(shares: np.ndarray) -> tuple[float, float]:
+    """(load CV, top share per token) of a layer routing by ``shares``: the structure, computed directly."""
+    return float(shares.std() / shares.mean()), float(shares.max() * K)
+
+
+def test_a_layer_uneven_from_the_start_is_its_reference_and_a_jump_in_it_pages():
+    """Issue [learned]: imbalance and collapse without a baseline are judged against the excess CV and top share the
+    layer showed in its first full window. Narrow traffic (excess CV ~2.5 by design of the traffic, over the old
+    no-baseline bar of 1) pages neither, and its reference holds that structure (checked against the shares'
+    own CV and top share); one layer whose load then collapses onto one expert pages collapse, that layer only,
+    and its learned top share does not absorb the collapse while it lasts."""
+    from moescope import judge
+
+    rng = np.random.default_rng(2)
+    w = RoutingWindow(LAYERS, E, WINDOW_S)
+    lr = LearnedReference(len(LAYERS), E, WINDOW_S, DEFAULT.learn_half_life_windows)
+    base = {layer: narrow_shares() for layer in LAYERS}
+    collapsed = narrow_shares() * 0.2
+    collapsed[50] += 0.8  # one expert in nearly every token (share 0.8 of slots x K = 3.2 > 1: in every token)
+    collapsed /= collapsed.sum()
+    verdicts: dict[str, set] = {"learned": set(), "jump": set()}
+    for second in range(0, 40 * WINDOW_S):
+        phase = "learning" if second < 2 * WINDOW_S else "learned" if second < 30 * WINDOW_S else "jump"
+        feed(w, second, {**base, 3: collapsed} if phase == "jump" else base, rng)
+        g = scrape(w, lr, second + 0.9)
+        if phase == "learning":
+            continue
+        for i, layer in enumerate(g.layers):
+            v = judge.verdict(excess_cv=float(g.excess_cv[i]), baseline_cv=None, top_share=float(g.top_share[i]),
+                              dead_unexpected=float(g.dead_unexpected[i]), reference=g.hot_reference[i],
+                              reference_cv=float(g.reference_cv[i]), reference_top=float(g.reference_top[i]))
+            verdicts[phase] |= {(layer, name) for name in v.fires()}
+    cv, top = _stats(narrow_shares())
+    assert cv > DEFAULT.imbalance_cv  # over the old no-baseline bar by design of the traffic
+    assert lr.has.all()
+    assert lr.cv[:2] == pytest.approx(cv, rel=0.2) and lr.top[:2] == pytest.approx(top, rel=0.2)
+    assert verdicts["learned"] == set(), verdicts["learned"]
+    assert (3, "MoEExpertCollapse") in verdicts["jump"], verdicts["jump"]
+    assert {layer for layer, _ in verdicts["jump"]} == {3}, verdicts["jump"]
+    assert lr.top[2] == pytest.approx(top, rel=0.2)  # not absorbed: still the narrow traffic's top share
