@@ -97,6 +97,10 @@ class Instrumentation:
         self.metrics = MetricsObserver(info, rank=m.rank, window_s=m.window_s, export_routing=m.export_routing,
                                        hot_reference=m.hot_reference, **extra)
         self.metrics.reads_flush = not runtime  # the engine flushes when idle; a HF model has no engine
+        if m.peak_bandwidth is not None or m.peak_flops is not None:  # settings over the environment and table
+            from moescope import efficiency
+
+            self.metrics.peak = efficiency.resolve_peak(info.device, bandwidth=m.peak_bandwidth, flops=m.peak_flops)
         self.observer = FanOut([self.metrics, *observers])
         self._stack.callback(self.observer.shutdown)  # flushes the recorder: before OTLP stops (pushed earlier)
         # Observers with their own queue (QueuedObserver, TraceRecorder) report drops and errors.

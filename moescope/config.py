@@ -42,7 +42,10 @@ class Metrics:
     own first full window, followed slowly; "fair": 1/E; ``metrics.state.MetricsObserver``).
     ``baseline``: the user's healthy baseline (``moescope baseline save``): a file, an
     ``analysis.baseline.Profile`` or {layer: load}; the reference of the hot, dead and drift judgements and
-    the source of the ``moescope_baseline_*`` series."""
+    the source of the ``moescope_baseline_*`` series.
+    ``peak_bandwidth`` / ``peak_flops``: the device's peak bytes/s and FLOP/s S-MBU and S-MFU divide by (None:
+    ``MOESCOPE_PEAK_BANDWIDTH`` / ``MOESCOPE_PEAK_FLOPS``, else ``moescope.efficiency``'s table by the GPU's
+    name; on CPU unknown unless given)."""
 
     port: int | None = None
     addr: str = "127.0.0.1"
@@ -53,8 +56,14 @@ class Metrics:
     expert_series_budget: int | None = None
     hot_reference: str = "learned"
     baseline: str | Path | Profile | Mapping[int, Sequence[float]] | None = None
+    peak_bandwidth: float | None = None
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("peak_bandwidth", "peak_flops"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):
+                raise ConfigError(f"{name.replace('_', ' ')} must be a positive number, got {v!r}")
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ConfigError(f"metrics port must be 0..65535 (or None for no exporter), got {self.port}")
         if not self.window_s > 0:

@@ -306,3 +306,22 @@ def test_diagnose_names_steps_that_spread_above_the_band_and_only_those():
     assert f["evidence"]["distinct_per_step_layer"] == 12.0  # 6 tokens x 2 experts, never shared
     assert step_experts.finding(*_window(apart), 16, 2, (0.8, 0.1))["severity"] == "warning"  # memory-bound
     assert step_experts.finding(*_window(apart), 16, 2, (0.1, 0.8))["severity"] == "info"  # compute-bound
+
+
+def test_peak_settings_reach_the_exporter_through_the_config_and_the_cli(tmp_path, monkeypatch, capsys):
+    """Config(metrics=Metrics(peak_bandwidth=...)) over the environment; the exporter shows the peak; the CLI
+    flags map to it (`--peak-bandwidth`), a bad value is one line and exit 2."""
+    from moescope.cli import main
+    from moescope.config import Config, Metrics
+    from moescope.metrics.exporter import Exporter
+
+    monkeypatch.setenv("MOESCOPE_PEAK_FLOPS", "3e10")
+    model = MoETransformer(SHAPE).eval()
+    with moescope.instrument(model, Config(metrics=Metrics(peak_bandwidth=7e9))) as handle:
+        text = Exporter(handle.metrics, port=0).exposition().decode()
+    assert "moescope_peak_bandwidth_bytes_per_second{" in text and " 7e+09" in text
+    assert "moescope_peak_flops_per_second{" in text and " 3e+10" in text  # the environment fills the other
+    with pytest.raises(Exception, match="peak bandwidth must be a positive number"):
+        Metrics(peak_bandwidth=-1.0)
+    assert main(["demo", "--no-tui", "--requests", "1", "--peak-flops", "fast"]) == 2
+    assert capsys.readouterr().err.count("\n") == 1

@@ -78,6 +78,8 @@ class InstrumentOptions:
     baseline_path: str | None
     metrics_window: float
     hot_reference: str
+    peak_bandwidth: float | None
+    peak_flops: float | None
     load_bound: float | None
     smoothing_margin: float | None
     router_impl: str
@@ -166,6 +168,12 @@ instrument_options = option_group(
                  help="Without --baseline, what a hot expert is judged against: learned (the share this run's "
                       "first full window gave it, followed slowly: a page means its share rose) or fair (1/E "
                       "from the first window: also pages experts that are popular by design)."),
+    click.option("--peak-bandwidth", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="The device's peak memory bandwidth, bytes/s, for S-MBU [MOESCOPE_PEAK_BANDWIDTH, else the "
+                      "GPU's datasheet figure by its name; on CPU: none]."),
+    click.option("--peak-flops", type=click.FloatRange(min=0, min_open=True), default=None,
+                 help="The device's peak FLOP/s, for S-MFU [MOESCOPE_PEAK_FLOPS, else the GPU's datasheet dense "
+                      "BF16 figure; on CPU: none]."),
     click.option("--load-aware", "load_bound", type=click.FloatRange(min=0, min_open=True), default=None,
                  help="Load-aware routing: demote experts whose estimated load exceeds this share of their "
                       "capacity (e.g. 0.85; capacity = 1.5 x the fair share). Default: off."),
@@ -212,7 +220,8 @@ def build_config(i: InstrumentOptions, model: ModelOptions, *, rank: int = 0, wo
                         rank=rank, baseline=i.baseline_path or baseline,
                         # W ranks share one process's per-expert series budget: the fleet's stays within it
                         expert_series_budget=None if world == 1 else EXPERT_SERIES_BUDGET // world,
-                        window_s=i.metrics_window, hot_reference=i.hot_reference),
+                        window_s=i.metrics_window, hot_reference=i.hot_reference,
+                        peak_bandwidth=i.peak_bandwidth, peak_flops=i.peak_flops),
         traces=traces, routing_log=i.record_routing if rank == 0 else None, cache=cache, canary=canary,
         mitigations=mitigations, scenarios=i.scenarios, fault_after_s=i.fault_after, router_impl=i.router_impl,
         observers=tuple(observers))
