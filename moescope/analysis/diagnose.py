@@ -266,7 +266,9 @@ def _check_load(w: Window, t: Thresholds, j: Judgement, per_request: np.ndarray)
         out.append(Finding(
             "collapse", "critical", "Routing collapsed onto one expert", 5.0 + float(j.top_share[collapsed].max()),
             {"layers": {w.layers[i]: {"expert": int(j.counts[i].argmax()),
-                                      "top_share": round(float(j.top_share[i]), 3)} for i in np.nonzero(collapsed)[0]},
+                                      "top_share": round(float(j.top_share[i]), 3),
+                                      "bar": round(float(j.collapse_bar[i]), 3), "reference": j.hot_reference[i]}
+                        for i in np.nonzero(collapsed)[0]},
              "threshold": t.collapse_top_share},
             [], "MoEExpertCollapse"))
     over = [i for i in np.nonzero(j.imbalanced & ~collapsed)[0]]

@@ -19,13 +19,16 @@ def judged_series(url: str, sel: str, t: Thresholds = DEFAULT) -> list[dict]:
     """Info findings from the exporter's judged series (what the rules judge, as the rules judge it)."""
     out = []
     excess = _by_layer(url, f"max by (layer) (moescope_expert_load_excess_cv_ratio{{{sel}}})")
-    base = _by_layer(url, f"max by (layer) (moescope_baseline_load_cv_ratio{{{sel}}})")
-    over = {layer: {"excess_cv": round(v, 3), "bar": round(t.imbalance_bar(base.get(layer)), 3)}
-            for layer, v in excess.items() if t.imbalanced(v, base.get(layer))}
+    # each layer's reference (baseline, learned or fair; none while learning: no bar), as the rule reads it
+    refs = {r["metric"].get("layer", ""): (r["metric"].get("reference", "fair"), float(r["value"][1]))
+            for r in query(url, f"max by (layer, reference) (moescope_reference_load_cv_ratio{{{sel}}})")}
+    bars = {layer: t.imbalance_bar_of(*refs[layer]) for layer in excess if layer in refs}
+    over = {layer: {"excess_cv": round(v, 3), "bar": round(bars[layer], 3), "reference": refs[layer][0]}
+            for layer, v in excess.items() if layer in bars and v > bars[layer]}
     if over:
         out.append(dict(cause="prometheus:imbalance", severity="info",
                         title=f"Prometheus: excess load CV over its bar in {len(over)} layer(s)", score=1.0,
-                        evidence={"layers": over, "bar_from": "baseline" if base else "no baseline"},
+                        evidence={"layers": over, "bar_from": sorted({x["reference"] for x in over.values()})},
                         examples=[], playbook="MoEExpertLoadImbalance"))
     not_judged = sorted(layer for layer, v in excess.items() if math.isnan(v))
     if not_judged:
