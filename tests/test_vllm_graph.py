@@ -209,3 +209,45 @@ def test_counts_survive_a_cuda_graph_replay():
 
         parsed = _replay_and_count(model, buf, replay, batches)
     _check(parsed, _reference_counts(model, batches), N)
+
+
+def test_the_summary_runs_off_the_engine_thread_and_counts_alike():
+    """The plugin's routing probe summarises on its own thread (``summarise_in_background``): with the summary
+    blocked (its listener waits on an event), the engine's steps still complete; once released, every count
+    arrives, with no flush asked for (vLLM never reports going idle: the worker summarises the last steps)."""
+    import threading
+
+    from helpers import wait_until
+
+    model, buf = _bound_model("cpu")
+    batches = _batches(N, "cpu")
+    adapter = VLLMAdapter(model)
+    with moescope.instrument(adapter, port=0, model_name="graph") as inst:
+        probe = inst.metrics.probe
+        probe.summarise_in_background()
+        entered, release = threading.Event(), threading.Event()
+        listener = probe._listener
+
+        def blocked(stats):
+            entered.set()
+            release.wait(60)
+            listener(stats)
+
+        probe._listener = blocked
+        probe.interval_s = 0.0  # every step asks for a summary
+        with torch.no_grad():
+            for step, x in enumerate(batches):
+                rid, out = _scheduler_output(step, x.shape[0])
+                adapter.begin_step(out)
+                model(x)
+                adapter.end_step(out, [rid])
+                if step == 0:
+                    assert entered.wait(30)  # the worker is inside a summary from the first step on...
+        assert not release.is_set()  # ...and every step completed while it was held there
+        release.set()
+        parsed = wait_until(lambda: parse(inst.exporter.exposition().decode()), timeout=30,
+                            what="every step summarised by the worker",
+                            until=lambda p: sum_by_label(p, "moescope_router_tokens_total", "layer",
+                                                         model="graph") == {str(i): float(N * ROWS)
+                                                                            for i in range(LAYERS)})
+    _check(parsed, _reference_counts(model, batches), N)

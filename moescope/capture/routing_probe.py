@@ -25,6 +25,8 @@ Decisions are immutable after their forward, so holding references until the flu
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -37,6 +39,8 @@ from moescope.capture.observer import Observer
 
 if TYPE_CHECKING:
     from moescope.capture.decision import RoutingDecision
+
+log = logging.getLogger("moescope.capture")
 
 
 @dataclass(frozen=True)
@@ -211,6 +215,10 @@ class RoutingProbe(Observer):
         # flush() may run on a scrape thread: the lock guards only the list swap (microseconds), never the
         # summarising, so the engine thread waits on nothing but that swap.
         self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None  # summarise_in_background(): the probe's own thread
+        self._due = threading.Event()
+        self._serial = contextlib.nullcontext()  # with a worker: one flush at a time, in order
+        self.errors = 0  # the worker's flushes that raised (counted, logged once)
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         with self._lock:
@@ -228,7 +236,38 @@ class RoutingProbe(Observer):
             self._stepped = True
         self._steps += 1
         if self._steps >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
-            self.flush()
+            if self._worker is not None:
+                self._due.set()  # the worker summarises: the engine's step goes on at once
+            else:
+                self.flush()
+
+    def summarise_in_background(self) -> None:
+        """From now on the periodic summary runs on a thread of the probe's own, never on the engine's: ``on_step``
+        only signals it (the step boundary and a list append stay the engine thread's whole cost), and the worker
+        also summarises an idle engine's last steps after ``interval_s`` (an engine that never reports going
+        idle, as vLLM's). Flushes are serialised so the listener sees them in order. For engines whose step time
+        must not carry moescope's summary (the vLLM plugin); an error is counted in ``errors`` and logged once."""
+        if self._worker is not None:
+            return
+        self._serial = threading.Lock()
+
+        def run() -> None:
+            while True:
+                self._due.wait(self.interval_s)
+                self._due.clear()
+                if not (self._bounds or self._finished):
+                    continue
+                try:
+                    self.flush()
+                except Exception:  # the worker must outlive a bad flush: counted, logged once
+                    self.errors += 1
+                    if self.errors == 1:
+                        log.exception("routing probe: a background flush failed (counted; further at debug)")
+                    else:
+                        log.debug("routing probe: a background flush failed", exc_info=True)
+
+        self._worker = threading.Thread(target=run, name="moescope-routing-probe", daemon=True)
+        self._worker.start()
 
     def on_request(self, request_id: str) -> None:
         """The request finished: its draw is complete once the steps already reported are summarised."""
@@ -236,6 +275,10 @@ class RoutingProbe(Observer):
             self._finished.append(request_id)
 
     def flush(self, final: bool = False) -> None:
+        with self._serial:
+            self._flush(final)
+
+    def _flush(self, final: bool) -> None:
         with self._lock:
             cut = len(self._pending) if final or not self._stepped else \
                 (self._bounds[-1][0] if self._bounds else 0)

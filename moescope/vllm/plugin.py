@@ -333,9 +333,14 @@ def _start(runner):
     import atexit
 
     atexit.register(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
+    # vLLM's step carries none of moescope's summarising: the routing probe summarises on its own thread (and an
+    # idle server's last steps too: vLLM never reports going idle)
+    inst.metrics.probe.summarise_in_background()
     inst.metrics.cost_source = lambda: worker.cost_s
-    inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {"vllm_step": worker.errors}
-                                       if worker.errors else {})
+    probe = inst.metrics.probe
+    inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {
+        **({"vllm_step": worker.errors} if worker.errors else {}),
+        **({"routing_probe": probe.errors} if probe.errors else {})})
     log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),
              adapter.n_experts, adapter.top_k, served, dp_rank,
              f"; metrics on {settings.addr}:{port}" if port is not None else "",
