@@ -17,7 +17,9 @@ own seconds.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 
 import _results
 import numpy as np
@@ -84,9 +86,36 @@ def measure(model, batch: int, tokens: int) -> dict:
     }
 
 
+def markdown(d: dict) -> list[str]:
+    """The docs' worked example (docs/metrics.md, "Efficiency"), one table per shape."""
+    lines = []
+    for name, s in d["shapes"].items():
+        e = s["n_experts"]
+        lines += [f"**{name}** ({s['moe_layers']} MoE layers x {e} experts, top-{s['top_k']}, "
+                  f"{s['dtype_bytes']} bytes per parameter):", "",
+                  "| decode batch | experts touched per step and layer | uniform routing's expectation | "
+                  "vLLM's estimate | weight MB / output token | KV MB / output token | step activation "
+                  "(per token) |", "|---|---|---|---|---|---|---|"]
+        for r in s["rows"]:
+            lines.append(f"| {r['batch']} | {r['distinct_per_layer']:g} of {e} ({r['distinct_share']:.0%}) | "
+                         f"{r['uniform_expectation']:g} | {r['vllm_estimate']} | "
+                         f"{r['weight_bytes_per_token'] / 1e6:.3g} | {r['kv_bytes_per_token'] / 1e6:.3g} | "
+                         f"{r['step_activation']:.1%} ({r['token_activation']:.1%}) |")
+        lines.append("")
+    shares = [r["probe_share_of_step_time"] for s in d["shapes"].values() for r in s["rows"]]
+    lines.append(f"The routing probe's summarising (all of it, the distinct-expert table included) took "
+                 f"{min(shares):.1%} to {max(shares):.1%} of the steps' own time in these runs.")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _results.parser(__doc__, quick="batches 1 and 4, 3 tokens each (CI keeps the script working)")
+    ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
+                    help="print the docs' table from a results file instead of measuring")
     args = _results.parse(ap, argv, "efficiency")
+    if args.markdown is not None:
+        print("\n".join(markdown(json.loads(args.markdown.read_text()))).rstrip("\n"))
+        return 0
     batches, tokens = ((1, 4), 3) if args.quick else ((1, 8, 64, 256), 12)
     out = {"shapes": {}, "batches": list(batches), "decode_tokens": tokens}
     for name in SHAPES:
