@@ -119,6 +119,8 @@ def _replay_and_count(model: Model, buf, forward, batches) -> dict:
             adapter.begin_step(out)
             forward(x)
             adapter.end_step(out, [rid])
+        assert adapter.drain() and adapter.dropped == 0  # the relay's thread delivered every step
+        inst.metrics.flush()
         return parse(inst.exporter.exposition().decode())
 
 

@@ -60,6 +60,70 @@ class _Live:
     token_times: list = field(default_factory=list)
 
 
+class _Relay:
+    """The observer's hooks off vLLM's step: the engine's thread queues each step (its routing ids, a device tensor,
+    and its ``StepRecord``) and each finished request, and one worker thread hands them to the observer in order.
+    Bounded by count and by the routing bytes queued: past either, an event is dropped and counted (``dropped``,
+    ``moescope_capture_dropped_total{queue="vllm_steps"}``), never waited on. ``stop()`` drains what is queued."""
+
+    MAX_EVENTS = 4096
+    MAX_BYTES = 256 << 20  # routing ids queued on the device: 256 MiB at most (a prefill step at 8,192 x 61 x 8: 4 MB)
+
+    def __init__(self, deliver) -> None:
+        import queue
+        import threading
+
+        self._deliver = deliver
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._events = 0
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.dropped = 0
+        self.errors = 0
+        self._thread = threading.Thread(target=self._loop, name="moescope-vllm-relay", daemon=True)
+        self._thread.start()
+
+    def put(self, kind: str, payload, nbytes: int) -> None:
+        with self._lock:
+            if self._events >= self.MAX_EVENTS or self._bytes + nbytes > self.MAX_BYTES:
+                self.dropped += 1
+                return
+            self._events += 1
+            self._bytes += nbytes
+        self._queue.put((kind, payload, nbytes))
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, payload, nbytes = item
+            try:
+                self._deliver(kind, payload)
+            except Exception:  # a sink's error is counted, never raised (the observer's FanOut isolates its own)
+                self.errors += 1
+                if self.errors == 1:
+                    log.exception("moescope: delivering a %s failed (counted; further errors at debug)", kind)
+                else:
+                    log.debug("moescope: delivering a %s failed", kind, exc_info=True)
+            with self._lock:
+                self._events -= 1
+                self._bytes -= nbytes
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued event was delivered (tests, shutdown); False on timeout."""
+        import time as _time
+
+        deadline = _time.monotonic() + timeout
+        while self._events and _time.monotonic() < deadline:
+            _time.sleep(0.005)
+        return not self._events
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
 class VLLMAdapter:
     """Reports a vLLM worker's model to an observer: ``attach(observer)``, ``detach()``, and the model runner's
     step boundaries (``begin_step``/``end_step``). One per worker process."""
@@ -95,6 +159,8 @@ class VLLMAdapter:
         self._live: dict[str, _Live] = {}  # engine request id -> the request (its client id among the rest)
         self._computed: dict[str, int] = {}  # engine request id -> its tokens forwarded so far (the scheduler's)
         self._buffer = None  # moescope.vllm.capture's step buffer, once attached
+        self._relay: _Relay | None = None  # the observer's hooks, on a thread of their own (attach)
+        self._dropped_before = 0
         self._slots: list[tuple[int, int]] = []  # (buffer slot, layer) of this model's MoE layers
         # Per-row-count constants of a decision (what vLLM does not tell: weights, scores), shared by every layer
         # and step of that many rows: immutable after construction, so one allocation serves them all.
@@ -121,20 +187,37 @@ class VLLMAdapter:
         self._slots = [(i, layer) for i, layer in enumerate(buf.layers) if layer in ours] if buf is not None else []
         self._buffer = buf
         self.observer = observer
+        self._relay = _Relay(self._deliver)
 
     def detach(self) -> None:
+        relay, self._relay = self._relay, None
+        if relay is not None:
+            relay.stop()  # what is queued reaches the observer first (the worker's exit: nothing recorded lost)
         self.observer = None
         self._buffer = None
 
-    def _route(self, rows: int) -> None:
-        """The step's routing to the observer, one decision per MoE layer: the real rows of the step buffer
-        (padding excluded), copied once for all layers on the ids' own device (no host sync)."""
-        buf, observer = self._buffer, self.observer
-        if buf is None or observer is None or not self._slots:
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every step and request queued so far reached the observer (tests; shutdown drains anyway)."""
+        return self._relay.drain(timeout) if self._relay is not None else True
+
+    @property
+    def dropped(self) -> int:
+        """Steps and finished requests dropped because the relay's queue was full (counted, never waited on)."""
+        return self._relay.dropped if self._relay is not None else self._dropped_before
+
+    def _deliver(self, kind: str, payload) -> None:
+        """On the relay's thread: one queued event to the observer (the engine's thread only queued it)."""
+        observer = self.observer
+        if observer is None:
             return
-        step = buf.step_ids(rows)  # [rows, slots, k] int64
-        for i, layer in self._slots:
-            observer.on_routing(layer, self._decision(step[:, i], rows))
+        if kind == "step":
+            ids, step = payload
+            if ids is not None:
+                for i, layer in self._slots:
+                    observer.on_routing(layer, self._decision(ids[:, i], step.n_tokens))
+            observer.on_step(step)
+        else:
+            observer.on_request(self._record(*payload))
 
     def _decision(self, ids: torch.Tensor, n: int) -> RoutingDecision:
         consts = self._consts.get(n)
@@ -180,7 +263,9 @@ class VLLMAdapter:
         if not rows:
             return
         now = time.perf_counter()
-        self._route(rows)
+        # the step's routing: the real rows of the step buffer (padding excluded), one copy for all layers, enqueued
+        # on the ids' own device after the forward that wrote them (no host sync); the next forward overwrites them
+        ids = self._buffer.step_ids(rows) if self._buffer is not None and self._slots else None
         scheduled = scheduler_output.num_scheduled_tokens
         segments, prefill = [], False
         for engine_id in req_order:
@@ -199,28 +284,32 @@ class VLLMAdapter:
         step = StepRecord(index=self._step, phase="prefill" if prefill else "decode", started=self._t0,
                           seconds=now - self._t0, n_tokens=rows, segments=tuple(segments))
         self._step += 1
-        if self.observer is not None:
-            self.observer.on_step(step)
+        if self._relay is not None:
+            self._relay.put("step", (ids, step), 0 if ids is None else ids.numel() * ids.element_size())
 
     def _finish(self, engine_id: str, output_tokens, now: float) -> None:
+        """A finished request: its generated tokens read now (the runner frees them after this step), its record
+        built and delivered on the relay's thread (decoding text is no work for vLLM's step)."""
         live = self._live.pop(engine_id, None)
         fed = self._computed.pop(engine_id, 0)
-        if live is None or self.observer is None:
+        if live is None or self._relay is None:
             return
         # Tokens fed = prompt + generated - 1 (the last generated token is never fed back).
         n_out = max(0, fed - len(live.prompt_ids) + 1) if fed >= len(live.prompt_ids) else 0
         out = list(output_tokens(engine_id, n_out) or ()) if output_tokens is not None and n_out else []
+        self._relay.put("request", (live, out, n_out, now), 0)
+
+    def _record(self, live: _Live, out: list, n_out: int, now: float) -> RequestRecord:
         times = live.token_times[:max(len(out), n_out)]
         first = times[0] if times else now
         lat = tuple([first - live.arrival] + [b - a for a, b in zip(times, times[1:])]) if times else ()
         reason = "length" if live.max_tokens is not None and max(len(out), n_out) >= live.max_tokens else "stop"
-        record = RequestRecord(request_id=live.request_id, prompt=self._text(live.prompt_ids),
-                               output=self._text(out), prompt_tokens=tuple(live.prompt_ids),
-                               output_tokens=tuple(out), arrival=live.arrival, queue_s=0.0,
-                               prefill_s=first - live.arrival if times else now - live.arrival,
-                               ttft_s=first - live.arrival if times else 0.0, token_latencies_s=lat,
-                               total_s=now - live.arrival, finish_reason=reason)
-        self.observer.on_request(record)
+        return RequestRecord(request_id=live.request_id, prompt=self._text(live.prompt_ids),
+                             output=self._text(out), prompt_tokens=tuple(live.prompt_ids),
+                             output_tokens=tuple(out), arrival=live.arrival, queue_s=0.0,
+                             prefill_s=first - live.arrival if times else now - live.arrival,
+                             ttft_s=first - live.arrival if times else 0.0, token_latencies_s=lat,
+                             total_s=now - live.arrival, finish_reason=reason)
 
     def _text(self, ids) -> str:
         if self.tokenizer is None or not ids:

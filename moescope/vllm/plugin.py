@@ -341,6 +341,7 @@ def _start(runner):
     inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {
         **({"vllm_step": worker.errors} if worker.errors else {}),
         **({"routing_probe": probe.errors} if probe.errors else {})})
+    inst.metrics.dropped_source = _with(inst.metrics.dropped_source, lambda: {"vllm_steps": adapter.dropped})
     log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),
              adapter.n_experts, adapter.top_k, served, dp_rank,
              f"; metrics on {settings.addr}:{port}" if port is not None else "",
