@@ -69,6 +69,9 @@ def measure(model, batch: int, tokens: int) -> dict:
     kv = c.get(("moescope_step_read_bytes_total", ("decode", "kv")), 0.0)
     step_s = sum(h._sum.get() for (name, _), h in st._children.items() if name == "moescope_step_seconds")
     mean, _ = step_experts.uniform_distinct(cfg.n_experts, cfg.top_k, [batch])
+    child = st._children.get(("moescope_step_seconds", ("decode",)))
+    dec = None if child is None else type("Dec", (), {"sum": child._sum.get(), "count": sum(
+        b.get() for b in child._buckets)})
     info = st.info
     touched = float(np.mean(per_layer)) if per_layer else None
     return {
@@ -83,7 +86,36 @@ def measure(model, batch: int, tokens: int) -> dict:
             (info.dense_params + touched * len(info.moe_layers) * info.expert_params) / info.total_params, 4),
         "token_activation": round(info.expected_activation, 4),
         "probe_share_of_step_time": round(spent[0] / step_s, 5) if step_s else None,
+        "decode_step_ms": round(1e3 * dec.sum / dec.count, 3) if dec is not None and dec.count else None,
     }
+
+
+def table_cost(shape: str, batch: int, steps: int, repeats: int) -> dict:
+    """What the distinct-expert table adds to one flush on CPU: the probe's summary of ``steps`` decode steps of
+    ``batch`` rows at ``shape``'s routing width, with and without the per-step table (medians of ``repeats``)."""
+    import statistics
+
+    import torch
+
+    from moescope.runtime.config import resolve
+    from moescope.runtime.router import route
+
+    cfg = resolve(shape)
+    gen = torch.Generator().manual_seed(0)
+    by_layer = {layer: [(route(torch.randn(batch, cfg.n_experts, generator=gen), cfg.top_k), 0)
+                        for _ in range(steps)] for layer in cfg.moe_layers}
+    step_by_layer = {layer: list(range(steps)) for layer in cfg.moe_layers}
+    out = {}
+    for name, args in (("without", ()), ("with", (step_by_layer, steps))):
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            RoutingProbe._host(by_layer, cfg.n_experts, 1, *args)
+            times.append(time.perf_counter() - t0)
+        out[name] = statistics.median(times)
+    return {"shape": shape, "batch": batch, "steps_per_flush": steps, "median_s_without": round(out["without"], 6),
+            "median_s_with": round(out["with"], 6),
+            "added_s_per_step": round((out["with"] - out["without"]) / steps, 7)}
 
 
 def markdown(d: dict) -> list[str]:
@@ -105,6 +137,17 @@ def markdown(d: dict) -> list[str]:
     shares = [r["probe_share_of_step_time"] for s in d["shapes"].values() for r in s["rows"]]
     lines.append(f"The routing probe's summarising (all of it, the distinct-expert table included) took "
                  f"{min(shares):.1%} to {max(shares):.1%} of the steps' own time in these runs.")
+    c = d.get("table_cost")
+    at = next((r for r in d["shapes"].get(c["shape"] if c else "", {}).get("rows", [])
+               if c and r["batch"] == c["batch"] and r.get("decode_step_ms")), None)
+    if c:
+        lines.append(f"The distinct-expert table alone adds {c['added_s_per_step'] * 1e3:.3g} ms per step to a "
+                     f"flush of {c['steps_per_flush']} decode steps of {c['batch']} rows at {c['shape']} (CPU, "
+                     f"medians: {c['median_s_without'] * 1e3:.3g} ms without, {c['median_s_with'] * 1e3:.3g} ms "
+                     "with).")
+    if c and at:
+        lines.append(f"That is {c['added_s_per_step'] * 1e3 / at['decode_step_ms']:.2%} of a {c['batch']}-row decode "
+                     f"step there ({at['decode_step_ms']:.3g} ms on this CPU).")
     return lines
 
 
@@ -124,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = [measure(model, b, tokens) for b in _results.track(batches, f"efficiency: {name}")]
         out["shapes"][name] = {"n_experts": cfg.n_experts, "top_k": cfg.top_k, "moe_layers": len(cfg.moe_layers),
                                "dtype_bytes": next(model.parameters()).element_size(), "rows": rows}
+    out["table_cost"] = table_cost("deepseek-v3-shape", 64, 8 if args.quick else 32, 3 if args.quick else 15)
     _results.save(out, args.out)
     return 0
 
