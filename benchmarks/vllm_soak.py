@@ -25,6 +25,7 @@ A leak keeps its rate; a warm-up slows. The plugin's own memory is the on server
 At the end ``moescope diagnose --traces`` reads the on server's store: its memory finding is recorded.
 
     .vllm/bin/python benchmarks/vllm_soak.py [--minutes 30] [--rate 2] [--quick] [--keep-store PATH]
+    (CI: tests/test_vllm_diagnose.py runs --quick in the vLLM pass)
     python benchmarks/vllm_soak.py --markdown benchmarks/results/vllm-soak.json   # the docs' table
 """
 
@@ -190,9 +191,16 @@ def summarise(samples: list[dict], settle_s: float) -> dict:
                                  "from_s": round(pts[0][0], 1), "to_s": round(pts[-1][0], 1)}
     on, off = out.get("on", {}).get("total"), out.get("off", {}).get("total")
     if on and off:
+        # the plugin's own memory at each sample: the on server's RSS minus the off server's (the same load, the
+        # same moment: vLLM's own growth cancels), and its least-squares trend over the settled span
+        diff = [(s["t_s"] / 60, (sum(s["on"]["rss"].values()) - sum(s["off"]["rss"].values())) / MB) for s in settled]
+        slope, se = _fit([t for t, _ in diff], [d for _, d in diff])
         out["plugin"] = {"extra_growth_mb": round(on["grew_mb"] - off["grew_mb"], 1),
                          "extra_second_half_mb": round(on["second_half_mb"] - off["second_half_mb"], 1),
-                         "extra_rss_end_mb": round(on["rss_end_mb"] - off["rss_end_mb"], 1)}
+                         "extra_rss_end_mb": round(on["rss_end_mb"] - off["rss_end_mb"], 1),
+                         "extra_min_mb": round(min(d for _, d in diff), 1),
+                         "extra_max_mb": round(max(d for _, d in diff), 1),
+                         "extra_slope_mb_per_min": round(slope, 4), "extra_slope_se": round(se, 4)}
     return out
 
 
@@ -214,14 +222,16 @@ def markdown(report: dict) -> str:
                          f"{v['second_half_slope_mb_per_min']:+.3f} ± {v['second_half_slope_se']:.3f} |")
     p = s.get("plugin")
     if p:
-        lines += ["", f"The plugin's own memory (on minus off, whole server): {p['extra_growth_mb']:+.1f} MB over the "
-                  f"settled span, {p['extra_second_half_mb']:+.1f} MB in its second half; "
-                  f"{report['load']['on']['done']} / {report['load']['off']['done']} requests served (on / off), "
-                  f"{report['traces']['requests_stored']} stored by the plugin."]
-    d = report.get("diagnose_memory")
-    if d is not None:
-        lines += ["", "`moescope diagnose --traces` on the on server's store, memory: "
-                  + (d["title"] if d else "no finding") + "."]
+        lines += ["", f"The plugin's own memory (on minus off, whole server, each sample): between "
+                  f"{p['extra_min_mb']:.1f} and {p['extra_max_mb']:.1f} MB over the settled span, trend "
+                  f"{p['extra_slope_mb_per_min']:+.3f} ± {p['extra_slope_se']:.3f} MB/min; on minus off growth "
+                  f"{p['extra_growth_mb']:+.1f} MB over the span, {p['extra_second_half_mb']:+.1f} MB in its second "
+                  f"half. {report['load']['on']['done']} / {report['load']['off']['done']} requests served (on / "
+                  f"off), {report['traces']['requests_stored']} stored by the plugin."]
+    if "diagnose_memory" in report:
+        d = report["diagnose_memory"]
+        lines += ["", "`moescope diagnose --traces` on the on server's store, at the end (the commit measured), "
+                  "memory: " + (d.get("title") or d.get("error", "?") if d else "no finding") + "."]
     return "\n".join(lines) + "\n"
 
 
@@ -239,14 +249,15 @@ def _diagnose_memory(store: Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    ap = _results.parser(__doc__, quick="3 minutes, samples every 20 s (the script works)")
-    ap.add_argument("--minutes", type=float, default=None, help="soak length [30; --quick: 3]")
+    ap = _results.parser(__doc__, quick="1 minute, samples every 15 s, servers --enforce-eager (CI keeps the script "
+                         "working; no figure)")
+    ap.add_argument("--minutes", type=float, default=None, help="soak length [30; --quick: 1]")
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second, each server [2]")
     ap.add_argument("--max-tokens", type=int, default=24, help="output tokens per request [24]")
     ap.add_argument("--inflight", type=int, default=8, help="most requests in flight per server [8]")
-    ap.add_argument("--every", type=float, default=None, help="seconds between memory samples [60; --quick: 20]")
+    ap.add_argument("--every", type=float, default=None, help="seconds between memory samples [60; --quick: 15]")
     ap.add_argument("--settle", type=float, default=None, help="seconds of load before the summary's span "
-                    "starts [120; --quick: 20]")
+                    "starts [120; --quick: 15]")
     ap.add_argument("--keep-store", type=Path, default=None, help="copy the on server's trace store here")
     ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
                     help="print the docs' table from a results file and exit (no run)")
@@ -254,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
-    args.minutes = args.minutes or (3.0 if args.quick else 30.0)
-    args.every = args.every or (20.0 if args.quick else 60.0)
-    args.settle = args.settle if args.settle is not None else (20.0 if args.quick else 120.0)
+    args.minutes = args.minutes or (1.0 if args.quick else 30.0)
+    args.every = args.every or (15.0 if args.quick else 60.0)
+    args.settle = args.settle if args.settle is not None else (15.0 if args.quick else 120.0)
     args.out, sys.argv[0] = args.out.resolve(), os.path.abspath(sys.argv[0])
     os.chdir(ROOT)  # (benchmarks/vllm.py would shadow vLLM in the servers' working directory)
     import vllm_server
@@ -278,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         servers = {}
         for name, env in envs.items():
             server = VLLMServer(model_dir, free_port(), env_extra=env, name="tiny-qwen", timeout=900,
-                                args=["--no-enforce-eager", "--no-enable-prefix-caching"], log_path=tmp / f"{name}.log")
+                                args=["--enforce-eager" if args.quick else "--no-enforce-eager",
+                                      "--no-enable-prefix-caching"], log_path=tmp / f"{name}.log")
             server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_")}
             server.env.update(env)
             servers[name] = server

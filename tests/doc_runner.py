@@ -67,6 +67,8 @@ class Entry:
     timeout: float = 300
     ran_in: str | None = None  # another page whose entry of the same text runs it, keeping every promise of this
     # one (tests/test_doc_runner.py checks both): a page that repeats another's commands does not run them twice
+    vllm: bool = False  # needs the vLLM environment (.vllm/) and a local checkpoint: run only by the vLLM pass
+    # (tests/test_vllm_diagnose.py), which captures {vllm_launcher}: the CPU build's server command for a checkpoint
 
 
 def commands(page: Path) -> list[Command]:
@@ -120,6 +122,16 @@ def _top_level_pipe(text: str) -> int | None:
         elif ch == "|" and not depth and not text.startswith("||", i) and text[i - 1] != "|":
             return i
     return None
+
+
+_ASSIGNMENTS = re.compile(r"((?:[A-Za-z_][A-Za-z0-9_]*=\S*\s+)*)(.*)", re.S)
+
+
+def _exec(text: str) -> str:
+    """``text`` run by ``exec`` (the shell becomes the command: stopping it stops the command), its leading
+    ``VAR=value`` assignments kept before ``exec`` (``exec VAR=value cmd`` is "command not found")."""
+    assigns, rest = _ASSIGNMENTS.fullmatch(text.strip()).groups()
+    return f"{assigns}exec {rest}"
 
 
 def spec(page: str) -> list[Entry]:
@@ -243,7 +255,7 @@ class Scratch:
             self.n_started += 1
             self.logs[c.line] = path
             log = open(path, "wb")
-            proc = subprocess.Popen(["bash", "-c", "exec " + text[:-1]], cwd=self.dir, env=self.env, stdout=log,
+            proc = subprocess.Popen(["bash", "-c", _exec(text[:-1])], cwd=self.dir, env=self.env, stdout=log,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
             self.background.append(proc)
             self.started.append(text)

@@ -24,9 +24,10 @@ from reference import naive_goal_verdict, vllm_overhead_mismatches
 BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 QUICK_TIMEOUT_S = 900  # a quick run is a smoke run: minutes at most, even on a busy 2-core CI machine
 # Benchmarks whose --quick run a test of their own makes and checks in detail (not run twice): name -> that test.
-# (vllm.py needs the .vllm/ environment: its quick run is in the vLLM pass, `make test-vllm`)
+# (vllm.py and vllm_soak.py need the .vllm/ environment: their quick runs are in the vLLM pass, `make test-vllm`)
 QUICK_TESTED_ELSEWHERE = {"serve": ("test_serve.py", "test_load_benchmark_quick_runs"),
-                          "vllm": ("test_vllm.py", "test_the_overhead_benchmark_quick_runs")}
+                          "vllm": ("test_vllm.py", "test_the_overhead_benchmark_quick_runs"),
+                          "vllm_soak": ("test_vllm_diagnose.py", "test_the_soak_benchmark_quick_runs")}
 
 
 def test_the_directory_holds_the_benchmarks():

@@ -13,7 +13,8 @@ from doc_runner import ROOT, SPEC, Scratch, check, pair
 from servers import free_port
 
 # The pages a new user follows first; every ```sh block in them is run (or says why it cannot be, here).
-PAGES = ("README.md", "docs/quickstart.md", "docs/serve.md", "docs/traces.md", "docs/runtime.md", "docs/views.md")
+PAGES = ("README.md", "docs/quickstart.md", "docs/serve.md", "docs/traces.md", "docs/runtime.md", "docs/views.md",
+         "docs/vllm.md")
 
 
 def test_every_page_has_its_entries_and_every_skip_says_why():
@@ -37,10 +38,12 @@ def test_the_runner_reads_commands_as_a_shell_would(tmp_path):
     got = [(c.text, c.line) for c in doc_runner.commands(page)]
     assert got == [("moescope demo --requests 2", 4), ("curl -s x -d '{\"a\": \"#1\"}' | grep -i id", 5),
                    ("prometheus &", 8)]
+    # a background command keeps its leading assignments in its environment (exec VAR=x cmd: not found)
+    assert doc_runner._exec("A=1 B=/x.sqlite cmd --port 2") == "A=1 B=/x.sqlite exec cmd --port 2"
 
 
 def _runs_here(e) -> bool:
-    return e.skip is None and e.ran_in is None
+    return e.skip is None and e.ran_in is None and not e.vllm  # (vLLM entries: tests/test_vllm_diagnose.py)
 
 
 def test_a_command_another_page_runs_is_run_there_with_every_promise():
