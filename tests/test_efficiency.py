@@ -325,3 +325,33 @@ def test_peak_settings_reach_the_exporter_through_the_config_and_the_cli(tmp_pat
         Metrics(peak_bandwidth=-1.0)
     assert main(["demo", "--no-tui", "--requests", "1", "--peak-flops", "fast"]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_an_instrumented_hf_model_counts_distinct_experts_per_forward():
+    """A HF model (each forward a step of its own, as the adapter reports it) exports the distinct experts each forward
+    touched per layer, equal to a count from an independent observer's recorded routing, and the weight bytes."""
+    import torch
+    from helpers import Recording
+    from hf_models import build
+
+    model = build("mixtral")
+    spy = Recording()
+    with moescope.instrument(model, observers=[spy], model_name="mixtral") as handle:
+        with torch.no_grad():
+            for n in (5, 9):
+                model(torch.randint(3, 100, (1, n)))
+        handle.metrics.flush()
+    lc = handle.metrics.layer_counters
+    by_layer = collections.defaultdict(list)
+    for layer, ids, n_experts in spy.decisions:
+        by_layer[layer].append(len({int(e) for e in ids.reshape(-1)} - {n_experts}))
+    assert set(by_layer) == set(lc["moescope_expert_distinct_total"])
+    for layer, per_forward in by_layer.items():
+        assert len(per_forward) == 2
+        assert lc["moescope_expert_distinct_total"][layer] == sum(per_forward)
+        assert lc["moescope_expert_distinct_steps_total"][layer] == 2
+    info = handle.metrics.info
+    want = sum(4 * (info.dense_params + sum(v[i] for v in by_layer.values()) * info.expert_params) for i in (0, 1))
+    got = {k: v for k, v in handle.metrics.counters.items() if k[0] == "moescope_step_read_bytes_total"}
+    # (the adapter reports each forward as a prefill step; no KV or attention figures without an engine)
+    assert got == {("moescope_step_read_bytes_total", ("prefill", "weights")): want}, got

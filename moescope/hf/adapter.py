@@ -131,7 +131,9 @@ class HFAdapter:
         return ModelInfo(name=name or getattr(config, "model_type", type(self.model).__name__),
                          n_experts=first.n_experts, top_k=first.top_k,
                          moe_layers=tuple(layer.index for layer in self.layers),
-                         dense_params=total - expert_total, expert_params=per_expert, device=str(device))
+                         dense_params=total - expert_total, expert_params=per_expert, device=str(device),
+                         # the weight bytes a step reads (moescope.efficiency); KV and attention FLOPs unknown here
+                         dtype_bytes=next(self.model.parameters()).element_size())
 
     # -- hooks -----------------------------------------------------------------------------------------
     def attach(self, observer) -> None:
