@@ -28,6 +28,9 @@ pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
 HOT = (2, 5, 4.0)  # (layer, expert, the gate-row scale of vllm_models.build)
 COLLAPSE_LAYER = 2
+# vllm_models.build's tilt: every layer's loads a ramp (held-out max/mean ~3.3 here against the calibrated
+# checkpoint's 1.3-1.9: experts at 3-4x their fair share, as trained models show)
+UNEVEN = 1.0
 WINDOW_S = 20  # the exporter's routing window (MOESCOPE_WINDOW_S): tens of requests a window at this rate
 WARMUP_S = WINDOW_S  # a first window full of traffic before Prometheus scrapes (as production's `for` would)
 ROUTING_ALERTS = {"MoEExpertHot", "MoEExpertCollapse", "MoEExpertLoadImbalance", "MoEDeadExperts",
@@ -124,6 +127,7 @@ def _firing(hook) -> set[str]:
 
 # Each test's checkpoint: (architecture, build faults) for vllm_models.build.
 BUILDS = {"healthy": ("qwen3_moe", {"experts": 16}), "hot": ("qwen3_moe", {"experts": 16, "hot": HOT}),
+          "uneven": ("qwen3_moe", {"experts": 16, "uneven": UNEVEN}),
           "collapse": ("deepseek_v3", {"collapse_layer": COLLAPSE_LAYER})}
 
 
@@ -137,6 +141,21 @@ def test_healthy_traffic_delivers_only_the_watchdog(checkpoint, tmp_path):
     alerts, _ = _watch(tmp_path, checkpoint("healthy"), lambda firing: False, watch_s=45)
     names = {a["labels"]["alertname"] for _, a in alerts}
     assert "Watchdog" in names  # the path works end to end
+    assert names == {"Watchdog"}, [(a["labels"], a["annotations"].get("summary")) for _, a in alerts]
+
+
+def test_an_uneven_but_healthy_checkpoint_delivers_only_the_watchdog(checkpoint, tmp_path):
+    """Issue [learned]: a checkpoint whose layers route unevenly from the start (its gates tilted into a ramp of
+    loads, as trained models route), with the default settings (no baseline, the learned reference): nothing pages
+    but the Watchdog. The checkpoint is uneven by HF's own recount of held-out text (vllm_models' build report),
+    beyond what the calibrated checkpoint shows."""
+    model_dir = checkpoint("uneven")
+    uneven = json.loads((model_dir / "moescope_build.json").read_text())["max_over_mean"]
+    calibrated = json.loads((checkpoint("healthy") / "moescope_build.json").read_text())["max_over_mean"]
+    assert min(uneven.values()) > 1.5 * max(calibrated.values()), (uneven, calibrated)  # every layer uneven
+    alerts, _ = _watch(tmp_path, model_dir, lambda firing: False, watch_s=45)
+    names = {a["labels"]["alertname"] for _, a in alerts}
+    assert "Watchdog" in names
     assert names == {"Watchdog"}, [(a["labels"], a["annotations"].get("summary")) for _, a in alerts]
 
 

@@ -309,6 +309,18 @@ def _calibrate(gate, x: torch.Tensor, sigmoid: bool, gen: torch.Generator) -> di
 
 
 @torch.no_grad()
+def _tilt(gate, stats: dict, strength: float):
+    """Expert e's logit raised by strength x (2e/(E-1) - 1) logit standard deviations for an input along the mean:
+    a structural ramp of loads, every expert still in use."""
+    mu, std = stats["mu"], stats["std"]
+    e = gate.num_experts
+    for i in range(e):
+        ramp = 2.0 * i / (e - 1) - 1.0
+        gate.weight[i] = (gate.weight[i].double() + strength * ramp * float(std.mean()) * mu / (mu @ mu)).to(
+            gate.weight.dtype)
+
+
+@torch.no_grad()
 def _make_hot(gate, stats: dict, expert: int, scale: float):
     mu, std = stats["mu"], stats["std"]
     row = gate.weight[expert].double() * scale + (scale - 1.0) * float(std[expert]) * mu / (mu @ mu)
@@ -325,9 +337,12 @@ def _make_collapse(gate, stats: dict):
 
 
 def build(arch: str, out_dir: Path, *, seed: int = 0, hot: tuple[int, int, float] | None = None,
-          collapse_layer: int | None = None, experts: int | None = None) -> Path:
+          collapse_layer: int | None = None, experts: int | None = None, uneven: float = 0.0) -> Path:
     """Builds one checkpoint (calibrated, balanced gates; then the faults asked for) into ``out_dir`` and returns it.
-    ``experts``: another number of routed experts than the architecture's default here (CONFIGS)."""
+    ``experts``: another number of routed experts than the architecture's default here (CONFIGS). ``uneven``
+    > 0: after calibration every gate row is tilted along the mean input by ``uneven`` x (a ramp from -1 to 1 over
+    the experts) logit standard deviations, so every layer routes unevenly from the start, as trained models do (a
+    healthy model whose unevenness is structure, not a fault); no fault goes with it."""
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
@@ -346,10 +361,14 @@ def build(arch: str, out_dir: Path, *, seed: int = 0, hot: tuple[int, int, float
     for layer in ([hot[0]] if hot else []) + ([collapse_layer] if collapse_layer is not None else []):
         if layer not in gates:
             raise ValueError(f"layer {layer} is not an MoE layer of {arch}; MoE layers: {sorted(gates)}")
+    if uneven and (hot is not None or collapse_layer is not None):
+        raise ValueError("an uneven checkpoint is a healthy one: it takes no fault")
     batch = _chunks(tokenizer, CALIBRATION)
     stats = {}
     for layer, gate in gates.items():  # in order: a gate's inputs depend only on the gates before it
         stats[layer] = _calibrate(gate, _gate_inputs(model, gate, batch), arch == "deepseek_v3", gen)
+        if uneven:
+            _tilt(gate, stats[layer], uneven)
     if hot is not None:
         layer, expert, scale = hot
         _make_hot(gates[layer], stats[layer], int(expert), float(scale))
@@ -358,7 +377,7 @@ def build(arch: str, out_dir: Path, *, seed: int = 0, hot: tuple[int, int, float
     model.generation_config.do_sample = False
     model.save_pretrained(out_dir, safe_serialization=True)
     counts = _measure(model, tokenizer, HELD_OUT)
-    report = {"arch": arch, "seed": seed, "experts": experts, "hot": list(hot) if hot else None,
+    report = {"arch": arch, "seed": seed, "experts": experts, "uneven": uneven, "hot": list(hot) if hot else None,
               "collapse_layer": collapse_layer,
               "top_k": _top_k(model), "held_out_counts": counts, "max_over_mean": _max_over_mean(counts)}
     (out_dir / "moescope_build.json").write_text(json.dumps(report, indent=1))

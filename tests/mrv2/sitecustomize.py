@@ -6,7 +6,9 @@ refuses to start without Triton ("Model Runner V2 requires Triton"). With ``TRIT
 ``@triton.jit`` kernel runs in Triton's interpreter on CPU tensors, so registering an entry named "cpu" (whose
 driver says it is active) is all that is missing. A server started with ``PYTHONPATH`` holding this folder,
 ``TRITON_INTERPRET=1`` and ``VLLM_USE_V2_MODEL_RUNNER=1`` runs Model Runner V2 (its log: "Using V2 Model Runner").
-Used by tests/test_vllm.py only; never installed, never part of moescope.
+Eager only (``--enforce-eager``): compiled, torch's inductor takes the entry for a real Triton CPU backend and fails
+(its driver has no ``get_current_target``). Used by tests/test_vllm.py only; never installed, never part of
+moescope.
 """
 
 try:
