@@ -84,3 +84,19 @@ def test_a_bad_setting_turns_the_plugin_off_with_one_line():
     assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines == ["moescope: off: MOESCOPE_METRICS_PORT='not-a-port' is not an integer"], lines
+
+
+def test_the_attention_shape_of_a_config_is_what_a_step_reads_and_computes():
+    """Per position: K and V of every KV head of every layer (GQA: 1 KV head of 2 query heads here); per attended
+    position: q.k and p.v over every query head; an MLA model caches its latent and rope key (FLOPs unknown)."""
+    from types import SimpleNamespace
+
+    from moescope.vllm.adapter import attention_shape
+
+    gqa = SimpleNamespace(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                          hidden_size=96)  # head_dim given: not hidden / heads
+    assert attention_shape(gqa) == (4 * 2 * 1 * 64, 4 * 4 * 2 * 64)
+    mha = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, hidden_size=256)  # head_dim 64, kv = heads
+    assert attention_shape(mha) == (3 * 2 * 4 * 64, 3 * 4 * 4 * 64)
+    mla = SimpleNamespace(num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
+    assert attention_shape(mla) == (61 * (512 + 64), 0)

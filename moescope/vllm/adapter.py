@@ -124,11 +124,28 @@ class _Relay:
         self._thread.join(timeout)
 
 
+def attention_shape(hf_config) -> tuple[int, int]:
+    """(K and V cache elements per position over all layers, attention FLOPs per (row, attended position)) from a HF
+    text config, as ``ModelInfo.from_runtime`` counts them for the reference runtime: per layer, standard attention
+    caches K and V of every KV head (2 x kv_heads x head_dim) and computes q.k and p.v for every query head (a
+    multiply-add each: 4 x heads x head_dim); MLA (``kv_lora_rank``) caches the compressed latent and the rope key
+    (kv_lora_rank + qk_rope_head_dim), its FLOPs left unknown (0: not a formula this code has checked)."""
+    layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+    heads = int(getattr(hf_config, "num_attention_heads", 0) or 0)
+    if getattr(hf_config, "kv_lora_rank", None):
+        return layers * (int(hf_config.kv_lora_rank) + int(getattr(hf_config, "qk_rope_head_dim", 0) or 0)), 0
+    head_dim = int(getattr(hf_config, "head_dim", 0) or 0) or (
+        int(getattr(hf_config, "hidden_size", 0) or 0) // heads if heads else 0)
+    kv_heads = int(getattr(hf_config, "num_key_value_heads", 0) or heads)
+    return 2 * layers * kv_heads * head_dim, 4 * layers * heads * head_dim
+
+
 class VLLMAdapter:
     """Reports a vLLM worker's model to an observer: ``attach(observer)``, ``detach()``, and the model runner's
     step boundaries (``begin_step``/``end_step``). One per worker process."""
 
-    def __init__(self, model: torch.nn.Module, *, served_name: str | None = None, tokenizer=None) -> None:
+    def __init__(self, model: torch.nn.Module, *, served_name: str | None = None, tokenizer=None,
+                 attention: tuple[int, int] = (0, 0)) -> None:
         from moescope.vllm import capture
 
         self.model = model
@@ -151,6 +168,9 @@ class VLLMAdapter:
         self.n_experts = int(getattr(cfg, "num_logical_experts", 0) or cfg.num_experts)
         self.top_k = int(cfg.experts_per_token)
         self.served_name = served_name
+        # (K and V elements per position over all layers, attention FLOPs per (row, attended position)): from the
+        # model's config (``attention_shape``); 0 where unknown, and the byte/FLOP counters that need them stay absent
+        self.attention = attention
         self.tokenizer = tokenizer
         self.observer = None
         self._rows = 0  # real (unpadded) rows of the forward in flight (the scheduler's tokens)
@@ -173,10 +193,13 @@ class VLLMAdapter:
         per_expert = 3 * int(cfg.hidden_dim) * int(cfg.intermediate_size)  # gate, up, down projections (SwiGLU)
         local = int(getattr(cfg, "num_local_experts", self.n_experts) or self.n_experts)
         expert_total = per_expert * local * len(self.runners)
-        device = next(self.model.parameters()).device
+        param = next(self.model.parameters())
+        kv_elements, attn_flops = self.attention
         return ModelInfo(name=name or self.served_name or type(self.model).__name__, n_experts=self.n_experts,
                          top_k=self.top_k, moe_layers=tuple(layer for layer, _ in self.runners),
-                         dense_params=max(0, total - expert_total), expert_params=per_expert, device=str(device))
+                         dense_params=max(0, total - expert_total), expert_params=per_expert, device=str(param.device),
+                         dtype_bytes=param.element_size(), kv_bytes_per_token=kv_elements * param.element_size(),
+                         attn_flops_per_context=attn_flops)
 
     # -- the routers' ids (written into moescope.vllm.capture's step buffer inside the forward) ---------------
     def attach(self, observer) -> None:

@@ -74,8 +74,8 @@ USES: tuple[Use, ...] = (
                "intermediate_size", "device"), why="the routing shape"),
     Use("vllm.config.vllm", None, functions=(("get_current_vllm_config", ()),), why="the step buffer's size"),
     Use("vllm.config.scheduler", "SchedulerConfig", attrs=("max_num_batched_tokens",), why="buffer rows"),
-    Use("vllm.config.model", "ModelConfig", methods=(("get_total_num_hidden_layers", ()),),
-        why="buffer slots"),
+    Use("vllm.config.model", "ModelConfig", attrs=("hf_text_config",), methods=(("get_total_num_hidden_layers", ()),),
+        why="buffer slots; the attention shape (bytes and FLOPs per step)"),
 )
 
 

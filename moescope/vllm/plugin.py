@@ -318,11 +318,12 @@ def _start(runner):
             log.info("moescope: tensor-parallel rank %d routes the tokens rank 0 reports: not exported", tp_rank)
             return None
         from moescope.api import instrument
-        from moescope.vllm.adapter import VLLMAdapter
+        from moescope.vllm.adapter import VLLMAdapter, attention_shape
 
         served = _served_name(vllm_config)
         tokenizer = _tokenizer(vllm_config) if settings.traces else None
-        adapter = VLLMAdapter(runner.get_model(), served_name=served, tokenizer=tokenizer)
+        adapter = VLLMAdapter(runner.get_model(), served_name=served, tokenizer=tokenizer,
+                              attention=attention_shape(vllm_config.model_config.hf_text_config))
         config = settings.config(dp_rank, served)
         port, traces = config.metrics.port, config.traces
         inst = instrument(adapter, config)
