@@ -19,7 +19,9 @@ Prefix-cache hits are never forwarded, so they are never routed nor counted.
 from __future__ import annotations
 
 import logging
+import queue
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -67,12 +69,11 @@ class _Relay:
     ``moescope_capture_dropped_total{queue="vllm_steps"}``), never waited on. ``stop()`` drains what is queued."""
 
     MAX_EVENTS = 4096
-    MAX_BYTES = 256 << 20  # routing ids queued on the device: 256 MiB at most (a prefill step at 8,192 x 61 x 8: 4 MB)
+    # routing ids queued on the device: 256 MiB at most (a full 8,192-row prefill step at 61 layers x 8 is 32 MB as
+    # int64: eight such steps; a decode step of 256 rows, 1 MB)
+    MAX_BYTES = 256 << 20
 
     def __init__(self, deliver) -> None:
-        import queue
-        import threading
-
         self._deliver = deliver
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._events = 0
@@ -112,11 +113,9 @@ class _Relay:
 
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until every queued event was delivered (tests, shutdown); False on timeout."""
-        import time as _time
-
-        deadline = _time.monotonic() + timeout
-        while self._events and _time.monotonic() < deadline:
-            _time.sleep(0.005)
+        deadline = time.monotonic() + timeout
+        while self._events and time.monotonic() < deadline:
+            time.sleep(0.005)
         return not self._events
 
     def stop(self, timeout: float = 30.0) -> None:
