@@ -23,6 +23,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from moescope.errors import ConfigError
 
+# The routing window the exporter's ratio gauges cover, and so the first window a learned reference is taken from
+# (diagnose learns over the same span by default).
+DEFAULT_WINDOW_S = 60.0
+
 if TYPE_CHECKING:
     from moescope.analysis.baseline import Profile
     from moescope.runtime.faults import ScenarioSettings
@@ -52,7 +56,7 @@ class Metrics:
     model_name: str | None = None
     rank: int = 0
     export_routing: bool = True
-    window_s: float = 60.0
+    window_s: float = DEFAULT_WINDOW_S
     expert_series_budget: int | None = None
     hot_reference: str = "learned"
     baseline: str | Path | Profile | Mapping[int, Sequence[float]] | None = None

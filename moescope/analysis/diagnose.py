@@ -43,6 +43,7 @@ from moescope import judge as judging
 from moescope.judge import Judgement, draws_of
 from moescope.analysis import baseline as bl
 from moescope.analysis import step_experts
+from moescope.config import DEFAULT_WINDOW_S
 from moescope.errors import BadInput
 from moescope.thresholds import DEFAULT, Thresholds
 
@@ -793,7 +794,7 @@ def select_runs(conn, run: str | None = None, *, since: float | None = None, mod
 def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=None,
              thresholds: Thresholds = DEFAULT, prometheus: str | None = None, corrupt=None,
              run: str | None = None, model: str | None = None, hot_reference: str = "learned",
-             learn_window_s: float = 60.0) -> dict:
+             learn_window_s: float = DEFAULT_WINDOW_S) -> dict:
     """Ranked findings. ``baseline``: a ``baseline.Profile`` (or a path, or {layer: load}): the reference of
     imbalance, collapse, hot and dead experts and drift, as the exporter's. Without one, ``hot_reference``
     "learned" (the exporter's default): the reference is learned, as the exporter learns it, from the requests of

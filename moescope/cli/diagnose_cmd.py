@@ -6,6 +6,7 @@ import json
 
 import click
 
+from moescope.config import DEFAULT_WINDOW_S
 from moescope.cli.options import echo, emit_json, json_option, model_option, read_store, since_option, traces_option
 from moescope.errors import CheckFailed
 
@@ -37,7 +38,7 @@ def _brief(evidence: dict) -> str:
               help="Without --baseline, what routing is judged against, as the exporter's option: learned (the "
               "run's first --learn-window seconds of requests, the later ones judged against it: a finding means the "
               "routing changed) or fair (uniform routing: the absolute bars).")
-@click.option("--learn-window", "learn_window_s", type=click.FloatRange(min=0, min_open=True), default=60.0,
+@click.option("--learn-window", "learn_window_s", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_WINDOW_S,
               show_default=True, help="Seconds of the run's first requests the learned reference comes from (the "
               "exporter's --metrics-window).")
 @click.option("--prometheus", default=None, help="Prometheus URL: add its firing moescope alerts as evidence.")

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from moescope.config import DEFAULT_WINDOW_S
+
 log = logging.getLogger("vllm.moescope")  # under vLLM's logger: its handlers and format, in its log
 
 # The vLLM releases this plugin was run against (its tests build these): another release is refused with one
@@ -38,7 +40,7 @@ class Settings:
     sample: float = DEFAULT_TRACE_SAMPLE
     model_name: str | None = None
     baseline: str | None = None
-    window_s: float = 60.0
+    window_s: float = DEFAULT_WINDOW_S
     hot_reference: str = "learned"
 
     @classmethod
@@ -64,7 +66,7 @@ class Settings:
                        traces=env.get("MOESCOPE_TRACES") or None,
                        sample=number("MOESCOPE_TRACE_SAMPLE", float, DEFAULT_TRACE_SAMPLE),
                        model_name=env.get("MOESCOPE_MODEL_NAME") or None, baseline=baseline,
-                       window_s=number("MOESCOPE_WINDOW_S", float, 60.0),
+                       window_s=number("MOESCOPE_WINDOW_S", float, DEFAULT_WINDOW_S),
                        hot_reference=(env.get("MOESCOPE_HOT_REFERENCE") or "learned").strip())
         settings.config(rank=0)  # the checks and defaults are moescope.config's, as for the CLI
         return settings
