@@ -35,8 +35,8 @@ import torch
 from moescope import stats
 from moescope.analysis import cache_sim
 from moescope.runtime import cache_policy, traffic
-from moescope.runtime.cache import attach_cache
-from moescope.runtime.config import MoEConfig
+from moescope.runtime.expert_cache import attach_cache
+from moescope.runtime.model_config import MoEConfig
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 

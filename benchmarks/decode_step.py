@@ -29,7 +29,7 @@ import _results  # noqa: E402
 
 import moescope  # noqa: E402
 from moescope.capture.observer import NOOP  # noqa: E402
-from moescope.runtime.config import MoEConfig  # noqa: E402
+from moescope.runtime.model_config import MoEConfig  # noqa: E402
 from moescope.runtime.graph_decode import GraphCollector, StaticDecoder  # noqa: E402
 from moescope.runtime.model import MoETransformer, Segment  # noqa: E402
 

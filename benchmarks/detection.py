@@ -128,7 +128,7 @@ def thresholds():
 
 def hot_layer(spec: str) -> int:
     """The middle MoE layer (the label metrics use: the block index)."""
-    from moescope.runtime.config import resolve
+    from moescope.runtime.model_config import resolve
 
     cfg = resolve(spec)
     layers = [i for i in range(cfg.n_layers) if i not in cfg.dense_layers]
@@ -282,7 +282,7 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
     narrow = ["--prompts", str(NARROW_PROMPTS)] if traffic == "narrow" else []
     spec, _ = renamed(shape, out)
     layer = hot_layer(spec)
-    from moescope.runtime.config import resolve
+    from moescope.runtime.model_config import resolve
 
     cfg = resolve(spec)
     reach = cfg.n_experts / cfg.top_k
@@ -458,7 +458,7 @@ def _shape_words(shape: str) -> str:
 
 
 def _top_k(shape: str) -> int:
-    from moescope.runtime.config import preset
+    from moescope.runtime.model_config import preset
 
     return CUSTOM[shape]["top_k"] if shape in CUSTOM else preset(shape).top_k
 

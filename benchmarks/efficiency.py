@@ -97,7 +97,7 @@ def table_cost(shape: str, batch: int, steps: int, repeats: int) -> dict:
 
     import torch
 
-    from moescope.runtime.config import resolve
+    from moescope.runtime.model_config import resolve
     from moescope.runtime.router import route
 
     cfg = resolve(shape)

@@ -37,7 +37,7 @@ import _results
 import moescope
 from moescope.runtime import loader, traffic
 from moescope.runtime.engine import Engine
-from moescope.traces import convert, lake, store
+from moescope.traces import to_parquet, lake, store
 from moescope.traces.recorder import TraceRecorder
 
 COLUMNS = [name for name, _ in lake._COLUMNS]
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ds_rows = serve("deepseek-v3-shape", tmp / "ds.sqlite", 2 if args.quick else 8, ds_tokens)
-        convert.sqlite_to_lake(tmp / "ds.sqlite", tmp / "ds-lake")
+        to_parquet.sqlite_to_lake(tmp / "ds.sqlite", tmp / "ds-lake")
         report["bytes_per_token_layer"] = {
             "model": "deepseek-v3-shape", "requests": len(ds_rows),
             "tokens": sum(r["n_prompt"] + r["n_output"] for r in ds_rows), "moe_layers": ds_rows[0]["n_layers"],

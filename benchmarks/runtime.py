@@ -34,7 +34,7 @@ def build_pair(hidden: int, ffn: int, n_experts: int, top_k: int, seed: int = 0)
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    from moescope.runtime.config import MoEConfig
+    from moescope.runtime.model_config import MoEConfig
     from moescope.runtime.model import MoELayer
 
     hf_cfg = MixtralConfig(hidden_size=hidden, intermediate_size=ffn, num_local_experts=n_experts,

@@ -88,9 +88,9 @@ class Instrumentation:
             info = ModelInfo.from_runtime(model, m.model_name)
         else:  # an engine adapter (the vLLM worker's), or a HF model to hook
             if not _is_adapter(model):
-                from moescope.hf import adapter
+                from moescope.hf import hf_adapter
 
-                model = adapter.HFAdapter(model)
+                model = hf_adapter.HFAdapter(model)
             hf = model
             info = hf.model_info(m.model_name)
         extra = {} if m.expert_series_budget is None else {"expert_series_budget": m.expert_series_budget}
@@ -203,7 +203,7 @@ def instrument(model, config: Config | None = None, **metrics) -> Instrumentatio
 
 
 def _is_adapter(model) -> bool:
-    """An engine adapter reporting through the observer seam (``moescope.vllm.adapter.VLLMAdapter``, the HF
+    """An engine adapter reporting through the observer seam (``moescope.vllm.vllm_adapter.VLLMAdapter``, the HF
     adapter): it says what the model is (``model_info``) and attaches to an observer itself."""
     return all(callable(getattr(model, name, None)) for name in ("model_info", "attach", "detach"))
 
@@ -235,7 +235,7 @@ def _expert_cache(model, c: Cache):
     import tempfile
     from contextlib import contextmanager
 
-    from moescope.runtime.cache import attach_cache
+    from moescope.runtime.expert_cache import attach_cache
     from moescope.runtime.calibration import calibration_load
 
     @contextmanager

@@ -9,10 +9,10 @@ makes; an overloaded rank is its own alert) are ``verdict``: the one function ``
 series read back from Prometheus, and ``Judgement`` applies to its own arrays.
 
 Who calls it: the exporter's routing window (``metrics/window.py``: the gauges), ``diagnose`` and ``report`` (from
-the trace store), the demo summary (``cli/summary.py``), ``top`` (``tui/routing.py``: ``verdict`` over the
+the trace store), the demo summary (``cli/summary.py``), ``top`` (``tui/routing_view.py``: ``verdict`` over the
 exported series). Every bar is a ``Thresholds`` method or field, with its derivation there; the PromQL the
 rules and dashboards evaluate is written once in ``alerts/rules.py`` (``alerts.rules`` expressions, imported by
-``dashboards/build.py``).
+``dashboards/grafana.py``).
 
 A foundation: imports ``sampling``, ``stats`` and ``thresholds`` only (a baseline is anything with
 ``rows(layers, n_experts)``: ``analysis.baseline.Profile``; callers coerce paths and dicts).

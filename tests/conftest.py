@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def tiny_cfg():
-    from moescope.runtime.config import MoEConfig
+    from moescope.runtime.model_config import MoEConfig
 
     return MoEConfig(name="test-tiny", hidden_size=32, n_layers=3, n_heads=4, n_experts=6, top_k=2,
                      ffn_size=48, dense_layers=(0,), max_seq_len=128, seed=3)
@@ -63,7 +63,7 @@ def tiny_cfg():
 def deepseek_cfg():
     """DeepSeek-V3's routing at a test size: sigmoid, correction bias, 4 groups of 4 experts, top-2 groups,
     top-4, routed scaling 2.5, one shared expert, a dense first layer."""
-    from moescope.runtime.config import MoEConfig
+    from moescope.runtime.model_config import MoEConfig
 
     return MoEConfig(name="test-deepseek", hidden_size=32, n_layers=3, n_heads=4, n_experts=16, top_k=4,
                      ffn_size=24, dense_layers=(0,), max_seq_len=128, seed=5, scoring="sigmoid", n_group=4,

@@ -40,7 +40,7 @@ def run(rank: int, world: int, port: int, cfg_dict: dict, layout: str, out_dir: 
     """``device`` cuda: the ranks compute on CUDA (each on GPU rank mod the GPUs) and exchange over gloo through
     host memory, as `--world-size` ranks sharing a GPU do (``ExpertParallel`` stages the tensors)."""
     from moescope.parallel.expert_parallel import ExpertParallel
-    from moescope.runtime.config import from_dict
+    from moescope.runtime.model_config import from_dict
     from moescope.runtime.engine import Engine
     from moescope.runtime.model import MoETransformer, Segment
 

@@ -9,7 +9,7 @@ import torch
 from helpers import run_cli_ok
 
 from moescope.runtime import balance, faults, loader, routers_cache, tokenizer, traffic
-from moescope.runtime.config import PRESETS
+from moescope.runtime.model_config import PRESETS
 from moescope.runtime.model import MoETransformer, Segment
 from reference import naive_dead_experts, naive_load_cv, naive_top_share
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from moescope.capture.observer import Observer
 from moescope.errors import BadInput
 from moescope.runtime import cache_policy
-from moescope.runtime.cache import ExpertLoadError, attach_cache, write_disk_tier
+from moescope.runtime.expert_cache import ExpertLoadError, attach_cache, write_disk_tier
 from moescope.runtime.model import MoETransformer, Segment
 
 
@@ -178,7 +178,7 @@ def test_disk_tier_reads_real_bytes_and_reports_bad_files(tiny_cfg, tmp_path):
     cache.close()
 
     with pytest.raises(ExpertLoadError, match="does not exist"):
-        from moescope.runtime.cache import DiskTier
+        from moescope.runtime.expert_cache import DiskTier
         DiskTier(tmp_path / "missing.safetensors", 1, (torch.Size([96, 32]), torch.Size([32, 48])), torch.float32)
 
 

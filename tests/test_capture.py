@@ -121,7 +121,7 @@ def test_promtool_check_metrics_passes_on_the_exposition(tiny_cfg):
             pytest.fail("promtool missing in CI (install prometheus)")
         pytest.skip("promtool not installed")
     model = MoETransformer(tiny_cfg.replace(capacity_factor=1.0)).eval()
-    from moescope.runtime.cache import attach_cache
+    from moescope.runtime.expert_cache import attach_cache
     cache = attach_cache(model, size=2)
     with moescope.instrument(model, port=0) as inst:
         Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=4), 4), realtime=False)
@@ -133,7 +133,7 @@ def test_promtool_check_metrics_passes_on_the_exposition(tiny_cfg):
 
 
 def test_cache_metrics_equal_cache_counters(tiny_cfg):
-    from moescope.runtime.cache import attach_cache
+    from moescope.runtime.expert_cache import attach_cache
 
     model = MoETransformer(tiny_cfg).eval()
     cache = attach_cache(model, size=2, policy="lru")
@@ -451,7 +451,7 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
 
     from moescope import thresholds
     from moescope.parallel.placement import build
-    from moescope.runtime.cache import attach_cache
+    from moescope.runtime.expert_cache import attach_cache
 
     model = MoETransformer(tiny_cfg).eval()
     cache = attach_cache(model, size=2)

@@ -88,7 +88,7 @@ def test_group_config_that_cannot_split_experts_is_one_line(tmp_path):
 
 
 def test_triton_router_request_on_a_sigmoid_model_is_a_notice(capsys, monkeypatch):
-    from moescope.runtime.config import PRESETS
+    from moescope.runtime.model_config import PRESETS
     from moescope.runtime.model import MoETransformer
 
     cfg = PRESETS["deepseek-v3-shape"].replace(n_layers=4, dense_layers=(0,))

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from moescope.errors import ConfigError
-from moescope.runtime.config import PRESETS, MoEConfig, from_dict, load, resolve
+from moescope.runtime.model_config import PRESETS, MoEConfig, from_dict, load, resolve
 
 
 @pytest.mark.parametrize("changes,message", [

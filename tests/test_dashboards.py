@@ -14,7 +14,7 @@ from conftest import ROOT
 from moescope import thresholds
 from moescope.alerts import rules
 from moescope.cli import main
-from moescope.dashboards import build
+from moescope.dashboards import grafana
 from moescope.metrics import catalogue
 from helpers import popen_cli, wait_until
 from servers import Prometheus, free_port
@@ -30,7 +30,7 @@ OPTIONAL = {"moescope_gpu_memory": "NVML series exist only on GPU hosts",
 
 
 def test_generated_dashboards_are_stable_and_valid():
-    docs = build.build_all()
+    docs = grafana.build_all()
     assert set(docs) == {p.stem for p in DASH.glob("*.json")}
     for name, doc in docs.items():
         assert json.loads((DASH / f"{name}.json").read_text()) == doc, f"{name} stale: moescope dashboards build"
@@ -50,7 +50,7 @@ def test_generated_dashboards_are_stable_and_valid():
     assert dist["options"]["rowsFrame"]["layout"] == "le" and dist["targets"][0]["format"] == "heatmap"
     known = catalogue.exposed_sample_names() | {"ALERTS"}
     for doc in docs.values():
-        for _, expr in build.queries(doc):
+        for _, expr in grafana.queries(doc):
             assert set(re.findall(r"\b(moescope_[a-z_]+|ALERTS)\b", expr)) <= known, expr
 
 
@@ -58,7 +58,7 @@ def test_colour_steps_and_lines_are_the_alert_bars():
     """Each coloured stat's red step is its alert's bar, the same for every model (no per-model overrides), and
     the rule holds the same number; the hot-expert and rank panels draw their line at the alert's bar."""
     t = thresholds.DEFAULT
-    docs = build.build_all()
+    docs = grafana.build_all()
     stats = {p["title"]: p for p in docs["moescope-overview"]["panels"] if p["type"] == "stat"}
     alert_of = {"collapse_top_share": "MoEExpertCollapse", "cache_floor_of_capacity": "MoEExpertCacheHitRateLow",
                 "activation_floor": "MoEActivationRatioLow", "hot_factor": "MoEExpertHot",
@@ -75,8 +75,8 @@ def test_colour_steps_and_lines_are_the_alert_bars():
         else:
             assert colours == ["green", "red"] and values[1] == 1
 
-    assert {title for title, _, _ in build.COLOURED} <= set(stats)
-    for title, bar, kind in build.COLOURED:
+    assert {title for title, _, _ in grafana.COLOURED} <= set(stats)
+    for title, bar, kind in grafana.COLOURED:
         panel = stats[title]
         assert panel["targets"][0]["legendFormat"] == "{{model}}"
         assert not panel["fieldConfig"].get("overrides")
@@ -92,7 +92,7 @@ def test_colour_steps_and_lines_are_the_alert_bars():
     assert bars == sorted([t.hot_factor, t.rank_max_over_mean]), lines.keys()
     # no model name in any query
     for doc in docs.values():
-        for _, expr in build.queries(doc):
+        for _, expr in grafana.queries(doc):
             assert "model=\"$model\"" in expr or "ALERTS" in expr, expr
             assert not re.search(r'model=~?"(?!\$model)', expr), expr
 
@@ -182,8 +182,8 @@ def check_panels(prom, model: str, layer: str, at: float | None = None) -> list[
     series excepted)."""
     at = at or time.time()
     failures = []
-    for name, doc in build.build_all().items():
-        for title, expr in build.queries(doc):
+    for name, doc in grafana.build_all().items():
+        for title, expr in grafana.queries(doc):
             q = (expr.replace("$model", model).replace("$rank", ".*").replace("$layer", layer)
                  .replace("$__rate_interval", "20s"))
             if not prom.query(q, at=at) and not any(series in q for series in OPTIONAL):
@@ -193,7 +193,7 @@ def check_panels(prom, model: str, layer: str, at: float | None = None) -> list[
 
 def expert_views(prom, model: str, layer: str) -> dict:
     """What the expert panels show for one layer: rows of the heatmap, hottest / coldest, distribution."""
-    panels = {p["title"]: p["targets"][0]["expr"] for p in build.build_all()["moescope-experts"]["panels"]}
+    panels = {p["title"]: p["targets"][0]["expr"] for p in grafana.build_all()["moescope-experts"]["panels"]}
 
     def run(prefix):
         expr = next(e for t, e in panels.items() if t.startswith(prefix))

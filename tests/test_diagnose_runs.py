@@ -22,7 +22,7 @@ from moescope.runtime import traffic
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 from moescope.thresholds import DEFAULT
-from moescope.traces import convert, store
+from moescope.traces import to_parquet, store
 from moescope.traces.recorder import TraceRecorder
 
 N_PROMPTS = 6  # each served twice per run
@@ -52,7 +52,7 @@ def _rotate_routers(model) -> None:
 
 @pytest.fixture(scope="module")
 def two_routers(tmp_path_factory):
-    from moescope.runtime.config import MoEConfig
+    from moescope.runtime.model_config import MoEConfig
 
     cfg = MoEConfig(name="test-tiny", hidden_size=32, n_layers=3, n_heads=4, n_experts=6, top_k=2, ffn_size=48,
                     dense_layers=(0,), max_seq_len=128, seed=3)
@@ -158,7 +158,7 @@ def test_an_unknown_run_is_one_line_naming_the_stored_runs(two_routers, capsys):
 
 def test_the_lake_knows_each_requests_run_as_the_sqlite_store_does(two_routers, tmp_path):
     path, (run_a, _), (run_b, _), _ = two_routers
-    convert.sqlite_to_lake(path, tmp_path / "lake")
+    to_parquet.sqlite_to_lake(path, tmp_path / "lake")
     for src in (path, tmp_path / "lake"):
         conn = store.open_store(src)
         runs = store.routed_runs(conn)
@@ -173,7 +173,7 @@ def test_the_lake_knows_each_requests_run_as_the_sqlite_store_does(two_routers, 
 def test_an_old_run_with_drops_is_left_out_by_default(tmp_path, capsys):
     """An earlier run under a capacity limit left dropped slots in the store; the latest run has none: by
     default its drops are not this run's finding; `--run all` still finds them."""
-    from moescope.runtime.config import MoEConfig
+    from moescope.runtime.model_config import MoEConfig
 
     cfg = MoEConfig(name="test-tiny", hidden_size=32, n_layers=3, n_heads=4, n_experts=6, top_k=2, ffn_size=48,
                     dense_layers=(0,), max_seq_len=128, seed=3)

@@ -11,7 +11,7 @@ from moescope import efficiency
 from moescope.capture.routing_probe import RoutingProbe
 from moescope.errors import BadInput
 from moescope.runtime import traffic
-from moescope.runtime.config import MoEConfig
+from moescope.runtime.model_config import MoEConfig
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 from moescope.traces import store
@@ -205,7 +205,7 @@ def test_the_efficiency_row_returns_data_from_a_real_prometheus(tmp_path, monkey
     from helpers import wait_until
     from servers import Prometheus, free_port
 
-    from moescope.dashboards import build
+    from moescope.dashboards import grafana
     from moescope.metrics.exporter import Exporter
 
     monkeypatch.setenv("MOESCOPE_PEAK_BANDWIDTH", "2e9")
@@ -236,8 +236,8 @@ def test_the_efficiency_row_returns_data_from_a_real_prometheus(tmp_path, monkey
     try:
         assert ready.wait(120)
         prom = Prometheus(tmp_path, [f"127.0.0.1:{port}"])
-        doc = build.build_all()["moescope-overview"]
-        row = [(t, e) for t, e in build.queries(doc) if t.startswith(("Experts touched", "Bytes read", "S-MBU"))]
+        doc = grafana.build_all()["moescope-overview"]
+        row = [(t, e) for t, e in grafana.queries(doc) if t.startswith(("Experts touched", "Bytes read", "S-MBU"))]
         assert len(row) == 5
 
         def values():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moescope.runtime.config import MoEConfig
+from moescope.runtime.model_config import MoEConfig
 from moescope.runtime.experts import DenseFFN, Experts
 from moescope.runtime.model import MoELayer
 from reference import naive_moe

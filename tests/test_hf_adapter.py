@@ -7,7 +7,7 @@ import moescope
 from hf_models import FAMILIES, build, deepseek_v3_reference_ids
 from metrics_util import by_label, parse, sum_by_label
 from moescope.errors import BadInput
-from moescope.hf.adapter import find_moe_blocks
+from moescope.hf.hf_adapter import find_moe_blocks
 
 
 def _router_spy(model):
@@ -99,7 +99,7 @@ def test_entropy_and_margin_follow_the_runtime_definitions(family):
         def on_routing(self, layer, decision):
             got.append((decision.entropy.clone(), decision.margin.clone()))
 
-    from moescope.hf.adapter import HFAdapter
+    from moescope.hf.hf_adapter import HFAdapter
 
     adapter = HFAdapter(model)
     adapter.attach(Spy())

@@ -36,7 +36,7 @@ def _hf_block(family: str, seed: int):
     have clear winners, and a random correction bias where the family has one."""
     from transformers import AutoConfig
 
-    from moescope.hf import convert
+    from moescope.hf import to_runtime
 
     if family == "deepseek_v3":
         from transformers.models.deepseek_v3 import modeling_deepseek_v3 as mod
@@ -60,7 +60,7 @@ def _hf_block(family: str, seed: int):
         if bias is not None:
             bias.copy_(torch.rand(bias.shape) * 0.2)  # large enough to change the choice
     block.eval()
-    return block, convert.moe_config(cfg)
+    return block, to_runtime.moe_config(cfg)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_moe"])
@@ -69,19 +69,19 @@ def test_moe_layer_equals_hf_block_with_groups_bias_and_shared_experts(family):
     sigmoid + correction bias + group-limited top-k, recomputed independently of HF by the reference too),
     the same gate weights, and outputs within fp32 rounding (HF sums expert outputs with index_add in expert
     order; we sum each token's slots in slot order)."""
-    from moescope.hf import convert
+    from moescope.hf import to_runtime
     from moescope.runtime.model import MoELayer
     from reference import naive_route_rule
 
     hf, cfg = _hf_block(family, seed=4)
     ours = MoELayer(cfg).eval()
-    convert.copy_block(hf, ours)
+    to_runtime.copy_block(hf, ours)
     x = torch.randn(64, 32, generator=torch.Generator().manual_seed(9))
     with torch.no_grad():
         ref = hf(x[None])
         ref = (ref[0] if isinstance(ref, tuple) else ref)[0]
         got, decision, logits = ours(x)
-        hf_ids, hf_weights = convert.hf_routing(hf, x, cfg)
+        hf_ids, hf_weights = to_runtime.hf_routing(hf, x, cfg)
     order = decision.ids.argsort(dim=-1)
     assert torch.equal(decision.ids.gather(1, order), hf_ids)
     torch.testing.assert_close(decision.weights.gather(1, order), hf_weights, atol=1e-6, rtol=1e-5)

@@ -16,7 +16,7 @@ from moescope import judge, sampling
 from moescope.analysis import diagnose
 from moescope.metrics.window import RoutingWindow
 from moescope.thresholds import DEFAULT
-from moescope.tui.routing import layer_routing
+from moescope.tui.routing_view import layer_routing
 from reference import naive_window_judgement
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,3 +30,15 @@ def test_a_forbidden_import_breaks_the_contract(tmp_path):
     assert run.returncode != 0
     assert "moescope.capture is not allowed to import moescope.metrics" in run.stdout, run.stdout[-3000:]
     assert "moescope.capture.leaky -> moescope.metrics.state" in run.stdout
+
+
+def test_module_names_are_unique_within_the_package():
+    """[contract] 5: a module's file name says which module it is (``from moescope.x import config`` and
+    ``from moescope.y import config`` in one file were two different things); ``__init__``/``__main__`` aside.
+    The reference is a plain walk of the tree, not the package's own listing."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "moescope").rglob("*.py")):
+        if path.stem not in ("__init__", "__main__"):
+            seen.setdefault(path.stem, []).append(str(path.relative_to(ROOT)))
+    repeated = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not repeated, f"module names used more than once: {repeated}"

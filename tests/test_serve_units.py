@@ -14,7 +14,7 @@ from moescope.runtime import tokenizer
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
 from moescope.serve import chat, ids
-from moescope.serve.errors import APIError
+from moescope.serve.openai_errors import APIError
 from moescope.serve.loop import EngineLoop, Job, asyncio_waker, now
 from moescope.serve.protocol import ModelLimits, parse_chat, parse_completion
 from moescope.serve.text import TextAssembler, whole_text

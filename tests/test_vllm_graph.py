@@ -24,7 +24,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import moescope
 from metrics_util import by_label, parse, sum_by_label
 from moescope.vllm import capture
-from moescope.vllm.adapter import VLLMAdapter
+from moescope.vllm.vllm_adapter import VLLMAdapter
 
 E, K, HIDDEN, LAYERS, ROWS = 8, 2, 16, 3, 12
 

@@ -7,7 +7,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from moescope.vllm import adapter, plugin
+from moescope.vllm import vllm_adapter, plugin
 
 
 def test_the_entry_point_is_registered_in_vllms_plugin_group():
@@ -25,7 +25,7 @@ def test_the_entry_point_is_registered_in_vllms_plugin_group():
     ("cmpl-my-req-0-00000000", "cmpl-my-req"),
 ])
 def test_client_id_is_the_responses_id(engine_id, client):
-    assert adapter.client_id(engine_id) == client
+    assert vllm_adapter.client_id(engine_id) == client
 
 
 @pytest.mark.parametrize("env, error", [
@@ -91,7 +91,7 @@ def test_the_attention_shape_of_a_config_is_what_a_step_reads_and_computes():
     position: q.k and p.v over every query head; an MLA model caches its latent and rope key (FLOPs unknown)."""
     from types import SimpleNamespace
 
-    from moescope.vllm.adapter import attention_shape
+    from moescope.vllm.vllm_adapter import attention_shape
 
     gqa = SimpleNamespace(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                           hidden_size=96)  # head_dim given: not hidden / heads

@@ -19,7 +19,7 @@ def alerts() -> None:
               help="Repository root to write collectors/prometheus/ under.")
 def build(root: Path) -> int:
     """Write collectors/prometheus/moescope-rules.yml and tests/moescope-rules.test.yml."""
-    from moescope.alerts import build as alerts_build  # yaml and the rule tables: loaded for this command only
+    from moescope.alerts import alert_files as alerts_build  # yaml and the rule tables: loaded for this command only
 
     try:
         paths = alerts_build.write(root)

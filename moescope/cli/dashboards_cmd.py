@@ -19,7 +19,7 @@ def dashboards() -> None:
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True)
 def build(root: Path) -> int:
     """Regenerate dashboards/*.json and the provisioning YAML."""
-    from moescope.dashboards import build as builder
+    from moescope.dashboards import grafana as builder
 
     for path in builder.write(root):
         click.echo(f"wrote {path}")

@@ -24,7 +24,7 @@ import numpy as np
 from moescope import stats
 from moescope.errors import BadInput
 from moescope.thresholds import DEFAULT
-from moescope.tui.routing import NAMED, named
+from moescope.tui.routing_view import NAMED, named
 
 
 def layer_summary(counts: list[int], n: int | None = None, dead: int | None = None,
@@ -159,7 +159,7 @@ def drop_line(s: dict) -> str | None:
 def load_lines(s: dict) -> list[str]:
     """The expert load part of the human summary: the model in one line, what was judged, then one line per
     MoE layer."""
-    from moescope.tui.routing import NAMED
+    from moescope.tui.routing_view import NAMED
 
     per = s.get("expert_load_summary")
     if per is None:  # a summary without the judgement (a merged or older one): judge its totals

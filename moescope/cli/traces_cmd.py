@@ -21,7 +21,7 @@ def traces() -> None:
 @json_option
 def convert(src: str, dst: str, as_json: bool) -> None:
     """Copy the SQLite trace store SRC into the trace lake DST (a directory; other replicas' files kept)."""
-    from moescope.traces.convert import sqlite_to_lake
+    from moescope.traces.to_parquet import sqlite_to_lake
 
     n, files = sqlite_to_lake(src, dst)
     if as_json:

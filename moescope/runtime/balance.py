@@ -210,7 +210,7 @@ SHIPPED_PRESETS = ("deepseek-v3-shape",)  # the presets whose routers ship in th
 def ship(name: str) -> Path:
     """Balance preset ``name``'s routers and write them into the package (``python -m moescope.runtime.balance
     NAME``; after a ``BALANCE_VERSION`` bump, the stale file is removed by hand and this writes the new one)."""
-    from moescope.runtime.config import preset
+    from moescope.runtime.model_config import preset
 
     cfg = preset(name)
     model = MoETransformer(cfg).eval()

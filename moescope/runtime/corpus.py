@@ -20,7 +20,7 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from moescope import cache
+from moescope import user_cache
 
 DOMAINS = ("code", "prose", "numbers", "unicode")
 HELD_OUT = 0.10
@@ -63,14 +63,14 @@ CORPUS_VERSION = 1
 def _stdlib_text(limit_bytes: int) -> tuple[str, str]:
     """(code, prose) of the standard library's first files up to ``limit_bytes``. Parsing them (``ast``) costs
     ~1 CPU-s, and every demo, serve and benchmark process generates traffic from them: the result is kept in the
-    user's cache (``moescope.cache``, ``corpus/``) under a key of everything it is made from (this Python's version,
-    the stdlib's path, each file's name, size and modification time, the limit, ``CORPUS_VERSION``), so a changed
-    standard library or another Python makes a new one. A cache that cannot be read or written is only a slower
+    user's cache (``moescope.user_cache``, ``corpus/``) under a key of everything it is made from (this Python's
+    version, the stdlib's path, each file's name, size and modification time, the limit, ``CORPUS_VERSION``), so a
+    changed standard library or another Python makes a new one. A cache that cannot be read or written is only a slower
     start."""
     files = _stdlib_files(limit_bytes)
     key = [CORPUS_VERSION, sys.version, str(Path(sysconfig.get_paths()["stdlib"])), limit_bytes,
            *([path.name, size, mtime] for path, size, mtime in files)]
-    where = cache.root() / "corpus" / f"stdlib-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
+    where = user_cache.root() / "corpus" / f"stdlib-{hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]}.json"
     try:
         doc = json.loads(where.read_bytes())
         if doc.get("key") == key:
@@ -78,7 +78,7 @@ def _stdlib_text(limit_bytes: int) -> tuple[str, str]:
     except (OSError, ValueError, KeyError, AttributeError):
         pass
     code, prose = _parse_stdlib([path for path, _, _ in files])
-    cache.write_atomic(where, json.dumps({"key": key, "code": code, "prose": prose}).encode())
+    user_cache.write_atomic(where, json.dumps({"key": key, "code": code, "prose": prose}).encode())
     return code, prose
 
 

@@ -11,7 +11,7 @@ import torch
 from moescope.errors import BadInput
 from moescope.runtime import routers_cache
 from moescope.runtime import weights as weights_io
-from moescope.runtime.config import MoEConfig, resolve
+from moescope.runtime.model_config import MoEConfig, resolve
 from moescope.runtime.model import MoETransformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -18,7 +18,7 @@ from torch import nn
 
 from moescope.capture.decision import RoutingDecision
 from moescope.capture.observer import NOOP, Observer
-from moescope.runtime.config import MoEConfig
+from moescope.runtime.model_config import MoEConfig
 from moescope.runtime.experts import DenseFFN, Experts
 from moescope.runtime.router import Router, RoutingRule
 from moescope.runtime.timing import LayerTimer

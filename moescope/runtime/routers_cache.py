@@ -13,19 +13,19 @@ import hashlib
 import json
 from pathlib import Path
 
-from moescope import cache
+from moescope import user_cache
 from moescope.progress import note
 from moescope.runtime import weights as weights_io
-from moescope.runtime.config import MoEConfig, resolve
+from moescope.runtime.model_config import MoEConfig, resolve
 
 BALANCE_VERSION = 3  # bump when the procedure changes: cached or shipped results of an older one are not reused
 SHIPPED = weights_io.ASSETS
 
 
 def cache_dir() -> Path:
-    """Where balanced routers are cached: ``balanced-routers/`` in the user's cache (``moescope.cache.root``:
+    """Where balanced routers are cached: ``balanced-routers/`` in the user's cache (``moescope.user_cache.root``:
     ``$MOESCOPE_CACHE``, else ``$XDG_CACHE_HOME/moescope``, else ``~/.cache/moescope``)."""
-    return cache.root() / "balanced-routers"
+    return user_cache.root() / "balanced-routers"
 
 
 def file_name(cfg: MoEConfig, seed: int) -> str:

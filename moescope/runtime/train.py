@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from moescope import stats
 from moescope.runtime import corpus, tokenizer, weights
-from moescope.runtime.config import MoEConfig, preset
+from moescope.runtime.model_config import MoEConfig, preset
 from moescope.runtime.model import MoETransformer
 from moescope.runtime.traffic import TrafficConfig
 

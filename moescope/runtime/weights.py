@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from moescope.errors import BadInput
-from moescope.runtime.config import MoEConfig, from_dict
+from moescope.runtime.model_config import MoEConfig, from_dict
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 DEMO_WEIGHTS = ASSETS / "tiny-demo.safetensors"

@@ -19,8 +19,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moescope.runtime import tokenizer
-from moescope.serve import ids, protocol, responses, routing
-from moescope.serve.errors import APIError, http_error
+from moescope.serve import ids, protocol, responses, routed_experts
+from moescope.serve.openai_errors import APIError, http_error
 from moescope.serve.loop import EngineLoop, Job, now
 from moescope.serve.metrics import ServeMetrics
 from moescope.serve.text import FINISH_REASONS, TextAssembler, whole_text
@@ -38,8 +38,8 @@ class Service:
     draining: bool = False  # set on SIGTERM: new requests get 503 while in-flight ones finish
     debug: bool = False  # --debug-endpoints: POST /debug/kill-engine and /debug/poison (fault injection)
     metrics: ServeMetrics | None = None  # GET /metrics (create_app makes it)
-    routed: routing.RoutedExperts | None = None  # return_routed_experts (create_app attaches it)
-    distribution: routing.DistributionRecorder | None = None  # the expert-distribution endpoints
+    routed: routed_experts.RoutedExperts | None = None  # return_routed_experts (create_app attaches it)
+    distribution: routed_experts.DistributionRecorder | None = None  # the expert-distribution endpoints
 
 
 NO_RETRY = {"x-should-retry": "false"}  # the openai SDKs honour it: a retry of the same request cannot succeed
@@ -178,7 +178,7 @@ async def _handle(service: Service, request: Request, parse) -> Response:
             raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
         body = protocol.decode_json(await read_body(request))
         params = parse(body, service.limits)
-        routed_from = routing.wanted(body)
+        routed_from = routed_experts.wanted(body)
         # An id already in flight: this request gets a distinct store key (echoed in the header and the body).
         # No await between this check and the offer: no other handler can take the key meanwhile.
         for _ in range(8):
@@ -226,10 +226,10 @@ def create_app(service: Service) -> FastAPI:
         ranks = service.loop.ranks  # an expert-parallel rank labels its serving series with its rank
         service.metrics = ServeMetrics(service.limits.name, service.loop, rank=ranks.rank if ranks is not None else 0)
     if service.routed is None:
-        service.routed = routing.RoutedExperts.attach(engine)
+        service.routed = routed_experts.RoutedExperts.attach(engine)
     if service.distribution is None:
-        state = routing.metrics_state(engine)
-        service.distribution = state and routing.DistributionRecorder(state, engine.model.cfg.n_layers)
+        state = routed_experts.metrics_state(engine)
+        service.distribution = state and routed_experts.DistributionRecorder(state, engine.model.cfg.n_layers)
 
     async def lifespan(app):
         service.loop.start(service.metrics.waker(asyncio.get_running_loop()))
@@ -322,7 +322,7 @@ def create_app(service: Service) -> FastAPI:
         body, kind = service.metrics.exposition(request.headers.get("accept", ""))
         return Response(body, media_type=kind)
 
-    def _distribution() -> routing.DistributionRecorder:
+    def _distribution() -> routed_experts.DistributionRecorder:
         if service.distribution is None:
             raise APIError(503, "expert distribution recording needs the metrics state (this engine has none)",
                            type="service_unavailable", code="unavailable")

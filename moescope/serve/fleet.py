@@ -44,7 +44,7 @@ from starlette.routing import Route
 
 from moescope.metrics import catalogue
 from moescope.serve.app import disconnected, read_body
-from moescope.serve.errors import APIError
+from moescope.serve.openai_errors import APIError
 from moescope.serve.responses import sse
 
 log = logging.getLogger("moescope.serve")

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from moescope.runtime import tokenizer
 from moescope.serve import chat
-from moescope.serve.errors import APIError
+from moescope.serve.openai_errors import APIError
 from moescope.serve.ids import tenant as tenant_label
 
 MAX_BODY_BYTES = 1 << 20

@@ -19,7 +19,7 @@ import math
 from rich.text import Text
 
 from moescope.tui import levels
-from moescope.tui.routing import Band, LayerRouting, fold
+from moescope.tui.routing_view import Band, LayerRouting, fold
 
 LEVEL_STYLE = {"ok": "green", "warn": "bold yellow", "bad": "bold white on red", "none": "dim"}
 ANNOTATION = 38  # characters right of the cells

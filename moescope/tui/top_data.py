@@ -19,7 +19,7 @@ from moescope import judge, prom_http
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 from moescope.tui.efficiency_view import efficiency_line
-from moescope.tui.routing import History, LayerRouting, layer_routing
+from moescope.tui.routing_view import History, LayerRouting, layer_routing
 
 Samples = dict[tuple[str, frozenset], float]
 

@@ -11,7 +11,7 @@ slot of a buffer allocated before the model is built,
 
 which a graph records like any other kernel. The step wrapper (``moescope.vllm.plugin``, outside any graph)
 reads the step's real rows, ``ids[:rows, :layers]``, after the forward: one device op per step, never a host
-sync (``moescope.vllm.adapter``). Rows past ``rows`` (a captured graph's padding) are never read.
+sync (``moescope.vllm.vllm_adapter``). Rows past ``rows`` (a captured graph's padding) are never read.
 
 Binding: as each MoE layer (a ``MoERunner``) is registered into the model being built (torch's
 module-registration hook, before any forward or compilation), its router's capture function (``BaseRouter``'s

@@ -320,7 +320,7 @@ def _start(runner):
             log.info("moescope: tensor-parallel rank %d routes the tokens rank 0 reports: not exported", tp_rank)
             return None
         from moescope.api import instrument
-        from moescope.vllm.adapter import VLLMAdapter, attention_shape
+        from moescope.vllm.vllm_adapter import VLLMAdapter, attention_shape
 
         served = _served_name(vllm_config)
         tokenizer = _tokenizer(vllm_config) if settings.traces else None

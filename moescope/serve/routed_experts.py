@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from moescope.capture.observer import FanOut, Observer
-from moescope.serve.errors import APIError
+from moescope.serve.openai_errors import APIError
 
 DUMP_DIR_ENV = "SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR"
 

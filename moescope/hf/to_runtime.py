@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from moescope.errors import BadInput
-from moescope.runtime.config import MoEConfig
+from moescope.runtime.model_config import MoEConfig
 
 
 def _get(cfg, *names, default=None):
