@@ -1,9 +1,10 @@
 """Detection power and false alarms through the real alerting path, on models no code knows by name.
 
-Each shape (tiny-demo, qwen3-moe-shape, deepseek-v3-shape; and three shapes no preset has, ``CUSTOM``: wide-384,
-top6-64, grouped-160) runs under a new name (a YAML ``preset: X`` or the whole config, + ``name: acme-X``;
-tiny-demo keeps its trained weights). ``--traffic broad,narrow`` runs the healthy rows on the demo's broad mix
-and on narrow traffic (``demo --prompts 4``: four prompts repeated, the same four in the baseline run and after).
+Each shape (tiny-demo, qwen3-moe-shape, deepseek-v3-shape; and five shapes no preset has, ``CUSTOM``: wide-384,
+top6-64, grouped-160, interleaved-128, top10-512) runs under a new name (a YAML ``preset: X`` or the whole config, +
+``name: acme-X``; tiny-demo keeps its trained weights). ``--traffic broad,narrow`` runs the healthy rows on the
+demo's broad mix and on narrow traffic (``demo --prompts 4``: four prompts repeated, the same four in the baseline
+run and after).
 Every run is the end-to-end path of the detection
 matrix (tests/pipeline.py): ``moescope demo`` -> its exporter -> a real Prometheus evaluating the generated
 rules with every ``for`` shrunk 30-fold -> a real Alertmanager with the repo's routing and inhibitions -> a
@@ -69,6 +70,14 @@ CUSTOM = {
                 "dense_layers": [0], "n_shared_experts": 2, "max_seq_len": 512, "seed": 4},
     "grouped-160": {"hidden_size": 32, "n_layers": 9, "n_heads": 2, "n_experts": 160, "top_k": 6, "ffn_size": 16,
                     "dense_layers": [0], "n_group": 8, "topk_group": 3, "max_seq_len": 512, "seed": 5},
+    # Issue [learned]: top-1 sigmoid routing with MoE on every other block (dense FFNs between) and a shared
+    # expert, 128 experts (the Llama-4 family's routing shape); and top-10 of 512 softmax with a shared expert
+    # (Qwen3-Next's). Under top-1 or narrow traffic most experts idle and the load is uneven by design.
+    "interleaved-128": {"hidden_size": 32, "n_layers": 8, "n_heads": 2, "n_experts": 128, "top_k": 1,
+                        "ffn_size": 16, "dense_layers": [0, 2, 4, 6], "scoring": "sigmoid", "n_shared_experts": 1,
+                        "max_seq_len": 512, "seed": 6},
+    "top10-512": {"hidden_size": 32, "n_layers": 6, "n_heads": 2, "n_experts": 512, "top_k": 10, "ffn_size": 16,
+                  "n_shared_experts": 1, "max_seq_len": 512, "seed": 8},
 }
 SHAPES.update({shape: {"rate": 4.0, "scrape": "1s", "start_s": 180, "watch_s": 60, "window_s": None,
                        "hot_watch_s": None} for shape in CUSTOM})
@@ -104,6 +113,8 @@ QUICK = {"shapes": ["tiny-demo"], "healthy_s": 30, "watch_s": 30, "baseline": Fa
 
 def renamed(shape: str, out: Path) -> tuple[str, list[str]]:
     """(model spec, demo args) for ``shape`` under a name no code knows."""
+    import yaml
+
     from moescope.runtime import weights
 
     out.mkdir(parents=True, exist_ok=True)
@@ -112,7 +123,7 @@ def renamed(shape: str, out: Path) -> tuple[str, list[str]]:
         tmp = out / f".acme-{shape}.{os.getpid()}.{threading.get_ident()}"
         body = {"name": f"acme-{shape}", **CUSTOM[shape]} if shape in CUSTOM else {"preset": shape,
                                                                                    "name": f"acme-{shape}"}
-        tmp.write_text(json.dumps(body))  # JSON is YAML
+        tmp.write_text(yaml.safe_dump(body, sort_keys=False))
         tmp.replace(path)
     args = ["--weights", str(weights.DEMO_WEIGHTS)] if shape == "tiny-demo" else []
     return str(path), args
@@ -452,9 +463,12 @@ def _shape_words(shape: str) -> str:
     c = CUSTOM[shape]
     groups = f", {c['n_group']} groups (top-{c['topk_group']})" if c.get("n_group") else ""
     shared = f", {c['n_shared_experts']} shared" if c.get("n_shared_experts") else ""
-    moe = c["n_layers"] - len(c.get("dense_layers", []))
+    dense = c.get("dense_layers", [])
+    moe = c["n_layers"] - len(dense)
+    # dense blocks between MoE ones (not only a dense prefix): interleaved
+    between = ", MoE on every other block" if any(b - a > 1 for a, b in zip(dense, dense[1:])) else ""
     scoring = c.get("scoring", "softmax")
-    return f"{moe} MoE layers x {c['n_experts']} experts, top-{c['top_k']} {scoring}{groups}{shared}"
+    return f"{moe} MoE layers x {c['n_experts']} experts, top-{c['top_k']} {scoring}{groups}{shared}{between}"
 
 
 def _top_k(shape: str) -> int:
