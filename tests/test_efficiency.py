@@ -355,3 +355,74 @@ def test_an_instrumented_hf_model_counts_distinct_experts_per_forward():
     got = {k: v for k, v in handle.metrics.counters.items() if k[0] == "moescope_step_read_bytes_total"}
     # (the adapter reports each forward as a prefill step; no KV or attention figures without an engine)
     assert got == {("moescope_step_read_bytes_total", ("prefill", "weights")): want}, got
+
+
+def _spread_store(path, pick, n_req=6, n_out=30, e=16, k=2, layers=(1, 2, 3), seed=3):
+    """A trace store written through the real TraceRecorder as an engine would report: ``n_req`` requests of a
+    one-token prompt decoding together (every step one row per request), experts from ``pick``."""
+    import time as _time
+
+    import torch
+
+    from moescope.capture.decision import RoutingDecision
+    from moescope.capture.records import RequestRecord, StepRecord
+
+    rng = np.random.default_rng(seed)
+    zero = torch.zeros((), dtype=torch.int64)
+    rec = TraceRecorder(str(path), model="spread-odd")
+    t0 = _time.perf_counter()
+    for s in range(n_out):
+        rows = pick(rng, n_req, e, k, len(layers))  # [n_req, L, k]
+        for j, layer in enumerate(layers):
+            ids = torch.as_tensor(rows[:, j], dtype=torch.int64)
+            n = ids.shape[0]
+            rec.on_routing(layer, RoutingDecision(
+                ids=ids, weights=torch.full(ids.shape, 1.0 / k), kept=torch.ones(ids.shape, dtype=torch.bool),
+                entropy=torch.full((n,), 0.5), margin=torch.full((n,), 0.1), nonfinite=zero, dropped=zero,
+                n_experts=e, active_ids=ids))
+        rec.on_step(StepRecord(index=s, phase="prefill" if s == 0 else "decode", started=t0 + s * 0.01, seconds=0.01,
+                               n_tokens=n_req, segments=tuple((f"r{i}", s, 1) for i in range(n_req))))
+    for i in range(n_req):
+        rec.on_request(RequestRecord(request_id=f"r{i}", prompt="x", output="y" * n_out, prompt_tokens=(5,),
+                                     output_tokens=tuple(range(7, 7 + n_out)), arrival=t0, queue_s=0.0, prefill_s=0.01,
+                                     ttft_s=0.01, token_latencies_s=(0.01,) * n_out, total_s=0.01 * n_out,
+                                     finish_reason="length"))
+    rec.shutdown()
+
+
+def test_report_names_the_spread_diagnose_names_and_only_where_steps_spread(tmp_path, capsys):
+    """`moescope report`'s expert-spread finding is diagnose's (the one judgement, step_experts.finding) on the
+    same store: named where every step's 6 tokens x 2 experts never share an expert (12 distinct per step and
+    layer, counted here by hand), not where the batch shares its router's favourites."""
+    import json
+
+    from moescope.analysis.diagnose import diagnose
+    from moescope.cli import main
+
+    def apart(rng, b, e, k, n_l):
+        off = rng.integers(e)
+        return np.array([[(np.arange(k) + i * k + off) % e for _ in range(n_l)] for i in range(b)])
+
+    def popular(rng, b, e, k, n_l):
+        return np.array([[rng.choice(4, k, replace=False) for _ in range(n_l)] for _ in range(b)])
+
+    for pick, named in ((apart, True), (popular, False)):
+        path = tmp_path / f"{pick.__name__}.sqlite"
+        _spread_store(path, pick)
+        out = tmp_path / pick.__name__
+        assert main(["report", "--traces", str(path), "--out", str(out), "--json"]) == 0
+        got = json.loads(capsys.readouterr().out)["expert_spread"]
+        conn = store.open_store(path)
+        theirs = [f for f in diagnose(conn)["findings"] if f["cause"] == "expert-spread"]
+        conn.close()
+        summary = (out / "summary.md").read_text()
+        if not named:
+            assert got is None and theirs == [] and "experts than independent routing" not in summary
+            continue
+        assert len(theirs) == 1 and got["severity"] == theirs[0]["severity"] == "info"  # no Prometheus: no bandwidth
+        assert got["evidence"] == theirs[0]["evidence"] and got["title"] == theirs[0]["title"]
+        # by hand: 6 one-row requests per step, 2 experts each, never shared -> 12 per step and layer, 30 steps
+        want, _ = _recomputed(path)
+        assert set(want.values()) == {12} and len({i for i, _ in want}) == 30
+        assert got["evidence"]["distinct_per_step_layer"] == 12.0 and got["evidence"]["steps"] == 30
+        assert f"## Info: {got['title']}" in summary and "touched 12 experts per step and layer" in summary

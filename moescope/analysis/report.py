@@ -22,6 +22,7 @@ import numpy as np
 from moescope import stats
 from moescope.analysis import report_figures as figures
 from moescope.analysis import routing_counts as rc
+from moescope.analysis import step_experts
 from moescope.progress import progress
 
 TOP_PAIRS = 50
@@ -98,7 +99,7 @@ def _figure_layers(wanted: list[int] | str | None, layers: list[int]) -> list[in
 
 def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: str | None = None,
           since: float | None = None, corrupt=None, layers: list[int] | str | None = None,
-          model: str | None = None) -> dict:
+          model: str | None = None, prometheus: str | None = None) -> dict:
     """Write the report; returns its summary. ``layers``: the layers that get per-layer figures: None, ``"all"``
     or layer ids (``cli.layer_select.parse``). ``model``: only this model's stored requests (None: the shape
     most requests have). Corrupt trace-store rows are skipped into ``corrupt`` (``store.CorruptRows``). The
@@ -110,7 +111,7 @@ def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: s
     if import_path is not None:
         summary, files = _from_import(out, import_path, layers)
     else:
-        summary, files = _from_store(out, traces_path, since, corrupt, layers, model)
+        summary, files = _from_store(out, traces_path, since, corrupt, layers, model, prometheus)
     (out / "summary.md").write_text(_markdown(summary, files))
     files.append("summary.md")
     summary["files"] = files
@@ -184,7 +185,8 @@ def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
     return summary, files
 
 
-def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model) -> tuple[dict, list]:
+def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model,
+                prometheus: str | None = None) -> tuple[dict, list]:
     from moescope.analysis.diagnose import load_window
     from moescope.traces import store
 
@@ -200,7 +202,9 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model) -> t
     out.mkdir(parents=True, exist_ok=True)
     with progress(f"report: counting {n_rows} routed tokens, writing tables and {n_figures} figures",
                   -(-n_rows // rc.CHUNK_ROWS) + n_figures) as advance:
-        return _store_files(out, w, wanted, advance)
+        summary, files = _store_files(out, w, wanted, advance)
+    summary["expert_spread"] = _expert_spread(w, prometheus)
+    return summary, files
 
 
 def _store_files(out: Path, w, wanted, advance) -> tuple[dict, list]:
@@ -273,6 +277,14 @@ def _store_files(out: Path, w, wanted, advance) -> tuple[dict, list]:
     return summary, files
 
 
+def _expert_spread(w, prometheus: str | None) -> dict | None:
+    """The seeds' pattern (issue 44): steps that touch more experts than the model's own band (its shape and the
+    window's batches) with bandwidth binding (S-MBU > S-MFU from ``prometheus``, when given; else "not shown"):
+    the one judgement diagnose's expert-spread finding makes (``step_experts.finding``), on the same window."""
+    return step_experts.finding(w.routing, w.step_of, w.n_experts, w.top_k,
+                                step_experts.utilisation_from(prometheus, w.model) if prometheus else None)
+
+
 def _markdown(s: dict, files: list[str]) -> str:
     from moescope.thresholds import DEFAULT as t
 
@@ -314,6 +326,14 @@ def _markdown(s: dict, files: list[str]) -> str:
         lines.append(f"| {layer} | {v['cv']:.3f} | {excess} | {v['hottest']} ({top}) | {hot} | "
                      f"{dead_text} |")
     lines += ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
+    if s.get("expert_spread"):
+        f = s["expert_spread"]
+        ev = f["evidence"]
+        lines += ["", f"## {f['severity'].capitalize()}: {f['title']}", "",
+                  f"{ev['steps']} batched steps ({ev['mean_rows']:g} rows on average) touched "
+                  f"{ev['distinct_per_step_layer']:g} experts per step and layer; independent uniform routing touches "
+                  f"{ev['uniform_per_step_layer']:g} (band top {ev['band_top_per_step_layer']:g}, z = {ev['z']:g}): "
+                  "each step reads more expert weights than its batch needs (docs/metrics.md, \"Efficiency\")."]
     if s.get("drift_attribution"):
         lines += ["", "## What moved between the window's earlier and later half", ""]
         for layer, by_kind in s["drift_attribution"].items():

@@ -19,8 +19,10 @@ from moescope.cli.options import (echo, emit_json, import_option, json_option, m
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="moescope-report", show_default=True)
 @layers_option("Also draw per-layer figures (expert x step, expert x domain) for these layers: 'all' or ids and "
                "ranges, e.g. 3,17,40-45. The overview figure always has every layer.")
+@click.option("--prometheus", default=None, help="Prometheus URL: its S-MBU and S-MFU say whether bandwidth binds "
+              "(the expert-spread finding's severity, as `moescope diagnose --prometheus`).")
 @json_option
-def report_cmd(traces_path, import_path, since, model, out_dir, layers, as_json) -> None:
+def report_cmd(traces_path, import_path, since, model, out_dir, layers, prometheus, as_json) -> None:
     """Write summary.md (read it first), a layers x experts overview figure and load tables to OUT."""
     from moescope.analysis import report
     from moescope.traces.store import CorruptRows
@@ -28,7 +30,7 @@ def report_cmd(traces_path, import_path, since, model, out_dir, layers, as_json)
     no_model_with(model, import_path, "--import")
     corrupt = CorruptRows()
     summary = report.build(out_dir, traces_path=None if import_path else traces_path, import_path=import_path,
-                           since=since, corrupt=corrupt, layers=layers, model=model)
+                           since=since, corrupt=corrupt, layers=layers, model=model, prometheus=prometheus)
     if import_path is None:
         summary["corrupt_rows"] = corrupt.count
     if as_json:
