@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from moescope.errors import ConfigError
+from moescope.traces import lake
 
 # The routing window the exporter's ratio gauges cover, and so the first window a learned reference is taken from
 # (diagnose learns over the same span by default).
@@ -94,8 +95,6 @@ class Traces:
         """Where rank ``rank`` of a multi-rank deployment writes: rank 0 where it was told; rank r > 0 of a SQLite
         store beside it, ``NAME.rankR.sqlite`` (a SQLite file has one writer); a trace lake (a directory, or a path
         ending in ``/``) takes every rank's files."""
-        from moescope.traces import lake
-
         if rank == 0 or lake.is_lake(self.path):
             return self
         p = Path(self.path)
@@ -170,7 +169,7 @@ class Config:
     observers: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
-        from moescope.runtime import faults
+        from moescope.runtime import faults  # start-up: torch (runtime.faults), only when __post_init__() runs
 
         object.__setattr__(self, "scenarios", tuple(faults.parse(",".join(self.scenarios))))
         if self.fault_after_s is not None and not self.fault_after_s >= 0:
@@ -181,7 +180,7 @@ class Config:
     @property
     def settings(self) -> ScenarioSettings:
         """What the scenarios ask of the runtime around the model (``runtime.faults.DEMO_SETTINGS``)."""
-        from moescope.runtime import faults
+        from moescope.runtime import faults  # start-up: torch (runtime.faults), only when settings() runs
 
         return faults.demo_settings(list(self.scenarios))
 

@@ -90,7 +90,8 @@ def resolve_peak(device: str = "cpu", *, bandwidth=None, flops=None, device_name
     if str(device).startswith("cuda"):
         if device_name is None:
             try:
-                import torch  # only on a CUDA device: the foundations import no heavy package at module level
+                # start-up: torch, only on a CUDA device (the foundations import no heavy package at module level)
+                import torch
 
                 device_name = torch.cuda.get_device_name(torch.device(device))
             except Exception:  # noqa: BLE001 - no name, no table entry: the peak stays unknown

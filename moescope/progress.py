@@ -40,7 +40,8 @@ def progress(description: str, total: int, lines: bool = True) -> Iterator[Calla
         yield lambda n=1: None
         note(f"{description}: done in {time.monotonic() - started:.0f} s")
         return
-    try:  # rich comes with the tui extra (textual); without it, the plain lines
+    try:
+        # optional: rich, which comes with the tui extra (textual); without it, the plain lines
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
     except ImportError:

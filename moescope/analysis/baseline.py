@@ -40,9 +40,12 @@ from pathlib import Path
 import numpy as np
 
 from moescope import sampling
+from moescope.capture.observer import Observer
+from moescope.runtime.calibration import held_out_pass
 from moescope.stats import load_cv_rows
 from moescope.analysis.files import read_format
 from moescope.errors import BadInput
+from moescope.traces.store import CorruptRows, iter_routed
 
 FORMAT = "moescope-baseline-v2"
 FORMAT_V1 = "moescope-baseline-v1"
@@ -325,8 +328,6 @@ def from_store(conn, since: float | None = None, corrupt=None, window_s: float =
     """The profile of the stored requests' routed tokens (dropped slots excluded; ``only``: just these request
     ids; ``model``: just this model's); corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``). The
     model name is the one most of the requests carry."""
-    from moescope.traces.store import CorruptRows, iter_routed
-
     corrupt = CorruptRows() if corrupt is None else corrupt
     ends = _end_times(conn, since)
     builder, layers, models = None, None, Counter()
@@ -348,9 +349,6 @@ def calibration_profile(model, seed: int, n_requests: int = 64) -> Profile:
     """The profile of ``n_requests`` held-out requests of the normal mix (``runtime.calibration``'s traffic),
     counted per request: a known-good reference measured before serving. The model's observer is restored
     afterwards, so the pass reaches no metric, trace or log of the served run."""
-    from moescope.capture.observer import Observer
-    from moescope.runtime.calibration import held_out_pass
-
     e = model.cfg.n_experts
 
     class RequestCounts(Observer):

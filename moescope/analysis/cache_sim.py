@@ -17,6 +17,7 @@ from moescope.errors import BadInput
 from moescope.progress import progress
 from moescope.runtime import cache_policy
 from moescope.capture.routing_log import FORMAT
+from moescope.traces.store import CorruptRows, iter_routed, routed_where
 
 
 def load_lookups(path: str | Path) -> tuple[int, dict[int, list[int]]]:
@@ -44,8 +45,6 @@ def load_lookups_from_store(conn, corrupt=None, model: str | None = None) -> tup
     contribute, so the replay sees a subset of each step's experts. Corrupt rows are skipped into
     ``corrupt`` (``store.CorruptRows``). ``model``: only this model's requests (None: the shape most requests
     have)."""
-    from moescope.traces.store import CorruptRows, iter_routed, routed_where
-
     corrupt = CorruptRows() if corrupt is None else corrupt
     step_rank: dict[tuple[str, int], int] = {}  # (run, index) -> a number; sorted into step order below
     layer_no: dict[int, int] = {}

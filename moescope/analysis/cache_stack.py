@@ -90,7 +90,7 @@ def depths(n_experts: int, seqs: list[np.ndarray]) -> dict[str, list[tuple[np.nd
     depth_t = np.empty((length, n_rows), np.int16 if e < 2 ** 15 else np.int64)
     land_t = np.empty((length, n_seq), depth_t.dtype)
     # the carry is a running maximum along each row: torch's cummax is ~4x numpy's maximum.accumulate here
-    import torch
+    import torch  # start-up: torch, only when depths() runs
 
     carry = np.empty_like(stack)
     cummax_in = torch.from_numpy(stack)

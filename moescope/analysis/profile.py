@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from moescope.errors import BadInput
+from moescope.traces import store
+from moescope.traces.store import CorruptRows, iter_routed
 
 
 @dataclass
@@ -49,8 +51,6 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt
     """Passes are the engine's steps (run, index) in order; co-activation counts token-level expert pairs.
     Corrupt rows are skipped into ``corrupt`` (``store.CorruptRows``). ``model``: only this model's requests
     (None: the shape most requests have)."""
-    from moescope.traces.store import CorruptRows, iter_routed
-
     corrupt = CorruptRows() if corrupt is None else corrupt
 
     step_rows: dict[tuple, dict[int, np.ndarray]] = {}
@@ -86,7 +86,7 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt
 
 
 def from_sglang(path: str | Path) -> LoadProfile:
-    import torch
+    import torch  # start-up: torch, only when from_sglang() runs
 
     path = Path(path)
     try:
@@ -154,7 +154,6 @@ def load(traces_path: str | None = None, import_path: str | None = None, *, sinc
         if suffix in (".jsonl", ".json"):
             return from_megatron(import_path)
         raise BadInput(f"--import {import_path}: expected an SGLang .pt dump or a Megatron-style .jsonl file")
-    from moescope.traces import store
 
     conn = store.open_store(traces_path)
     try:

@@ -16,10 +16,10 @@ SPAN = 3  # the colour scale covers 1/8x .. 8x the fair share (log2 -3 .. 3); be
 
 
 def _pyplot():
-    import matplotlib
+    import matplotlib  # optional: matplotlib (the analysis extra)
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # optional: matplotlib (the analysis extra)
 
     return plt
 

@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from moescope import efficiency
+from moescope.prom_http import query
 
 Z = 3.0  # standard deviations of the window's own sampling noise: the other noise bars' (docs/metrics.md)
 
@@ -90,8 +91,6 @@ def finding(routing, step_of, n_experts: int, top_k: int, utilisation: tuple | N
 
 def utilisation_from(url: str, model: str | None) -> tuple[float | None, float | None]:
     """(S-MBU, S-MFU) of the decode steps over the last 5 minutes from a Prometheus (None where unknown)."""
-    from moescope.prom_http import query
-
     sel = f'model="{model}", rank=~".*"' if model else 'rank=~".*"'
     out = []
     for expr in (efficiency.smbu(sel, window="5m"), efficiency.smfu(sel, window="5m")):

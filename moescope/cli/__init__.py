@@ -4,7 +4,10 @@ escape as a traceback: usage errors and ``MoescopeError`` become one line on std
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
+import time
 
 import click
 
@@ -70,10 +73,6 @@ def main(argv: list[str] | None = None) -> int:
 def _error_file(line: str) -> None:
     """A rank under torchrun (``TORCHELASTIC_ERROR_FILE`` set) leaves its one-line error in its error file, where
     the launcher reads it (torch.distributed.elastic's per-rank error files)."""
-    import json
-    import os
-    import time
-
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
         try:

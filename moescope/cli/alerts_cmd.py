@@ -19,7 +19,8 @@ def alerts() -> None:
               help="Repository root to write collectors/prometheus/ under.")
 def build(root: Path) -> int:
     """Write collectors/prometheus/moescope-rules.yml and tests/moescope-rules.test.yml."""
-    from moescope.alerts import alert_files as alerts_build  # yaml and the rule tables: loaded for this command only
+    # start-up: yaml, numpy and the rule tables (alerts.alert_files): for this command only, not for --help
+    from moescope.alerts import alert_files as alerts_build
 
     try:
         paths = alerts_build.write(root)

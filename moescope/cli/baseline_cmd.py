@@ -32,6 +32,7 @@ def _median(values) -> float | None:
               help="Seconds per window for each expert's share spread (the exporter's window).")
 def save(traces_path: str, out: str, since: float | None, model: str | None, window_s: float) -> None:
     """Save a baseline profile of the stored requests (save it from healthy traffic)."""
+    # start-up: numpy (analysis.baseline), only when the command runs, not for --help
     from moescope.analysis import baseline as bl
 
     with read_store(traces_path) as (conn, corrupt):
@@ -71,6 +72,7 @@ def _document(path: str, profile, top: int) -> dict:
 @json_option
 def show(path: str, top: int, as_json: bool) -> None:
     """Print a baseline file: per layer its structural CV, design effect, requests and top experts by share."""
+    # start-up: numpy (analysis.baseline), only when the command runs, not for --help
     from moescope.analysis import baseline as bl
 
     doc = _document(path, bl.load(path), top)

@@ -6,6 +6,7 @@ import click
 
 from moescope.cli.options import (echo, emit_json, import_option, json_option, model_option, no_model_with, read_store,
                                   traces_option)
+from moescope.errors import BadInput
 
 
 @click.command("cache-sim")
@@ -21,8 +22,8 @@ def cache_sim(routing_log: str | None, traces_path: str, import_path: str | None
     """Replay ROUTING_LOG (from `moescope demo --record-routing`), an --import dump, or else the trace store
     through LRU, LFU, static and Belady's optimal at every cache size 1..E (one pass per policy). The table
     shows sizes 1, 2, 4, ..., E and each policy's smallest size reaching --target; --json has every size."""
+    # start-up: numpy, torch (analysis.cache_sim), only when the command runs, not for --help
     from moescope.analysis import cache_sim as sim
-    from moescope.errors import BadInput
 
     corrupt = None
     if routing_log is not None and import_path is not None:
@@ -30,6 +31,7 @@ def cache_sim(routing_log: str | None, traces_path: str, import_path: str | None
     no_model_with(model, import_path, "--import")
     no_model_with(model, routing_log, "a routing log")
     if import_path is not None:
+        # start-up: numpy (analysis.profile), only when the command runs, not for --help
         from moescope.analysis import profile
 
         prof = profile.load(import_path=import_path)

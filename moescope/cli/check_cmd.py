@@ -35,6 +35,7 @@ def _verdict(report, threshold: float, passed: bool) -> str:
 @json_option
 def determinism(source: ModelSource, scenario, runs, n_prompts, threshold, as_json) -> None:
     """Route the same inputs RUNS times; report the flip rate per layer and the tokens that flipped."""
+    # start-up: torch (analysis.determinism, runtime.faults, runtime.canary), only when the command runs, not for --help
     from moescope.analysis.determinism import check as run_check
     from moescope.runtime import faults
     from moescope.runtime.canary import default_prompts
@@ -67,6 +68,7 @@ def determinism(source: ModelSource, scenario, runs, n_prompts, threshold, as_js
 def quantization(source: ModelSource, variant, n_prompts, threshold, as_json) -> None:
     """Route the same inputs at full precision and with int8 weights; report flips, non-finite logits and
     output agreement. Exit 1 when a layer's flip rate exceeds the threshold."""
+    # start-up: torch (analysis.quantization, runtime.canary), only when the command runs, not for --help
     from moescope.analysis.quantization import compare
     from moescope.runtime.canary import default_prompts
 

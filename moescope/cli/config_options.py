@@ -10,9 +10,12 @@ from dataclasses import dataclass
 
 import click
 
+import moescope
 from moescope.cli.options import option_group, traces_option
+from moescope.config import Cache, Canary, Config, Metrics, Mitigations, Traces
 from moescope.errors import BadInput
 from moescope.runtime import routers_cache
+from moescope.traces import lake
 
 # The options that say which model, shared by every command that loads one (``check`` takes only these).
 MODEL_SOURCE = (
@@ -34,6 +37,7 @@ class ModelSource:
 
     def load(self, **overrides):
         """The model these options name (``weights random``: a seeded random init)."""
+        # start-up: torch (runtime.loader), only when the command runs, not for --help
         from moescope.runtime import loader
 
         return loader.build_model(self.model_spec, weights=self.weights_arg, device=self.device, **overrides)
@@ -194,9 +198,8 @@ def build_config(i: InstrumentOptions, model: ModelOptions, *, rank: int = 0, wo
     exports its own routing on metrics port + rank; into a trace lake every rank writes its own requests, in its
     own ``replica=`` partition; a SQLite store is rank 0's alone, one writer per file). ``baseline``: a drift
     reference computed by the caller, used when no ``--baseline`` file is given."""
-    from moescope.config import Cache, Canary, Config, Metrics, Mitigations, Traces
+    # start-up: numpy, torch (metrics.state), only when the command runs, not for --help
     from moescope.metrics.state import EXPERT_SERIES_BUDGET
-    from moescope.traces import lake
 
     if i.otlp_endpoint and i.traces_path == "none":
         raise BadInput("--otlp-endpoint exports the trace recorder's spans: it needs --traces (not none)")
@@ -230,7 +233,7 @@ def build_config(i: InstrumentOptions, model: ModelOptions, *, rank: int = 0, wo
 def instrumented(net, config):
     """``moescope.instrument(net, config)`` for a command: a metrics port that cannot be bound is named by the flag
     that chose it (the library's error names no flag)."""
-    import moescope
+    # start-up: numpy, torch (metrics.exporter), only when the command runs, not for --help
     from moescope.metrics.exporter import BindError
 
     try:

@@ -19,6 +19,7 @@ def dashboards() -> None:
 @click.option("--root", type=click.Path(file_okay=False, path_type=Path), default=Path("."), show_default=True)
 def build(root: Path) -> int:
     """Regenerate dashboards/*.json and the provisioning YAML."""
+    # start-up: numpy (dashboards.grafana), only when the command runs, not for --help
     from moescope.dashboards import grafana as builder
 
     for path in builder.write(root):
@@ -34,7 +35,7 @@ def build(root: Path) -> int:
 def push(url: str, token: str, directory: Path) -> int:
     """Upload every dashboards/*.json to Grafana (overwriting the same uid)."""
     try:
-        from grafana_client import GrafanaApi
+        from grafana_client import GrafanaApi  # optional: grafana_client (the dashboards extra)
     except ImportError:
         raise BadInput("`moescope dashboards push` needs grafana-client: pip install 'moescope[dashboards]'") from None
     files = sorted(directory.glob("*.json"))

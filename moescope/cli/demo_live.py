@@ -15,6 +15,7 @@ import threading
 def serve_with_live_view(engine, requests, run: dict, metrics_url: str, interval_s: float = 1.0) -> list:
     """Serve ``requests`` (``engine.run(requests, **run)``) under the live view; returns the finished records.
     An error on the engine thread is raised here, after the view has closed."""
+    # optional: rich, textual (tui.top_app; the tui extra)
     from moescope.tui.top_app import TopApp
     from moescope.tui.top_data import Poller
 

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import signal
+import threading
 import time
 
 import click
 
 from moescope.capture.observer import Observer
+from moescope.cli.config_options import build_model
 from moescope.cli.options import emit_json
 from moescope.errors import BadInput, MoescopeError
+from moescope.parallel import placement as placement_mod
+from moescope.parallel.eplb import Rebalancer
+from moescope.parallel.spawn import run_ranks
 from moescope.traces.sanitize import sanitize
 
 # Expert-parallel options `demo` and `serve` share: how many ranks and which experts each holds; the slow-rank
@@ -47,10 +55,9 @@ def fleet_settings(config, world_size: int, slow_rank: int | None, delay_ms: flo
 def validate_launch(model_opts, config, world_size: int, placement_spec: str, slow_rank: int | None):
     """Before spawning ranks, what would fail every rank alike: the device, the slow rank, the model
     with its faults, the placement; one line and exit 2. Returns (the model, its placement)."""
-    from moescope.cli.config_options import build_model
-    from moescope.parallel import placement as placement_mod
+    # start-up: torch (runtime.faults, runtime.loader), only when the command runs, not for --help
     from moescope.runtime import faults
-    from moescope.runtime.loader import resolve_device  # torch: not at CLI start-up (`--help` stays fast)
+    from moescope.runtime.loader import resolve_device
 
     resolve_device(model_opts.device)  # a device this machine lacks: one line here, not one per rank
     if slow_rank is not None and not 0 <= slow_rank < world_size:
@@ -101,8 +108,8 @@ def launch(ctx: click.Context, world_size: int, placement, timeout: float, model
     """Run the ranks under torchrun's agent, merge their summaries and print them. A failed run: every failed
     rank's own error (and, when it died without one, the tail of its stderr), the first to fail first, then
     ``RanksFailed``."""
+    # start-up: numpy (cli.summary), only when the command runs, not for --help
     from moescope.cli.summary import print_human, save_baseline
-    from moescope.parallel.spawn import run_ranks
 
     run_started = time.time()
     summaries, failures = run_ranks(argv_from_context(ctx, {"world_size", "save_baseline"}), world_size, timeout)
@@ -158,6 +165,7 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     tokens, throughput and expert load added up, the load judged again from the sums (``expert_load_summary``,
     ``judged``: what the human summary prints); latency percentiles over every rank's requests (each rank's own in
     ``ranks``)."""
+    # start-up: numpy (stats, cli.summary), only when the command runs, not for --help
     from moescope import stats
     from moescope.cli.summary import judgement, latency
 
@@ -202,9 +210,6 @@ class StopOnSignal:
     exchange with a dead peer still names it first); otherwise end now, as the signal would."""
 
     def __init__(self) -> None:
-        import signal
-        import threading
-
         self.engine = None
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # (Ctrl-C reaches every rank too)
@@ -228,15 +233,13 @@ def rank_model(model_opts, rank: int):
     """This rank's ``ModelOptions``: on CUDA without an index (``auto``, ``cuda``) each rank on its own GPU of its
     node (local rank modulo the GPUs: ranks share GPUs when there are fewer); an explicit ``cuda:N`` or ``cpu``
     as given. Call before building the model."""
-    import dataclasses
-    import os
-
+    # start-up: torch (runtime.loader), only when the command runs, not for --help
     from moescope.runtime.loader import resolve_device
 
     device = resolve_device(model_opts.device)
     if device.type != "cuda" or device.index is not None:
         return model_opts
-    import torch
+    import torch  # start-up: torch, only when the command runs, not for --help
 
     local = int(os.environ.get("LOCAL_RANK", rank))
     return dataclasses.replace(model_opts, device=f"cuda:{local % torch.cuda.device_count()}")
@@ -248,9 +251,8 @@ def comm_backend(device, world_size: int) -> str:
     ``ExpertParallel`` (one copy each way per exchange; the exchange is a synchronisation point anyway)."""
     if device.type != "cuda":
         return "gloo"
-    import os
 
-    import torch
+    import torch  # start-up: torch, only when the command runs, not for --help
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     own = device.index == int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
@@ -261,9 +263,9 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
                delay_ms: float, timeout: float):
     """Join the group and shard the experts; returns (AllToAllStats, RankMonitor, ExpertParallel: the
     engine's ``lockstep``, through whose exchanges the ranks make the same steps and agree when to stop)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # start-up: torch, only when the command runs, not for --help
 
-    from moescope.parallel import placement as placement_mod
+    # start-up: numpy, torch (parallel.expert_parallel, parallel.launch), only when the command runs, not for --help
     from moescope.parallel.expert_parallel import ExpertParallel
     from moescope.parallel.launch import RankMonitor, init
 
@@ -272,7 +274,7 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
     device = model.device
     backend = comm_backend(device, world_size)
     if device.type == "cuda":
-        import torch
+        import torch  # start-up: torch, only when the command runs, not for --help
 
         torch.cuda.set_device(device)  # NCCL's communicator binds to the current device
     store = init(rank, world_size, timeout, backend)
@@ -289,8 +291,6 @@ def setup_rank(stack, model, rank: int, world_size: int, placement_spec: str, sl
 
 def rebalancer(run):
     """The demo's ``parallel.eplb.Rebalancer`` from its options (``DemoOptions``), or None."""
-    from moescope.parallel.eplb import Rebalancer
-
     if not run.rebalance_steps:
         return None
     return Rebalancer(run.rebalance_steps, run.rebalance_slots, run.rebalance_below)
@@ -341,6 +341,7 @@ def rank_load_report(ep) -> dict:
 def rank_summary(rank: int, stats: AllToAllStats, summary: dict, wall: float, ep=None, records=()) -> dict:
     """The rank's part of the run's summary; ``records``: its requests (their raw latencies go to the launcher,
     which takes the run's percentiles over every rank's and drops them)."""
+    # start-up: numpy (cli.summary), only when the command runs, not for --help
     from moescope.cli.summary import latencies
 
     a2a = stats.seconds["dispatch"] + stats.seconds["combine"]

@@ -51,6 +51,7 @@ def _brief(evidence: dict) -> str:
 def diagnose_cmd(traces_path, since, model, limit, baseline_path, hot_reference, learn_window_s, prometheus, run,
                  as_json) -> None:
     """Name what is wrong, with evidence and the playbook to follow. Exit 1 when something is."""
+    # start-up: numpy (analysis.baseline, analysis.diagnose), only when the command runs, not for --help
     from moescope.analysis import baseline as bl
     from moescope.analysis.diagnose import diagnose
 

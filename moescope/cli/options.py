@@ -32,6 +32,7 @@ TRACES_ENV = "MOESCOPE_TRACES"
 
 
 def default_traces() -> str:
+    # start-up: numpy (traces.store), only when the command runs, not for --help
     from moescope.traces.store import DEFAULT_PATH
 
     return str(DEFAULT_PATH)
@@ -125,7 +126,7 @@ def echo(text: str = "", *, err: bool = False) -> None:
 @contextmanager
 def read_store(traces_path: str) -> Iterator[tuple[Any, Any]]:
     """(connection, ``CorruptRows``) for a command that reads the trace store; closes the connection."""
-    from moescope.traces import store
+    from moescope.traces import store  # start-up: numpy (traces.store), only when the command runs, not for --help
 
     conn = store.open_store(traces_path)
     try:

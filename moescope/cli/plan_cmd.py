@@ -9,6 +9,7 @@ import click
 
 from moescope.cli.options import (echo, emit_json, import_option, json_option, model_option, no_model_with,
                                   since_option, traces_option)
+from moescope.progress import progress
 
 @click.command("plan-placement")
 @traces_option()
@@ -23,9 +24,10 @@ from moescope.cli.options import (echo, emit_json, import_option, json_option, m
 @json_option
 def plan_cmd(traces_path, import_path, since, model, ranks, slots, out_dir, as_json) -> None:
     """Plan which rank holds which experts; predict max/mean load per rank against round-robin."""
+    # start-up: numpy (analysis.profile, parallel.planner), only when the command runs, not for --help
     from moescope.analysis import profile
     from moescope.parallel import planner as placement_plan
-    from moescope.progress import progress
+    # start-up: numpy (traces.store), only when the command runs, not for --help
     from moescope.traces.store import CorruptRows
 
     no_model_with(model, import_path, "--import")

@@ -16,6 +16,7 @@ from pathlib import Path
 import click
 
 from moescope.cli.demo_parallel import argv_from_context, report_failures
+from moescope.parallel.spawn import run_ranks
 
 # The launcher's own options (the ranks bind a loopback port of their own; the world is the launcher's).
 LAUNCHER_ONLY = {"world_size", "host", "port"}
@@ -23,7 +24,7 @@ LAUNCHER_ONLY = {"world_size", "host", "port"}
 
 def launch(ctx: click.Context, sock, world_size: int, *, model: str, timeout: float,
            log_level: str, access_log: bool, debug: bool = False) -> int:
-    from moescope.parallel.spawn import run_ranks
+    # optional: fastapi, httpx, pydantic, starlette (serve.fleet; the serve extra)
     from moescope.serve import fleet as fleet_mod, server
 
     run_dir = Path(tempfile.mkdtemp(prefix="moescope-ranks-"))

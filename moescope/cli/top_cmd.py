@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
+
 import click
 
 from moescope.errors import BadInput
@@ -10,9 +14,6 @@ from moescope.errors import BadInput
 def once_width(given: int | None, stream=None) -> int | None:
     """The columns ``--once`` cuts its lines to: ``--width``, else the terminal's (``$COLUMNS`` first) when
     ``stream`` (stdout) is one, else None: piped, every line whole."""
-    import shutil
-    import sys
-
     if given is not None:
         return given
     stream = sys.stdout if stream is None else stream
@@ -31,14 +32,13 @@ def once_width(given: int | None, stream=None) -> int | None:
               help="--once: cut lines to N columns [the terminal's width; piped: lines whole].")
 def top_cmd(endpoints, prometheus, alertmanager, interval, once, width) -> int:
     """Watch ENDPOINTS (host:port of each rank's exporter; default 127.0.0.1:9400) live."""
-    import time
-
-    from moescope.tui.top_data import Poller
+    from moescope.tui.top_data import Poller  # start-up: numpy (tui.top_data), only when the command runs
 
     if endpoints and prometheus:
         raise BadInput("give metrics endpoints or --prometheus, not both")
     poller = Poller(list(endpoints) or ["127.0.0.1:9400"], prometheus=prometheus, alertmanager=alertmanager)
     if once:
+        # optional: rich, textual (tui.heatmap, tui.top_app; the tui extra)
         from moescope.tui import heatmap
         from moescope.tui.top_app import details_text, status_text, tiles_text
 
@@ -53,7 +53,7 @@ def top_cmd(endpoints, prometheus, alertmanager, interval, once, width) -> int:
                      heatmap.overview(f, cols, 0, worst_first=True), details_text(f, worst, cols)):
             click.echo(text.plain.rstrip("\n"))
         return 0
-    from moescope.tui.top_app import TopApp
+    from moescope.tui.top_app import TopApp  # optional: rich, textual (tui.top_app; the tui extra)
 
     TopApp(poller, interval).run()
     return 0

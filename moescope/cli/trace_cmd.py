@@ -55,7 +55,7 @@ def trace_cmd(request_id, traces_path, as_json, plain, layers) -> int:
         for line in plain_lines(doc):
             echo(line)
         return 0
-    from moescope.tui.trace_app import TraceApp
+    from moescope.tui.trace_app import TraceApp  # optional: textual (tui.trace_app; the tui extra)
 
     TraceApp(doc).run()
     return 0

@@ -8,6 +8,7 @@ import click
 
 from moescope.cli.options import echo, emit_json, json_option
 from moescope.errors import BadInput
+from moescope.traces import lake
 
 
 @click.group("traces")
@@ -21,6 +22,7 @@ def traces() -> None:
 @json_option
 def convert(src: str, dst: str, as_json: bool) -> None:
     """Copy the SQLite trace store SRC into the trace lake DST (a directory; other replicas' files kept)."""
+    # start-up: numpy (traces.to_parquet), only when the command runs, not for --help
     from moescope.traces.to_parquet import sqlite_to_lake
 
     n, files = sqlite_to_lake(src, dst)
@@ -57,8 +59,6 @@ def _age(text: str | None) -> float | None:
 @json_option
 def retain(lake_dir: str, max_age: str | None, max_size: str | None, replica: str | None, as_json: bool) -> None:
     """Retention: delete LAKE_DIR's oldest files by age and size (the writer does this for its own files)."""
-    from moescope.traces import lake
-
     if max_age is None and max_size is None:
         raise BadInput("give --max-age, --max-size or both")
     deleted = lake.enforce_retention(lake_dir, replica, max_bytes=_size(max_size), max_age_s=_age(max_age))
@@ -77,8 +77,6 @@ def retain(lake_dir: str, max_age: str | None, max_size: str | None, replica: st
 @json_option
 def compact(lake_dir: str, min_age: str, target_size: str, as_json: bool) -> None:
     """Merge each partition's small files in LAKE_DIR into one (readers never see a request twice)."""
-    from moescope.traces import lake
-
     young: list[str] = []
     done = lake.compact(lake_dir, min_age_s=_age(min_age), target_bytes=_size(target_size), too_young=young)
     if as_json:

@@ -3,6 +3,7 @@ the bundled one inside the package is replaced only when ``--out`` names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -23,8 +24,7 @@ def default_out() -> Path:
 def train_demo(steps: int | None, out: Path | None) -> None:
     """Train the tiny demo model on local text (stdlib code and docstrings, numbers, unicode); use the result with
     `--weights FILE`."""
-    import dataclasses
-
+    # start-up: numpy, torch (runtime.train), only when the command runs, not for --help
     from moescope.runtime import train
 
     out = out or default_out()

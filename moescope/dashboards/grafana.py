@@ -30,6 +30,7 @@ LSEL = f'{SEL}, layer="$layer"'
 
 
 def _sdk():
+    # optional: grafana_foundation_sdk (the dashboards extra)
     from grafana_foundation_sdk.builders import dashboard, heatmap, prometheus, stat, timeseries
     from grafana_foundation_sdk.cog.encoder import JSONEncoder
 
@@ -37,6 +38,7 @@ def _sdk():
 
 
 def _variables(dash, dashboard):
+    # optional: grafana_foundation_sdk (the dashboards extra)
     from grafana_foundation_sdk.models.dashboard import DataSourceRef, VariableSort
 
     ds = DataSourceRef(type_val="prometheus", uid="${datasource}")
@@ -72,6 +74,7 @@ def steps(kind: str, bar) -> list[tuple[float | None, str]]:
 
 
 def _thresholds_config(pairs):
+    # optional: grafana_foundation_sdk (the dashboards extra)
     from grafana_foundation_sdk.builders.dashboard import ThresholdsConfig
     from grafana_foundation_sdk.models.dashboard import Threshold, ThresholdsMode
 
@@ -79,6 +82,7 @@ def _thresholds_config(pairs):
 
 
 def _pos(x, y, w, h):
+    # optional: grafana_foundation_sdk (the dashboards extra)
     from grafana_foundation_sdk.models.dashboard import GridPos
 
     return GridPos(h=h, w=w, x=x, y=y)
@@ -96,6 +100,7 @@ def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8, bar: 
     """A time series panel; ``bar``: a red threshold line where the alert's bar is."""
     p = timeseries.Panel().title(title).datasource(ds).unit(unit).grid_pos(_pos(x, y, w, h))
     if bar is not None:
+        # optional: grafana_foundation_sdk (the dashboards extra)
         from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
         from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
 
@@ -107,6 +112,7 @@ def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8, bar: 
 
 
 def _heatmap(heatmap, prometheus, ds, title, expr, legend, x, y, w=24, h=10, layout=None, unit="none"):
+    # optional: grafana_foundation_sdk (the dashboards extra)
     from grafana_foundation_sdk.models.common import HeatmapCellLayout
 
     return (heatmap.Panel().title(title).datasource(ds).grid_pos(_pos(x, y, w, h)).unit(unit).calculate(False)
@@ -258,6 +264,7 @@ def serving(dash, prometheus, timeseries, ds, y: int):
 
 def experts(t: Thresholds = DEFAULT):
     dashboard, heatmap, prometheus, stat, timeseries, _ = _sdk()
+    # optional: grafana_foundation_sdk (the dashboards extra)
     from grafana_foundation_sdk.models.common import HeatmapCellLayout
 
     dash = (dashboard.Dashboard("moescope / Experts").uid("moescope-experts").tags(["moescope", "moe"])

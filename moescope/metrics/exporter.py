@@ -43,7 +43,7 @@ class MoescopeCollector:
     """prometheus-client ``Collector`` for the families prometheus_client renders (a few dozen series)."""
 
     def __init__(self, state: MetricsObserver, *, gpu: bool = True) -> None:
-        from prometheus_client import ProcessCollector
+        from prometheus_client import ProcessCollector  # optional: prometheus_client (the metrics extra)
 
         self.state, self.gpu = state, gpu
         self.process = ProcessCollector(namespace="moescope", registry=None)
@@ -54,6 +54,7 @@ class MoescopeCollector:
         return []  # families vary with data; skip registry-time collection
 
     def _family(self, name: str):
+        # optional: prometheus_client (the metrics extra)
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         m = catalogue.BY_NAME[name]
@@ -247,7 +248,7 @@ class Exporter:
     """An HTTP endpoint serving one rank's metrics. ``port=0`` picks a free port (see ``.port``)."""
 
     def __init__(self, state: MetricsObserver, *, port: int, addr: str = "127.0.0.1") -> None:
-        from prometheus_client import CollectorRegistry
+        from prometheus_client import CollectorRegistry  # optional: prometheus_client (the metrics extra)
 
         self.state = state
         self.registry = CollectorRegistry(auto_describe=False)
@@ -264,9 +265,10 @@ class Exporter:
     def exposition(self, openmetrics: bool = False) -> bytes:
         """The current exposition text, without HTTP (tests, ``promtool check metrics``)."""
         if openmetrics:
+            # optional: prometheus_client (the metrics extra)
             from prometheus_client.openmetrics.exposition import generate_latest
         else:
-            from prometheus_client import generate_latest
+            from prometheus_client import generate_latest  # optional: prometheus_client (the metrics extra)
         small = generate_latest(self.registry)
         fast = routing_text(self.state, self.writer, openmetrics).encode()
         if openmetrics:  # one "# EOF", at the very end

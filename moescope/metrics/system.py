@@ -39,7 +39,7 @@ def gpu_memory() -> list[GpuMemory]:
     if _nvml_state.get("failed"):
         return []
     try:
-        import pynvml
+        import pynvml  # optional: pynvml (the gpu extra)
 
         if not _nvml_state.get("init"):
             pynvml.nvmlInit()

@@ -52,7 +52,9 @@ import torch.distributed as dist
 
 from moescope import stats
 from moescope.errors import MoescopeError
+from moescope.parallel.eplb import Rebalance
 from moescope.parallel.placement import Placement
+from moescope.parallel.planner import plan_layer
 from moescope.runtime.experts import Experts, combine
 
 
@@ -268,9 +270,6 @@ class ExpertParallel:
     def rebalance(self, moe_layers) -> None:
         """Plan a placement from the fleet's counts of the last ``horizon`` windows and move the weights of the
         layers whose plan gains more than ``min_gain`` (``parallel.eplb``)."""
-        from moescope.parallel.planner import plan_layer
-        from moescope.parallel.eplb import Rebalance
-
         start = time.perf_counter()
         rb, w, old = self.rebalancer, self.world, self.placement
         layers = [m.layer_index for m in moe_layers]

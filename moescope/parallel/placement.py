@@ -95,7 +95,7 @@ def build(spec: str, *, n_experts: int, world_size: int, moe_layers: Sequence[in
 
 
 def load(path: str | Path, *, n_experts: int, world_size: int, moe_layers: Sequence[int]) -> Placement:
-    import yaml
+    import yaml  # start-up: yaml, only when load() runs
 
     path = Path(path)
     try:
@@ -127,7 +127,7 @@ def load(path: str | Path, *, n_experts: int, world_size: int, moe_layers: Seque
 
 def to_yaml(placement: Placement) -> str:
     """The YAML form (per-layer maps), as `moescope plan-placement` writes it."""
-    import yaml
+    import yaml  # start-up: yaml, only when to_yaml() runs
 
     first = next(iter(placement.layers.values()))
     same = all(v == first for v in placement.layers.values())

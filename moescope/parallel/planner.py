@@ -20,7 +20,7 @@ import numpy as np
 
 from moescope import stats
 from moescope.errors import BadInput
-from moescope.parallel.placement import _layout
+from moescope.parallel.placement import _layout, to_yaml, validate
 
 
 def cross_rank_share(load: np.ndarray, per_rank: list[list[int]]) -> float:
@@ -94,8 +94,6 @@ class Plan:
                 "slots_per_rank": self.slots, "phy2log": phy2log, "log2phy": log2phy, "logcnt": logcnt}
 
     def placement_yaml(self, n_experts: int) -> str:
-        from moescope.parallel.placement import to_yaml, validate
-
         replicated = any(sum(len(r) for r in per) > n_experts for per in self.layers.values())
         return to_yaml(validate(self.layers, n_experts, self.ranks, replicated, sorted(self.layers),
                                 "planned placement"))

@@ -55,6 +55,7 @@ def run_ranks(argv: list[str], world_size: int, timeout_s: float, *, run_dir: Pa
     run's directory (the ranks' ``MOESCOPE_SUMMARY_DIR``; made here when None), removed at the end. ``tee``: the
     ranks' output also goes to this process's, as it comes, each line prefixed with its rank (``[default_role<R>]:``,
     the agent's): a server's ranks log while they serve, not only when one fails."""
+    # start-up: torch, only when run_ranks() runs
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

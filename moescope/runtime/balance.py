@@ -42,6 +42,7 @@ from moescope.capture.observer import NOOP
 from moescope.progress import progress
 from moescope.runtime import routers_cache, tokenizer, traffic
 from moescope.runtime.model import MoETransformer, Segment
+from moescope.runtime.model_config import preset
 from moescope.runtime.router import Router
 from moescope.runtime.routers_cache import BALANCE_VERSION
 
@@ -156,7 +157,7 @@ def _router_state(model: MoETransformer) -> dict[str, torch.Tensor]:
 
 def _load(model: MoETransformer, path: Path, fingerprint: list[float]) -> bool:
     """Copy the routers in ``path`` into ``model`` if they were balanced for this very init."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # start-up: safetensors, only when _load() runs
 
     state = _router_state(model)
     try:
@@ -177,7 +178,7 @@ def _load(model: MoETransformer, path: Path, fingerprint: list[float]) -> bool:
 
 def save_routers(model: MoETransformer, path: Path) -> None:
     """The model's routers (weights and correction biases) and its init's fingerprint, written atomically."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # start-up: safetensors, only when save_routers() runs
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
@@ -210,8 +211,6 @@ SHIPPED_PRESETS = ("deepseek-v3-shape",)  # the presets whose routers ship in th
 def ship(name: str) -> Path:
     """Balance preset ``name``'s routers and write them into the package (``python -m moescope.runtime.balance
     NAME``; after a ``BALANCE_VERSION`` bump, the stale file is removed by hand and this writes the new one)."""
-    from moescope.runtime.model_config import preset
-
     cfg = preset(name)
     model = MoETransformer(cfg).eval()
     balance_routing(model, seed=cfg.seed)

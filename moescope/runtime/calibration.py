@@ -6,6 +6,8 @@ experts of such a pass; the drift scenario measures drift against the load of th
 
 from __future__ import annotations
 
+from moescope.runtime import traffic
+
 # A seed offset so the calibration traffic is never the served traffic (which is seeded by the same seed).
 HELD_OUT_SEED_OFFSET = 7919
 
@@ -13,8 +15,7 @@ HELD_OUT_SEED_OFFSET = 7919
 def held_out_pass(model, seed: int, n_requests: int, observer) -> None:
     """Serve ``n_requests`` short held-out requests of the normal mix to ``observer`` alone; the model's
     observer is restored afterwards, so the pass reaches no metric, trace or log of the served run."""
-    from moescope.runtime import traffic
-    from moescope.runtime.engine import Engine
+    from moescope.runtime.engine import Engine  # start-up: torch (runtime.engine), only when held_out_pass() runs
 
     previous = model.observer
     try:
@@ -27,6 +28,7 @@ def held_out_pass(model, seed: int, n_requests: int, observer) -> None:
 
 def calibration_load(model, seed: int, n_requests: int = 16) -> dict[int, list[int]]:
     """Slots per expert per MoE layer of ``n_requests`` short held-out requests (``held_out_pass``)."""
+    # start-up: torch (capture.probes), only when calibration_load() runs
     from moescope.capture.probes import ExpertLoadProbe
 
     calib = ExpertLoadProbe()

@@ -95,7 +95,7 @@ def _tensor_name(layer: int, expert: int, part: str) -> str:
 
 def write_disk_tier(model: torch.nn.Module, path: str | Path) -> Path:
     """Write every MoE layer's experts, one tensor per expert and projection, to a safetensors file."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # start-up: safetensors, only when write_disk_tier() runs
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -129,7 +129,7 @@ class DiskTier:
     def _handle(self):
         handle = getattr(self._local, "handle", None)
         if handle is None:
-            from safetensors import safe_open
+            from safetensors import safe_open  # start-up: safetensors, only when _handle() runs
 
             try:
                 handle = safe_open(str(self.path), framework="pt")

@@ -39,7 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
+from moescope.capture.observer import NOOP
 from moescope.errors import BadInput
+from moescope.runtime.balance import calibration_batch
 
 
 @dataclass(frozen=True)
@@ -205,9 +207,6 @@ def router_input(model, layer: int, n_prompts: int = HOT_CALIBRATION_PROMPTS, se
     """[T, H] the router input of MoE layer ``layer`` on held-out calibration prompts (the balanced init's
     calibration batch, another stream than any served traffic). The forward stops at that router: nothing
     after it runs, and no observer sees it."""
-    from moescope.capture.observer import NOOP
-    from moescope.runtime.balance import calibration_batch
-
     tokens, segments = calibration_batch(seed, n_prompts, model.cfg.max_seq_len)
     router = next(m.router for m in model.moe_layers() if m.layer_index == layer)
     seen: list[torch.Tensor] = []

@@ -11,6 +11,7 @@ import torch
 from moescope.errors import BadInput
 from moescope.runtime import routers_cache
 from moescope.runtime import weights as weights_io
+from moescope.runtime.balance import balanced_init
 from moescope.runtime.model_config import MoEConfig, resolve
 from moescope.runtime.model import MoETransformer
 
@@ -81,8 +82,6 @@ def build_model(model: str = "tiny-demo", *, weights: str | None = "auto", devic
         cfg = cfg.replace(**overrides)
     net = MoETransformer(cfg)
     if balanced is not None:
-        from moescope.runtime.balance import balanced_init
-
         balanced_init(net, seed=cfg.seed)
     elif weights is not None:
         if not Path(weights).exists():

@@ -10,6 +10,7 @@ once, so the experts are batched across requests, which is what makes MoE servin
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,9 +19,10 @@ from torch import nn
 
 from moescope.capture.decision import RoutingDecision
 from moescope.capture.observer import NOOP, Observer
+from moescope.errors import BadInput
 from moescope.runtime.model_config import MoEConfig
 from moescope.runtime.experts import DenseFFN, Experts
-from moescope.runtime.router import Router, RoutingRule
+from moescope.runtime.router import ROUTER_IMPLS, Router, RoutingRule
 from moescope.runtime.timing import LayerTimer
 
 
@@ -245,16 +247,11 @@ class MoETransformer(nn.Module):
         """Choose every router's path (``auto``, ``torch`` or ``triton``). Returns a one-line notice when the
         fused Triton kernel would be asked for but does not implement this model's routing rule (sigmoid,
         groups, correction bias, scaling): the torch router runs then, never a silently different routing."""
-        from moescope.runtime.router import ROUTER_IMPLS
-
         if impl not in ROUTER_IMPLS:
             raise ValueError(f"router impl must be one of {', '.join(ROUTER_IMPLS)}, got {impl!r}")
         supported = all(m.router.kernel_supported for m in self.moe_layers())
         if impl == "triton" and supported:  # asked for by name: where it cannot run, say so (auto falls back)
-            import os
-
-            from moescope.errors import BadInput
-            from moescope.kernels import router_triton
+            from moescope.kernels import router_triton  # optional: triton (kernels.router_triton; the gpu extra)
 
             if not router_triton.available():
                 raise BadInput("--router-impl triton: triton is not installed (pip install triton)")

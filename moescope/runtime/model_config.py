@@ -233,7 +233,7 @@ def load(path: str | Path) -> MoEConfig:
         raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from None
     try:
         if path.suffix in (".yaml", ".yml"):
-            import yaml
+            import yaml  # start-up: yaml, only when load() runs
 
             data = yaml.safe_load(text)
         else:

@@ -227,7 +227,7 @@ def route_kernel(logits: torch.Tensor, top_k: int, *, temperature: float = 1.0,
                  capacity_factor: float | None = None, counters=None) -> RoutingDecision:
     """``route`` computed by the fused Triton kernel (``moescope.kernels.router_triton``); same result as
     ``route(..., canonical_ties=True)``. ``counters``: the kernel's static device accumulators."""
-    from moescope.kernels.router_triton import route_fused
+    from moescope.kernels.router_triton import route_fused  # optional: triton (kernels.router_triton; the gpu extra)
 
     n_tokens, n_experts = logits.shape
     ids, weights, entropy, margin, nonfinite = route_fused(logits, top_k, temperature=temperature,
@@ -341,6 +341,6 @@ class Router(nn.Module):
             return False
         if self.impl == "triton":
             return True
-        from moescope.kernels import router_triton
+        from moescope.kernels import router_triton  # optional: triton (kernels.router_triton; the gpu extra)
 
         return logits.is_cuda and router_triton.available()

@@ -22,6 +22,7 @@ def save(model: torch.nn.Module, path: str | Path, *, dtype: torch.dtype | None 
          extra: dict[str, str] | None = None) -> Path:
     """Write the model's parameters (cast to ``dtype``, float16 by default, to keep the file small) and its
     config."""
+    # start-up: torch, safetensors, only when save() runs
     import torch
     from safetensors.torch import save_file
 
@@ -58,6 +59,7 @@ def read_config(path: str | Path) -> MoEConfig:
 
 def load_into(model: torch.nn.Module, path: str | Path) -> None:
     """Copy the file's tensors into ``model`` (cast to the model's dtype); every name and shape must match."""
+    # start-up: torch, safetensors, only when load_into() runs
     import torch
     from safetensors.torch import load_file
 

@@ -46,6 +46,7 @@ class ServeMetrics:
     """The API port's metrics for one served model (labels ``model`` and ``rank``, as every moescope series)."""
 
     def __init__(self, model: str, loop: EngineLoop, rank: int = 0) -> None:
+        # optional: prometheus_client (the metrics extra)
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.loop = loop
@@ -136,10 +137,11 @@ class ServeMetrics:
     def exposition(self, accept: str) -> tuple[bytes, str]:
         """(body, content type): OpenMetrics (with the request-id exemplars) when ``accept`` asks for it."""
         if "application/openmetrics-text" in accept:
+            # optional: prometheus_client (the metrics extra)
             from prometheus_client.openmetrics.exposition import generate_latest
 
             return generate_latest(self.registry), OPENMETRICS
-        from prometheus_client import generate_latest
+        from prometheus_client import generate_latest  # optional: prometheus_client (the metrics extra)
 
         return generate_latest(self.registry), TEXT
 
@@ -154,7 +156,7 @@ class _Gauges:
         return []
 
     def collect(self):
-        from prometheus_client.core import GaugeMetricFamily
+        from prometheus_client.core import GaugeMetricFamily  # optional: prometheus_client (the metrics extra)
 
         for name, value in (("num_requests_running", self.m.loop.running),
                             ("num_requests_waiting", len(self.m.loop.admission))):

@@ -115,7 +115,7 @@ class RoutedExperts(Observer):
 
 def pack(rows: list[tuple[tuple, int, int]]) -> np.ndarray:
     """[positions, layers, k] expert ids (the decisions' ``active_ids``: dropped slots hold ``n_experts``)."""
-    import torch
+    import torch  # start-up: torch, only when pack() runs
 
     per_step = [torch.stack([d.active_ids[first:first + n] for _, d in decisions], 1)
                 for decisions, first, n in rows]
@@ -160,7 +160,7 @@ class DistributionRecorder:
             return self._dump()
 
     def _dump(self) -> dict:
-        import torch
+        import torch  # start-up: torch, only when _dump() runs
 
         if self._start is not None:  # still recording: SGLang dumps what was recorded so far
             self._window = (self._diff(), self._started_at, time.time())
@@ -181,6 +181,7 @@ class DistributionRecorder:
 
 def metrics_state(engine):
     """The engine's ``MetricsObserver`` (the exporter's state), or None."""
+    # start-up: torch (metrics.state), only when metrics_state() runs
     from moescope.metrics.state import MetricsObserver
 
     stack = [engine.observer]

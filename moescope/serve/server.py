@@ -51,7 +51,7 @@ def _ignore(signum, frame) -> None:
 def run(app, service: "Service", sock: socket.socket, *, shutdown_timeout_s: float, log_level: str = "info",
         access_log: bool = False) -> None:
     """Serve ``app`` on ``sock`` until SIGTERM/SIGINT; returns after the graceful shutdown."""
-    import uvicorn
+    import uvicorn  # optional: uvicorn (the serve extra)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:
@@ -71,7 +71,7 @@ def run(app, service: "Service", sock: socket.socket, *, shutdown_timeout_s: flo
 def start_in_thread(app, sock: socket.socket, *, log_level: str = "info", access_log: bool = False):
     """Serve ``app`` on ``sock`` from a thread of its own (the main thread runs something else: the ranks'
     launcher, which owns the signals). Returns (thread, server); ``server.should_exit = True`` stops it."""
-    import uvicorn
+    import uvicorn  # optional: uvicorn (the serve extra)
 
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on", timeout_keep_alive=5,
                             timeout_graceful_shutdown=BACKSTOP_S)

@@ -29,11 +29,14 @@ listed and their footers checked first: a corrupt or partial file is skipped wit
 from __future__ import annotations
 
 import glob
+import importlib
+import json
 import os
 import re
 import socket
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import quote
@@ -72,8 +75,6 @@ def is_lake(path: str | os.PathLike) -> bool:
 
 def _need(module: str):
     """``module`` imported, or the one-line error that says which extra brings it."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -81,7 +82,7 @@ def _need(module: str):
 
 
 def schema():
-    import pyarrow as pa
+    import pyarrow as pa  # optional: pyarrow (the lake extra)
 
     return pa.schema([(name, getattr(pa, kind)()) for name, kind in _COLUMNS],
                      metadata={SCHEMA_KEY: LAKE_SCHEMA.encode()})
@@ -89,7 +90,7 @@ def schema():
 
 def to_table(rows: list[dict[str, Any]]):
     """A pyarrow table of store rows (dicts of the ``requests`` columns; missing ones are null)."""
-    import pyarrow as pa
+    import pyarrow as pa  # optional: pyarrow (the lake extra)
 
     sch = schema()
     return pa.table({name: pa.array([r.get(name) for r in rows], sch.field(name).type) for name in sch.names},
@@ -99,9 +100,7 @@ def to_table(rows: list[dict[str, Any]]):
 def _write_atomic(table, path: Path, level: int = ZSTD_LEVEL, replaces: list[str] | None = None) -> int:
     """Write ``table`` to ``path`` under a hidden name, then rename it into place; returns its size.
     ``replaces``: the files (names in the same directory) it holds, which readers then leave out."""
-    import json
-
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # optional: pyarrow (the lake extra)
 
     if replaces:
         table = table.replace_schema_metadata({**table.schema.metadata, REPLACES_KEY: json.dumps(replaces).encode()})
@@ -171,6 +170,7 @@ class LakeWriter:
 
     def roll(self) -> None:
         """Merge the open tick files into one file per partition directory, then delete the ticks."""
+        # optional: pyarrow (the lake extra)
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -233,8 +233,7 @@ def compact(root: str | Path, *, min_age_s: float = 600.0, target_bytes: int = 2
     them (and any file an earlier roll or compaction replaced but did not delete). Returns (new file, files
     merged) per directory merged. ``too_young``: a list that receives the small files left alone because they
     closed less than ``min_age_s`` ago."""
-    import uuid
-
+    # optional: pyarrow (the lake extra)
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -279,9 +278,7 @@ def _footers(files: list[str], duck=None) -> dict[str, tuple[str | None, list[st
     DuckDB (``parquet_kv_metadata``; importing pyarrow would cost a command 0.6 s): all files in one call, and
     file by file only when that call fails (a damaged file among them). ``duck``: a connection to use (a new
     one costs about 0.1 s), else one of its own."""
-    import json
-
-    import duckdb
+    import duckdb  # optional: duckdb (the lake extra)
 
     own = duck is None
     duck = duckdb.connect() if own else duck
@@ -362,7 +359,7 @@ class LakeConn:
         self.duck, self.skipped, self.files = duck, skipped, files
 
     def execute(self, sql: str, args=()) -> _Cursor:
-        import duckdb
+        import duckdb  # optional: duckdb (the lake extra)
 
         try:
             return _Cursor(self.duck.execute(sql, list(args)))

@@ -42,6 +42,7 @@ def tracer_provider(endpoint: str, *, service: str = "moescope", attributes: dic
     """A ``TracerProvider`` exporting to ``endpoint`` over OTLP/HTTP (call ``shutdown()`` to flush)."""
     url = traces_url(endpoint)
     try:
+        # optional: opentelemetry (the otel extra)
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider

@@ -19,6 +19,7 @@ a ``CorruptRows``; ``load_request`` (one request) raises ``BadInput``.
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sqlite3
@@ -32,6 +33,9 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from moescope.errors import BadInput
+from moescope.runtime import tokenizer
+from moescope.traces import lake
+from moescope.traces.sanitize import sanitize
 
 SCHEMA_VERSION = 1
 DEFAULT_PATH = Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "moescope" / "traces.sqlite"
@@ -137,8 +141,6 @@ def open_store(path: str | Path, *, create: bool = False):
     """Open (or create) a store and check its schema version: the one place readers open a store. A lake path
     (a directory, a glob of them, a URL: ``lake.is_lake``) opens the Parquet trace lake read-only through
     DuckDB (``lake.LakeConn``: the same ``execute`` the readers below use); anything else the SQLite file."""
-    from moescope.traces import lake
-
     if not create and lake.is_lake(path):
         return lake.open_lake(path)
     path = Path(path)
@@ -227,8 +229,6 @@ class CorruptRows:
 
 def _shown(name) -> str:
     """A stored name (a model's) fit for one line of terminal text."""
-    from moescope.traces.sanitize import sanitize
-
     return "(no model name)" if name is None else sanitize(str(name), keep_newlines=False)[:80]
 
 
@@ -239,8 +239,6 @@ def _named(models: list[tuple[str | None, int]], most: int = 12) -> str:
 
 
 def _row_key(rowid, request_id) -> str:
-    from moescope.traces.sanitize import sanitize
-
     name = sanitize(request_id, keep_newlines=False)[:60] if isinstance(request_id, str) else None
     return f"request {name!r}" if name else f"row {rowid}"
 
@@ -334,8 +332,6 @@ def _rows(conn, sql: str, args) -> Iterator[tuple]:
 
 def nearest_ids(conn, request_id: str, n: int = 3) -> list[str]:
     """Stored ids closest to ``request_id`` (shared prefix first, then edit similarity)."""
-    import difflib
-
     ids = [r[0] for r in conn.execute("SELECT request_id FROM requests ORDER BY started DESC LIMIT 5000")
            if isinstance(r[0], str)]
     return difflib.get_close_matches(request_id, ids, n=n, cutoff=0.0)[:n]
@@ -775,8 +771,6 @@ def select_layers(stored: list[int], wanted: list[int] | None, where: str = "in 
 
 
 def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None = None) -> dict[str, Any]:
-    from moescope.runtime import tokenizer
-
     n_prompt, n_output = r["n_prompt"], r["n_output"]
     tokens = _ints(r["tokens"], n_prompt + n_output).tolist()
     lat = np.frombuffer(r["latencies"], dtype=np.float32).tolist()

@@ -8,6 +8,7 @@ store" in pyproject.toml).
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 
 from moescope.traces import lake, store
@@ -16,8 +17,6 @@ from moescope.traces import lake, store
 def sqlite_to_lake(src: str | Path, dst: str | Path, *, batch: int = 256) -> tuple[int, int]:
     """Copy a SQLite store's requests into a lake (one rolled file per partition and model); returns (requests,
     files). Rows are read in batches of ``batch``; the source is only read."""
-    import uuid
-
     conn = store.open_store(src)
     cols = [name for name, _ in lake._COLUMNS]
     writers: dict[tuple[str | None, int], lake.LakeWriter] = {}

@@ -32,7 +32,7 @@ import numpy as np
 from moescope.capture.observer import Observer
 from moescope.capture.token_trace import StepTrace, TraceArrays, pack
 from moescope.metrics.system import rss_bytes
-from moescope.traces import store as store_mod
+from moescope.traces import lake, store as store_mod
 
 log = logging.getLogger("moescope.traces")
 ALWAYS_KEEP = ("nonfinite", "dropped", "cache_miss", "slow")
@@ -59,7 +59,6 @@ class TraceWriter(Observer):
                  model: str | None = None, rank: int = 0, seed: int = 0, clock_offset: float | None = None) -> None:
         self.path = Path(path)
         self.run_id = uuid.uuid4().hex[:12]  # step numbers restart per process: (run, index) is unique
-        from moescope.traces import lake
 
         self.lake = None  # a Parquet trace lake (a directory path) instead of the SQLite file
         if lake.is_lake(path):
@@ -254,7 +253,7 @@ class TraceWriter(Observer):
                  "moescope.total_s": rec.total_s, "moescope.flags": ",".join(flags),
                  "moescope.finish_reason": rec.finish_reason, "moescope.model": self.model or "",
                  "moescope.rank": self.rank}
-        from opentelemetry import trace
+        from opentelemetry import trace  # optional: opentelemetry (the otel extra)
 
         root = self.tracer.start_span("moescope.request", start_time=ns(rec.arrival), attributes=attrs)
         ctx = trace.set_span_in_context(root)

@@ -35,7 +35,7 @@ def token_label(tok: dict) -> str:
 def entropy_scale(doc: dict) -> tuple[float, float]:
     """(low, high) normalised entropy of the request's decisions (5th, 95th percentile): a 256-expert router's
     entropies all sit near 1, so the characters spread over the range the request actually used."""
-    import numpy as np
+    import numpy as np  # start-up: numpy, only when entropy_scale() runs
 
     ents = [la["entropy"] for tok in doc["tokens"] for la in tok["layers"]]
     vals = np.array([e for e in ents if e is not None and math.isfinite(e)], dtype=float)
