@@ -78,12 +78,13 @@ def _decoders(tiny_cfg, dtype, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype,mode", [(torch.float32, "dense"), (torch.bfloat16, "auto")])
 def test_counts_inside_a_replayed_cuda_graph_equal_a_recomputation(tiny_cfg, dtype, mode):
-    from moescope.metrics.state import MetricsObserver, ModelInfo
+    from moescope.metrics.state import MetricsObserver
+    from moescope.runtime.engine_adapter import RuntimeEngine
     from moescope.runtime.graph_decode import GraphCollector
 
     model, (eager, graphed), positions = _decoders(tiny_cfg, dtype, mode)
     graphed.capture()
-    metrics = MetricsObserver(ModelInfo.from_runtime(model, "t"))
+    metrics = MetricsObserver(RuntimeEngine(model).model_info("t"))
     collector = GraphCollector(graphed.counters, metrics.on_stats)
     tokens = torch.tensor([7, 8, 9], device="cuda")
     steps = 12
@@ -130,7 +131,8 @@ def test_layer_times_come_from_cuda_events_without_waiting(tiny_cfg):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_engine_serving_with_graph_decode_counts_like_eager():
-    from moescope.metrics.state import MetricsObserver, ModelInfo
+    from moescope.metrics.state import MetricsObserver
+    from moescope.runtime.engine_adapter import RuntimeEngine
     from moescope.runtime import loader
     from moescope.runtime.engine import Engine
     from moescope.runtime.traffic import TrafficRequest
@@ -140,7 +142,7 @@ def test_engine_serving_with_graph_decode_counts_like_eager():
     seen = {}
     for mode in ("eager", "graph"):
         model = loader.build_model("tiny-demo", device="cuda")
-        metrics = MetricsObserver(ModelInfo.from_runtime(model, "tiny-demo"))
+        metrics = MetricsObserver(RuntimeEngine(model).model_info("tiny-demo"))
         engine = Engine(model, max_batch=4, observer=[metrics], decode=mode)
         records = engine.run(requests, realtime=False)
         engine.close()

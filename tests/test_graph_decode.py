@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from moescope.errors import BadInput
-from moescope.metrics.state import MetricsObserver, ModelInfo
+from moescope.metrics.state import MetricsObserver
+from moescope.runtime.engine_adapter import RuntimeEngine
 from moescope.runtime.graph_decode import GraphCollector, StaticDecoder
 from moescope.runtime.model import MoETransformer, Segment
 from moescope.runtime.router import Mitigation
@@ -74,7 +75,7 @@ def test_collector_feeds_the_metrics_the_difference_since_its_last_read(tiny_cfg
     dec = StaticDecoder(model, len(PROMPTS))
     for slot, c in enumerate(caches):
         dec.load(slot, c)
-    metrics = MetricsObserver(ModelInfo.from_runtime(model, "t"))
+    metrics = MetricsObserver(RuntimeEngine(model).model_info("t"))
     col = GraphCollector(dec.counters, metrics.on_stats)
     assert col.collect() is None  # nothing ran yet
     positions = torch.tensor([c.length for c in caches])
@@ -141,7 +142,7 @@ def test_engine_with_the_static_decode_step_serves_and_counts_like_the_eager_one
     seen = {}
     for mode in ("eager", "static"):
         model = loader.build_model("tiny-demo")
-        metrics = MetricsObserver(ModelInfo.from_runtime(model, "tiny-demo"))
+        metrics = MetricsObserver(RuntimeEngine(model).model_info("tiny-demo"))
         engine = Engine(model, max_batch=max_batch, observer=[metrics], decode=mode)
         records = engine.run(requests, realtime=False)
         engine.close()

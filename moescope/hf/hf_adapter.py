@@ -25,22 +25,11 @@ from typing import Any
 import torch
 
 from moescope.capture.decision import RoutingDecision, entropy_margin
+from moescope.capture.engine_contract import Engine, ModelInfo
+from moescope.capture.records import StepRecord
 from moescope.errors import BadInput
-from moescope.metrics.state import ModelInfo
 
 ROUTER_NAMES = ("gate", "router")
-
-
-@dataclass(frozen=True)
-class HFStep:
-    """The adapter's step record (one top-level forward)."""
-
-    index: int
-    phase: str  # "prefill" (more than one position) or "decode"
-    started: float
-    seconds: float
-    n_tokens: int
-    segments: tuple = ()
 
 
 @dataclass
@@ -98,8 +87,12 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     return found
 
 
-class HFAdapter:
-    """Hooks a HF MoE model; ``attach(observer)`` starts reporting, ``detach()`` removes every hook."""
+class HFAdapter(Engine):
+    """A HF MoE model under the engine contract (``moescope.capture.engine_contract.Engine``): ``attach(observer)``
+    hooks it, ``detach()`` removes every hook. Its caller drives the model forward by forward, so there is no
+    scheduler to name requests: each top-level forward is one ``StepRecord`` with no ``segments`` (each forward is
+    one sampling draw) and no ``on_request``; nothing says when it is idle (the metrics flush on read); it takes
+    none of the runtime's features."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -233,11 +226,29 @@ class HFAdapter:
             ids = kwargs.get("inputs_embeds")
         n_pos = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 1
         n_tok = int(ids.shape[0] * n_pos) if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
-        step = HFStep(self._step, "prefill" if n_pos > 1 else "decode", self._t0,
-                      time.perf_counter() - self._t0, n_tok)
+        step = StepRecord(self._step, "prefill" if n_pos > 1 else "decode", self._t0, time.perf_counter() - self._t0,
+                          n_tok, (), _kv_tokens(out, ids))
         self._step += 1
         if self.observer is not None:
             self.observer.on_step(step)
+
+
+def _kv_tokens(out, ids) -> int:
+    """Positions held in the forward's KV cache after it (``StepRecord.kv_tokens``): rows x the cache's length, where
+    the forward returned a cache that keeps its length on the host (``get_seq_length()``: the
+    ``Cache`` classes of transformers 5.x); else 0, unknown (``use_cache=False``, a legacy tuple cache, a cache whose
+    length is a device tensor, as 4.x's static cache: reading it would wait for the device)."""
+    cache = getattr(out, "cache", None)  # transformers 5.x's name (``past_key_values``: 4.x's, deprecated in 5.x)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    length = getattr(cache, "get_seq_length", None)
+    if length is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return 0
+    try:
+        n = length()
+    except Exception:  # a cache type this code does not know: unknown, never a made-up number
+        return 0
+    return int(ids.shape[0]) * n if isinstance(n, int) else 0
 
 
 def describe(model: torch.nn.Module) -> list[dict[str, Any]]:

@@ -23,12 +23,12 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
 
 from moescope import efficiency, sampling, stats, thresholds
+from moescope.capture.engine_contract import ModelInfo  # what an engine hands moescope (re-exported here)
 from moescope.capture.observer import Observer
 from moescope.capture.routing_probe import UNKNOWN_MODE, RoutingProbe, StepStats
 from moescope.errors import BadInput
@@ -52,47 +52,6 @@ def _histogram(spec: catalogue.MetricSpec):
 
     return Histogram(spec.family, spec.help, labelnames=list(spec.all_labels), buckets=spec.buckets,
                      registry=None)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What the statistics need to know about the model."""
-
-    name: str
-    n_experts: int
-    top_k: int
-    moe_layers: tuple[int, ...]
-    dense_params: int  # everything that every token touches: attention, embeddings, norms, routers, dense FFNs
-    expert_params: int  # one expert
-    device: str = "cpu"
-    # What a step reads and computes (moescope.efficiency; 0: unknown, the byte and FLOP counters stay absent)
-    dtype_bytes: int = 0  # bytes per parameter at the served dtype
-    kv_bytes_per_token: int = 0  # K and V of every layer for one position
-    attn_flops_per_context: int = 0  # attention FLOPs per (row, position it attends to)
-
-    @property
-    def total_params(self) -> int:
-        return self.dense_params + len(self.moe_layers) * self.n_experts * self.expert_params
-
-    @property
-    def expected_activation(self) -> float:
-        """The config's activation ratio: every MoE layer computes its top-k."""
-        return thresholds.expected_activation(self.dense_params, self.expert_params, len(self.moe_layers),
-                                              self.top_k, self.total_params)
-
-    @classmethod
-    def from_runtime(cls, model, name: str | None = None) -> "ModelInfo":
-        cfg = model.cfg
-        total = sum(p.numel() for p in model.parameters())
-        expert = cfg.expert_params
-        dtype_bytes = next(iter(model.parameters())).element_size()
-        width = cfg.n_heads * cfg.head_dim  # the runtime's attention: every head has its own K and V
-        return cls(name=name or cfg.name, n_experts=cfg.n_experts, top_k=cfg.top_k, moe_layers=cfg.moe_layers,
-                   dense_params=total - len(cfg.moe_layers) * cfg.n_experts * expert, expert_params=expert,
-                   device=str(model.device), dtype_bytes=dtype_bytes,
-                   kv_bytes_per_token=2 * cfg.n_layers * width * dtype_bytes,
-                   # q.k and p.v: a multiply-add each, per head dimension, per layer
-                   attn_flops_per_context=4 * cfg.n_layers * width)
 
 
 HELD_EXPERTS = "held"  # moescope_expert_physical_slots_total's expert label in the reduced tier: all held together

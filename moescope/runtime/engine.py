@@ -109,6 +109,16 @@ class Engine:
             a step one rank skips.
     """
 
+    @property
+    def observer(self) -> Observer:
+        """The model's observer, read at every event: the engine reports to whatever the model is instrumented with
+        now, so closing the instrumentation (which restores the model's previous observer) stops its reports too."""
+        return self.model.observer
+
+    @observer.setter
+    def observer(self, observer: Observer) -> None:
+        self.model.observer = observer
+
     def __init__(self, model: MoETransformer, *, max_batch: int = 16, seed: int = 0,
                  observer: Observer | list[Observer] | None = None,
                  clock: Callable[[], float] = time.perf_counter, canary=None, decode: str = "eager",
@@ -130,9 +140,8 @@ class Engine:
         self.clock = clock
         if isinstance(observer, list):
             observer = FanOut(observer)
-        # Default: whatever the model is already instrumented with (moescope.instrument sets it).
-        self.observer = observer if observer is not None else model.observer
-        model.observer = self.observer
+        if observer is not None:  # else whatever the model is instrumented with (moescope.instrument sets it)
+            model.observer = observer
         self._waiting: collections.deque[_Live] = collections.deque()
         self._running: list[_Live] = []
         self._submitted = 0
@@ -401,7 +410,7 @@ class Engine:
             self._decoder = StaticDecoder(self.model, self.max_batch)
             if self.decode == "graph":
                 self._decoder.capture()
-            self._collector = GraphCollector(self._decoder.counters, self.observer.on_stats)
+            self._collector = GraphCollector(self._decoder.counters, lambda st: self.observer.on_stats(st))
         return self._decoder
 
     def _static_decode(self, batch: list[_Live]) -> torch.Tensor:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from moescope.capture.decision import RoutingDecision
+from moescope.capture.engine_contract import Engine, ModelInfo
 from moescope.capture.records import RequestRecord, StepRecord
 from moescope.errors import BadInput
-from moescope.metrics.state import ModelInfo
 
 log = logging.getLogger("vllm.moescope")
 
@@ -125,7 +125,7 @@ class _Relay:
 
 def attention_shape(hf_config) -> tuple[int, int]:
     """(K and V cache elements per position over all layers, attention FLOPs per (row, attended position)) from a HF
-    text config, as ``ModelInfo.from_runtime`` counts them for the reference runtime: per layer, standard attention
+    text config, as ``RuntimeEngine.model_info`` counts them for the reference runtime: per layer, standard attention
     caches K and V of every KV head (2 x kv_heads x head_dim) and computes q.k and p.v for every query head (a
     multiply-add each: 4 x heads x head_dim); MLA (``kv_lora_rank``) caches the compressed latent and the rope key
     (kv_lora_rank + qk_rope_head_dim), its FLOPs left unknown (0: not a formula this code has checked)."""
@@ -139,9 +139,11 @@ def attention_shape(hf_config) -> tuple[int, int]:
     return 2 * layers * kv_heads * head_dim, 4 * layers * heads * head_dim
 
 
-class VLLMAdapter:
-    """Reports a vLLM worker's model to an observer: ``attach(observer)``, ``detach()``, and the model runner's
-    step boundaries (``begin_step``/``end_step``). One per worker process."""
+class VLLMAdapter(Engine):
+    """A vLLM worker's model under the engine contract (``moescope.capture.engine_contract.Engine``): reports to an
+    observer between ``attach(observer)`` and ``detach()``, at the model runner's step boundaries
+    (``begin_step``/``end_step``), with the scheduler's request ids; no idle signal (the metrics flush on read), none
+    of the runtime's features. One per worker process."""
 
     def __init__(self, model: torch.nn.Module, *, served_name: str | None = None, tokenizer=None,
                  attention: tuple[int, int] = (0, 0)) -> None:
