@@ -326,3 +326,22 @@ def test_wire_names_no_engine():
     for name in ("MoETransformer", "HFAdapter", "VLLMAdapter", "RuntimeEngine", "moescope.runtime", "moescope.hf",
                  "moescope.vllm", "runtime."):
         assert name not in source, name
+
+
+def test_design_md_shows_the_protocols_text():
+    """docs/design.md's contract block is the Protocol's declarations as written in the module, one for one."""
+    import re
+    from pathlib import Path
+
+    import moescope.capture.engine_contract as contract
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs" / "design.md").read_text()
+    block = re.search(r"## The engine contract\n.*?```python\n(.*?)```", doc, re.S).group(1)
+    shown = [line.strip() for line in block.splitlines() if line.strip()]
+    source = {line.strip() for line in inspect.getsource(contract).splitlines()}
+    assert [line for line in shown if line not in source] == []
+    methods, data = _protocol_members()
+    declared = {line.split("(")[0].removeprefix("def ") for line in shown if line.startswith("def ")}
+    declared |= {line.split(":")[0] for line in shown if not line.startswith(("def ", "@", "class "))}
+    assert declared == set(methods) | set(data)
