@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import moescope
 from moescope.runtime import tokenizer
 from moescope.serve import ids, protocol, responses, routed_experts
 from moescope.serve.openai_errors import APIError, http_error
@@ -218,9 +219,9 @@ async def _handle(service: Service, request: Request, parse) -> Response:
             service.routed.forget(job.request_id)
 
 
-def create_app(service: Service) -> FastAPI:
-    """The application; its lifespan starts the engine loop on the running event loop."""
-
+def _defaults(service: Service) -> None:
+    """The parts a ``Service`` was not given: its serving metrics, the routed-experts observer, the expert
+    distribution recorder (None without the metrics state)."""
     engine = service.loop.engine
     if service.metrics is None:
         ranks = service.loop.ranks  # an expert-parallel rank labels its serving series with its rank
@@ -230,6 +231,11 @@ def create_app(service: Service) -> FastAPI:
     if service.distribution is None:
         state = routed_experts.metrics_state(engine)
         service.distribution = state and routed_experts.DistributionRecorder(state, engine.model.cfg.n_layers)
+
+
+def create_app(service: Service) -> FastAPI:
+    """The application; its lifespan starts the engine loop on the running event loop."""
+    _defaults(service)
 
     async def lifespan(app):
         service.loop.start(service.metrics.waker(asyncio.get_running_loop()))
@@ -262,8 +268,6 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/version")
     async def version():
-        import moescope
-
         return {"version": moescope.__version__}
 
     @app.post("/tokenize")
@@ -276,6 +280,22 @@ def create_app(service: Service) -> FastAPI:
     async def detokenize(request: Request):
         tokens = protocol.parse_detokenize(protocol.decode_json(await read_body(request)), service.limits)
         return {"prompt": tokenizer.decode(tokens)}
+
+    _health_routes(app, service)
+    if service.debug:
+        _debug_routes(app, service)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        body, kind = service.metrics.exposition(request.headers.get("accept", ""))
+        return Response(body, media_type=kind)
+
+    _distribution_routes(app, service)
+    return app
+
+
+def _health_routes(app: FastAPI, service: Service) -> None:
+    """/health (liveness) and /ready (readiness), one document."""
 
     def _state() -> tuple[dict, str | None]:
         loop = service.loop
@@ -301,26 +321,28 @@ def create_app(service: Service) -> FastAPI:
         doc, why = _state()
         return JSONResponse(doc, status_code=503 if why or service.draining else 200)
 
-    if service.debug:
-        @app.post("/debug/kill-engine")
-        async def kill_engine():
-            service.loop.kill()
-            return {"killed": True}
 
-        @app.post("/debug/poison")
-        async def poison(request: Request):
-            body = protocol.decode_json(await read_body(request))
-            rid = body.get("request_id")
-            if not isinstance(rid, str) or not rid:
-                raise APIError(400, "request_id: a request id (string) to poison", param="request_id",
-                               code="invalid_value")
-            service.loop.engine.poison.add(rid)
-            return {"poisoned": rid}
+def _debug_routes(app: FastAPI, service: Service) -> None:
+    """Fault injection (``--debug-endpoints``): end the engine thread; poison a request id."""
 
-    @app.get("/metrics")
-    async def metrics(request: Request):
-        body, kind = service.metrics.exposition(request.headers.get("accept", ""))
-        return Response(body, media_type=kind)
+    @app.post("/debug/kill-engine")
+    async def kill_engine():
+        service.loop.kill()
+        return {"killed": True}
+
+    @app.post("/debug/poison")
+    async def poison(request: Request):
+        body = protocol.decode_json(await read_body(request))
+        rid = body.get("request_id")
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, "request_id: a request id (string) to poison", param="request_id",
+                           code="invalid_value")
+        service.loop.engine.poison.add(rid)
+        return {"poisoned": rid}
+
+
+def _distribution_routes(app: FastAPI, service: Service) -> None:
+    """SGLang's expert distribution recorder endpoints (start, stop, dump)."""
 
     def _distribution() -> routed_experts.DistributionRecorder:
         if service.distribution is None:
@@ -341,5 +363,3 @@ def create_app(service: Service) -> FastAPI:
     @app.post("/dump_expert_distribution_record")
     async def dump_expert_distribution_record():
         return await asyncio.to_thread(_distribution().dump)
-
-    return app

@@ -127,6 +127,7 @@ class Fleet:
 def fleet_exposition(fleet: Fleet, texts: list[str | None]) -> bytes:
     """The text exposition of the front end's own series (catalogue ``moescope_fleet_*``, per rank) and of the
     ranks' own ``texts`` (None: not read), their families merged by name."""
+    # optional: prometheus_client (the metrics extra)
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
     from prometheus_client.parser import text_string_to_metric_families
@@ -211,75 +212,81 @@ def _refusal(upstream: httpx.Response, body: bytes) -> str | None:
     return code if code in REFUSED else None
 
 
-def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
+class _FrontEnd:
+    """The front end's handlers over one ``Fleet``: deal each request to a rank (least outstanding first), relay
+    its answer; gather /health, /ready and /metrics from every rank."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
     @contextlib.asynccontextmanager
-    async def lifespan(app):
-        fleet.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+    async def lifespan(self, app):
+        self.fleet.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=10.0),
+                                              limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
         async def rechecks() -> None:
             while True:
                 await asyncio.sleep(RECHECK_S)
-                await fleet.recheck()
+                await self.fleet.recheck()
 
         task = asyncio.ensure_future(rechecks())
         try:
             yield
         finally:
             task.cancel()
-            await fleet.client.aclose()
+            await self.fleet.client.aclose()
 
-    async def send_to(rank: int, request: Request, body: bytes) -> httpx.Response:
+    async def send_to(self, rank: int, request: Request, body: bytes) -> httpx.Response:
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP | {"content-length"}]
-        url = fleet.urls[rank] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return await fleet.client.send(fleet.client.build_request(request.method, url, headers=headers, content=body),
-                                       stream=True)
+        url = self.fleet.urls[rank] + request.url.path + (f"?{request.url.query}" if request.url.query else "")
+        client = self.fleet.client
+        return await client.send(client.build_request(request.method, url, headers=headers, content=body), stream=True)
 
-    async def forward(request: Request) -> Response:
+    async def forward(self, request: Request) -> Response:
         """Deal the request to a rank and relay its answer. A rank that refuses the connection or answers 503
         before admitting (unhealthy, shutting down) leaves rotation and the request goes to another; a client that
         goes away before the answer starts cancels it on the rank (the connection to the rank is closed)."""
         rid = request.headers.get("x-request-id")
-        if rid is not None and rid in fleet.in_flight:  # a rank sees only its own: the front end sees all
+        if rid is not None and rid in self.fleet.in_flight:  # a rank sees only its own: the front end sees all
             return _error(APIError(409, f"a request with id {rid!r} (x-request-id) is already in flight",
                                    param="x-request-id", code="duplicate_request_id"))
         if rid is not None:
-            fleet.in_flight.add(rid)  # (no await since the check: a second request with it is refused)
+            self.fleet.in_flight.add(rid)  # (no await since the check: a second request with it is refused)
         response = None
         try:
             try:
                 body = await read_body(request)
             except APIError as exc:
                 return _error(exc)
-            response = await deal(request, body)
+            response = await self.deal(request, body)
         finally:
             if rid is not None and isinstance(response, _Relay):  # in flight until the relayed answer ends
-                response.also(lambda: fleet.in_flight.discard(rid))
+                response.also(lambda: self.fleet.in_flight.discard(rid))
             elif rid is not None:
-                fleet.in_flight.discard(rid)
+                self.fleet.in_flight.discard(rid)
         return response
 
-    async def deal(request: Request, body: bytes) -> Response:
+    async def deal(self, request: Request, body: bytes) -> Response:
         tried: set[int] = set()
         while True:
-            rank = fleet.pick(tried)
+            rank = self.fleet.pick(tried)
             if rank is None:
                 return _unavailable("no rank is ready (starting, unhealthy or shutting down): retry shortly"
                                     + (f"; tried rank(s) {sorted(tried)}" if tried else ""))
             tried.add(rank)
-            fleet.outstanding[rank] += 1
-            fleet.dealt[rank] += 1
+            self.fleet.outstanding[rank] += 1
+            self.fleet.dealt[rank] += 1
             released = False
 
             async def release(rank=rank, upstream=None) -> None:
                 nonlocal released
                 if not released:
                     released = True
-                    fleet.outstanding[rank] -= 1
+                    self.fleet.outstanding[rank] -= 1
                 if upstream is not None:
                     await upstream.aclose()
 
-            sending = asyncio.ensure_future(send_to(rank, request, body))
+            sending = asyncio.ensure_future(self.send_to(rank, request, body))
             gone = asyncio.ensure_future(disconnected(request))
             try:
                 await asyncio.wait({sending, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -295,7 +302,7 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
                 upstream = sending.result()
             except httpx.ConnectError as exc:  # never reached the rank: another may take it
                 await release()
-                fleet.bench(rank, f"connection refused ({type(exc).__name__})")
+                self.fleet.bench(rank, f"connection refused ({type(exc).__name__})")
                 continue
             except httpx.HTTPError as exc:
                 await release()
@@ -308,7 +315,7 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
                 why = _refusal(upstream, head)
                 if why is not None:  # refused before admission: out of rotation, try another rank
                     await release(upstream=upstream)
-                    fleet.bench(rank, why)
+                    self.fleet.bench(rank, why)
                     continue
                 await release(upstream=upstream)
                 return Response(head, status_code=503, headers=_headers_out(upstream, rank))
@@ -317,24 +324,25 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
             return _Relay(_relay(upstream, rank, event_stream), status_code=upstream.status_code, headers=out,
                           release=lambda rank=rank, upstream=upstream: release(rank, upstream))
 
-    async def any_rank(request: Request) -> Response:
+    async def any_rank(self, request: Request) -> Response:
         """Answers every rank gives alike (models, version): the first rank with an address."""
-        urls = [u for u in fleet.discover() if u is not None]
+        urls = [u for u in self.fleet.discover() if u is not None]
         if not urls:
             return _unavailable("the ranks are starting: retry shortly")
         try:
-            r = await fleet.client.get(urls[0] + request.url.path, timeout=HEALTH_TIMEOUT_S)
+            r = await self.fleet.client.get(urls[0] + request.url.path, timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError as exc:
             return _unavailable(f"no rank is answering ({type(exc).__name__})")
         return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
 
-    async def rank_health(r: int, path: str) -> tuple[int, dict]:
+    async def rank_health(self, r: int, path: str) -> tuple[int, dict]:
+        fleet = self.fleet
         url = fleet.urls[r]
         mine = {"outstanding": fleet.outstanding[r], "dealt": fleet.dealt[r], "in_rotation": r not in fleet.benched}
         if url is None:
             return 503, {"rank": r, "status": "starting", **mine}
         try:
-            got = await fleet.client.get(url + path, timeout=HEALTH_TIMEOUT_S)
+            got = await self.fleet.client.get(url + path, timeout=HEALTH_TIMEOUT_S)
             body = got.json()
         except (httpx.HTTPError, ValueError) as exc:
             return 503, {"rank": r, "status": "unreachable", "error": type(exc).__name__, **mine}
@@ -342,52 +350,56 @@ def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
             body = {"body": body}
         return got.status_code, {"rank": r, "status": "unknown", **body, **mine}
 
-    async def health(request: Request) -> Response:
+    async def health(self, request: Request) -> Response:
         """/health and /ready: every rank's own, 200 when all ranks answer 200."""
-        fleet.discover()
-        answers = await asyncio.gather(*(rank_health(r, request.url.path) for r in range(fleet.world)))
+        self.fleet.discover()
+        answers = await asyncio.gather(*(self.rank_health(r, request.url.path) for r in range(self.fleet.world)))
         ok = all(code == 200 for code, _ in answers)
         status = "ok" if ok else next(b["status"] for code, b in answers if code != 200)
-        return JSONResponse({"status": status, "world_size": fleet.world, "dealing": "least-outstanding",
+        return JSONResponse({"status": status, "world_size": self.fleet.world, "dealing": "least-outstanding",
                              "ranks": [b for _, b in answers], "time": time.time()}, status_code=200 if ok else 503)
 
-    async def debug(request: Request) -> Response:
+    async def debug(self, request: Request) -> Response:
         """Fault injection (``--debug-endpoints``): to every rank (a request id is poisoned wherever it runs), or
         to the one rank ``?rank=R`` names."""
         body = await request.body()
         only = request.query_params.get("rank")
         answers = []
-        for r, url in enumerate(fleet.discover()):
+        for r, url in enumerate(self.fleet.discover()):
             if url is not None and (only is None or only == str(r)):
-                r = await fleet.client.post(url + request.url.path, content=body,
+                r = await self.fleet.client.post(url + request.url.path, content=body,
                                             headers={"content-type": "application/json"})
                 answers.append(r.json() if r.headers.get("content-type", "").startswith("application/json")
                                else r.text)
         return JSONResponse({"ranks": answers})
 
-    async def rank_metrics(r: int, url: str | None) -> str | None:
+    async def rank_metrics(self, r: int, url: str | None) -> str | None:
         if url is None:
             return None
         try:
-            got = await fleet.client.get(url + "/metrics", timeout=HEALTH_TIMEOUT_S)
+            got = await self.fleet.client.get(url + "/metrics", timeout=HEALTH_TIMEOUT_S)
         except httpx.HTTPError:
             return None
         return got.text if got.status_code == 200 else None
 
-    async def metrics(request: Request) -> Response:
+    async def metrics(self, request: Request) -> Response:
         """The front end's series and every rank's serving series, in one exposition (module doc)."""
-        texts = await asyncio.gather(*(rank_metrics(r, u) for r, u in enumerate(fleet.discover())))
-        return Response(fleet_exposition(fleet, texts), media_type=TEXT)
+        texts = await asyncio.gather(*(self.rank_metrics(r, u) for r, u in enumerate(self.fleet.discover())))
+        return Response(fleet_exposition(self.fleet, texts), media_type=TEXT)
 
-    async def not_found(request: Request, exc) -> Response:
-        return _error(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
-                               code="not_found"))
 
-    routes = [Route(p, forward, methods=["POST"]) for p in
+async def _not_found(request: Request, exc) -> Response:
+    return _error(APIError(404, f"no route {request.method} {request.url.path}", type="not_found_error",
+                           code="not_found"))
+
+
+def create_app(fleet: Fleet, *, debug: bool = False) -> Starlette:
+    h = _FrontEnd(fleet)
+    routes = [Route(p, h.forward, methods=["POST"]) for p in
               ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize")]
-    routes += [Route(p, any_rank, methods=["GET"]) for p in ("/v1/models", "/version")]
-    routes += [Route("/health", health, methods=["GET"]), Route("/ready", health, methods=["GET"]),
-               Route("/metrics", metrics, methods=["GET"])]
+    routes += [Route(p, h.any_rank, methods=["GET"]) for p in ("/v1/models", "/version")]
+    routes += [Route("/health", h.health, methods=["GET"]), Route("/ready", h.health, methods=["GET"]),
+               Route("/metrics", h.metrics, methods=["GET"])]
     if debug:
-        routes.append(Route("/debug/{what}", debug, methods=["POST"]))
-    return Starlette(routes=routes, lifespan=lifespan, exception_handlers={404: not_found})
+        routes.append(Route("/debug/{what}", h.debug, methods=["POST"]))
+    return Starlette(routes=routes, lifespan=h.lifespan, exception_handlers={404: _not_found})
