@@ -87,10 +87,11 @@ def test_human_lines_are_one_per_layer_at_deepseek_shape():
     judged, per = summary.judgement(load, 2, 1)
     s = {"expert_load": {str(k): v for k, v in load.items()}, "judged": judged, "expert_load_summary": per}
     lines = summary.load_lines(s)
-    assert len(lines) == 3 + 58  # the model, what was judged, the legend, one line per layer
+    assert len(lines) == 4 + 58  # the model, what was judged, what would page, the legend, one line per layer
     assert all(len(line) <= 120 for line in lines)
     assert "dead: not judged (2 req)" in lines[0] and "hot none" in lines[1]  # 2 requests: nothing is evidence
-    assert f"no baseline: only over excess CV {DEFAULT.imbalance_cv:g}" in lines[1]
+    assert f"against the fair share: over excess CV {DEFAULT.imbalance_cv:g}" in lines[1]
+    assert lines[2] == "would page: nothing"
     row7 = next(line for line in lines if line.startswith("  L7 "))
     assert "no slot   2 dead   -" in row7 and "cold 5:0.00% 200:0.00%" in row7
     row30 = next(line for line in lines if line.startswith("  L30 "))
@@ -160,3 +161,57 @@ def test_the_demo_summary_judges_the_run_per_request_as_diagnose_does_from_its_s
     j = judge_requests(per, layers, top_k=2)
     for i, layer in enumerate(layers):
         assert out["judged"]["layers"][str(layer)]["excess_cv"] == round(float(j.excess_cv[i]), 4)
+
+
+# Issue [learned]: the summary judges against the exporter's reference (learned from the first window), not the
+# fair share. A top-1 layer uneven by design (one expert takes 40% of the tokens: the shares' CV 1.5, over the
+# no-reference bar 1) stays uneven: information, nothing pages; one expert whose share rose mid-run is hot.
+DESIGN = np.array([0.40, 0.15, 0.10, 0.08, 0.05, 0.04, 0.03, 0.03, 0.02, 0.02, 0.02, 0.02, 0.01, 0.01, 0.01, 0.01])
+
+
+def _requests(rng, n, shares_per_layer, tokens=20):
+    """[n, L, E] per-request slots, top-1: each token one multinomial draw from its layer's shares."""
+    return np.stack([np.stack([rng.multinomial(tokens, p) for p in shares_per_layer]) for _ in range(n)])
+
+
+def _judge_run(first, later, learned):
+    from moescope import sampling
+
+    run = np.concatenate([first, later])
+    load = {layer: run[:, i].sum(0).tolist() for i, layer in enumerate((1, 3))}
+    return summary.judgement(load, len(run), 1, draws=sampling.Draws.of(run), learned=learned)
+
+
+def test_the_summary_judges_against_the_learned_reference_uneven_by_design_is_no_problem_a_rise_is():
+    from moescope import sampling
+    from moescope.analysis.diagnose import learned_from
+
+    rng = np.random.default_rng(0)
+    first = _requests(rng, 200, [DESIGN, DESIGN])  # the exporter's first window
+    learned = learned_from(sampling.Draws.of(first), [1, 3], 1)
+    assert naive_load_cv(DESIGN.tolist()) > DEFAULT.imbalance_cv  # uneven by design, by the no-reference bar
+
+    judged, per = _judge_run(first, _requests(rng, 600, [DESIGN, DESIGN]), learned)
+    assert judged["reference"] == "learned"
+    for layer in ("1", "3"):
+        assert judged["layers"][layer]["pages"] == [], judged["layers"][layer]
+        assert judged["layers"][layer]["uneven"].startswith("uneven by design/traffic"), judged["layers"][layer]
+        assert per[layer]["hot"] == []
+    lines = summary.load_lines({"expert_load": {k: [0] * 16 for k in per}, "judged": judged,
+                                "expert_load_summary": per})
+    assert "would page: nothing" in lines and any("uneven by design/traffic" in x for x in lines)
+    # the same run against the fair share (what the summary judged before): the design pages as imbalance
+    fair, _ = _judge_run(first, _requests(np.random.default_rng(0), 600, [DESIGN, DESIGN]), None)
+    assert all("MoEExpertLoadImbalance" in fair["layers"][k]["pages"] for k in ("1", "3")), fair
+
+    risen = DESIGN * (0.55 / (1 - DESIGN[8]))
+    risen[8] = 0.45  # expert 8 of layer 3: 0.02 of the tokens in the first window, 0.45 after
+    later = _requests(rng, 600, [DESIGN, risen])
+    judged, per = _judge_run(first, later, learned)
+    assert judged["layers"]["1"]["pages"] == []
+    assert "MoEExpertHot:8" in judged["layers"]["3"]["pages"]
+    assert [h["expert"] for h in per["3"]["hot"]] == [8] and per["3"]["hot"][0]["reference"] == "learned"
+    run = np.concatenate([first, later])[:, 1]
+    # naive: the run's share of expert 8 over its share in the first window (never below the fair share 1/E)
+    naive = (run[:, 8].sum() / run.sum()) / max(first[:, 1, 8].sum() / first[:, 1].sum(), 1 / 16)
+    assert math.isclose(per["3"]["hot"][0]["factor"], naive, rel_tol=0.01), (per["3"]["hot"], naive)

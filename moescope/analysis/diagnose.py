@@ -150,16 +150,34 @@ def _request_counts(w: Window, rows: range | None = None) -> np.ndarray:
     return out
 
 
-def window_judgement(w: Window, baseline=None, t: Thresholds = DEFAULT, chunk: int = 256) -> Judgement:
-    """``judge`` of a whole window without holding every request's counts at once (``report`` reads up to
-    100,000 requests)."""
-    counts = np.zeros((len(w.layers), w.n_experts))
+def _draws_of_rows(w: Window, rows, chunk: int = 256) -> sampling.Draws:
+    """The draws of the requests ``rows`` (indices), a ``chunk`` at a time (never every request's counts at once)."""
+    rows = list(rows)
     draws = sampling.Draws.zeros(len(w.layers), w.n_experts)
-    for lo in range(0, len(w.ids), chunk):
-        part = _request_counts(w, range(lo, min(len(w.ids), lo + chunk)))
-        counts += part.sum(0)
-        draws.add(sampling.Draws.of(part))
-    return judge(counts, draws, w.layers, w.top_k, baseline, t, tokens=_routed_tokens(w))
+    for lo in range(0, len(rows), chunk):
+        draws.add(sampling.Draws.of(_request_counts(w, rows[lo: lo + chunk])))
+    return draws
+
+
+def window_judgement(w: Window, baseline=None, t: Thresholds = DEFAULT, chunk: int = 256,
+                     hot_reference: str = "learned", learn_window_s: float = DEFAULT_WINDOW_S) -> Judgement:
+    """``judge`` of a whole window without holding every request's counts at once (``report`` reads up to
+    100,000 requests), against the reference ``diagnose`` judges against: ``baseline``, else (``hot_reference``
+    "learned") the reference learned from the requests of the window's first ``learn_window_s``, the later ones
+    judged (``first_window``), else the fair share ("fair": only as asked)."""
+    rows, learned = range(len(w.ids)), None
+    if baseline is None and hot_reference == "learned":
+        first, later = first_window(w, learn_window_s)
+        if first is None:
+            learned = not_learned(len(w.layers), w.n_experts)
+        else:
+            learned = learned_from(_draws_of_rows(w, first, chunk), w.layers, w.top_k, t,
+                                   _routed_tokens(_subset(w, first)))
+            rows = later
+    draws = _draws_of_rows(w, rows, chunk)
+    judged = w if len(rows) == len(w.ids) else _subset(w, np.asarray(rows))
+    return judge(draws.counts, draws, w.layers, w.top_k, baseline, t, tokens=_routed_tokens(judged),
+                 learned=learned)
 
 
 def _routed_tokens(w: Window) -> np.ndarray:
@@ -189,13 +207,36 @@ def learned_reference(per_request: np.ndarray, layers: list[int], top_k: int, t:
     """The reference the exporter learns from its first full window (``metrics.window.LearnedReference``), from
     that window's per-request counts [R, L, E]: each layer's draw shares, excess CV and top share, learned where
     the window judged the layer (at least ``sampling.MIN_DRAWS`` requests)."""
+    return learned_from(draws_of(np.asarray(per_request)), layers, top_k, t, tokens)
+
+
+def learned_from(draws: sampling.Draws, layers: list[int], top_k: int, t: Thresholds = DEFAULT, tokens=None):
+    """``learned_reference`` from the first window's draws (``sampling.Draws``: the demo's summary keeps no
+    per-request counts)."""
     from moescope.metrics.window import LearnedRows
 
-    per_request = np.asarray(per_request)
-    draws = draws_of(per_request)
-    j = judge(per_request.sum(0), draws, layers, top_k, None, t, tokens)
+    j = judge(draws.counts, draws, layers, top_k, None, t, tokens)
     has = (draws.draws >= sampling.MIN_DRAWS) & np.isfinite(j.excess_cv) & np.isfinite(j.top_share)
     return LearnedRows(sampling.draw_shares(draws), has, np.nan_to_num(j.excess_cv), np.nan_to_num(j.top_share))
+
+
+def not_learned(n_layers: int, n_experts: int):
+    """A reference still being learned on every layer (``judge``'s "learning": hot experts named, not paged;
+    imbalance and dead not judged; collapse only over ``Thresholds.collapse_ceiling``)."""
+    from moescope.metrics.window import LearnedRows
+
+    return LearnedRows(np.zeros((n_layers, n_experts)), np.zeros(n_layers, dtype=bool), np.zeros(n_layers),
+                       np.zeros(n_layers))
+
+
+def first_window(w: Window, learn_window_s: float) -> tuple[np.ndarray | None, np.ndarray]:
+    """(the requests that started within ``learn_window_s`` of the first, the later ones): indices; the first is
+    None when either holds fewer than ``sampling.MIN_DRAWS`` (nothing learned: every request judged)."""
+    first = w.started < (w.started.min() if len(w.started) else 0.0) + learn_window_s
+    early, later = np.nonzero(first)[0], np.nonzero(~first)[0]
+    if len(early) < sampling.MIN_DRAWS or len(later) < sampling.MIN_DRAWS:
+        return None, np.arange(len(w.ids))
+    return early, later
 
 
 def _against_learned(w: Window, per_request: np.ndarray, t: Thresholds, learn_window_s: float):
@@ -203,16 +244,10 @@ def _against_learned(w: Window, per_request: np.ndarray, t: Thresholds, learn_wi
     started within ``learn_window_s`` of the first (``learned_reference``), the later ones judged against it;
     when fewer than ``sampling.MIN_DRAWS`` came later (or first), every request is judged and the reference is
     still being learned (``has`` all False)."""
-    from moescope.metrics.window import LearnedRows
-
-    first = w.started < (w.started.min() if len(w.started) else 0.0) + learn_window_s
-    later = np.nonzero(~first)[0]
-    if first.sum() < sampling.MIN_DRAWS or len(later) < sampling.MIN_DRAWS:
-        n_layers = len(w.layers)
-        return w, per_request, LearnedRows(np.zeros((n_layers, w.n_experts)), np.zeros(n_layers, dtype=bool),
-                                           np.zeros(n_layers), np.zeros(n_layers))
-    wf = _subset(w, np.nonzero(first)[0])
-    learned = learned_reference(per_request[first], w.layers, w.top_k, t, _routed_tokens(wf))
+    early, later = first_window(w, learn_window_s)
+    if early is None:
+        return w, per_request, not_learned(len(w.layers), w.n_experts)
+    learned = learned_reference(per_request[early], w.layers, w.top_k, t, _routed_tokens(_subset(w, early)))
     return _subset(w, later), per_request[later], learned
 
 
@@ -320,7 +355,7 @@ def _bar_source(j: Judgement) -> str:
     return f"the fair share (as asked): excess CV {j.t.imbalance_cv:g}"
 
 
-def _judged_against(j: Judgement) -> str:
+def judged_against(j: Judgement) -> str:
     """What imbalance (and collapse, dead) was judged against, in words (the views' one phrasing)."""
     kinds = set(j.hot_reference)
     if j.baseline_cv is not None:
@@ -349,7 +384,7 @@ def _hot_evidence(w: Window, j: Judgement, i: int, e: int, per_request: np.ndarr
 def _what_was_judged(w: Window, j: Judgement) -> Finding:
     """An info finding: what the window could judge, against what, and where the traffic cannot tell."""
     judged = j.judged
-    ev: dict[str, Any] = {"imbalance": _judged_against(j),
+    ev: dict[str, Any] = {"imbalance": judged_against(j),
                           "hot_and_dead_against": j.reference if j.baseline_cv is not None else
                           sorted(set(j.hot_reference))[0] if len(set(j.hot_reference)) == 1 else j.reference,
                           "requests": len(w.ids), "layers_judged": int(judged.sum()), "layers": len(w.layers)}

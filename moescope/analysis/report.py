@@ -21,8 +21,10 @@ import numpy as np
 
 from moescope import stats
 from moescope.analysis import report_figures as figures
+from moescope.analysis.diagnose import judged_against
 from moescope.analysis import routing_counts as rc
 from moescope.analysis import step_experts
+from moescope.config import DEFAULT_WINDOW_S
 from moescope.progress import progress
 
 TOP_PAIRS = 50
@@ -99,11 +101,16 @@ def _figure_layers(wanted: list[int] | str | None, layers: list[int]) -> list[in
 
 def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: str | None = None,
           since: float | None = None, corrupt=None, layers: list[int] | str | None = None,
-          model: str | None = None, prometheus: str | None = None) -> dict:
+          model: str | None = None, baseline=None, hot_reference: str = "learned",
+          learn_window_s: float = DEFAULT_WINDOW_S, prometheus: str | None = None) -> dict:
     """Write the report; returns its summary. ``layers``: the layers that get per-layer figures: None, ``"all"``
     or layer ids (``cli.layer_select.parse``). ``model``: only this model's stored requests (None: the shape
     most requests have). Corrupt trace-store rows are skipped into ``corrupt`` (``store.CorruptRows``). The
-    directory is made only once the source is read and the layers are checked: bad input writes nothing."""
+    directory is made only once the source is read and the layers are checked: bad input writes nothing.
+    ``baseline``, ``hot_reference``, ``learn_window_s``: what a store's routing is judged against, as
+    ``diagnose`` (``diagnose.window_judgement``): the baseline, else the reference learned from the first
+    ``learn_window_s`` of requests (the later ones judged), else (``"fair"``, as asked) the fair share. An import
+    has no request times: judged against the fair share."""
     from moescope.traces.store import CorruptRows
 
     corrupt = CorruptRows() if corrupt is None else corrupt
@@ -111,7 +118,9 @@ def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: s
     if import_path is not None:
         summary, files = _from_import(out, import_path, layers)
     else:
-        summary, files = _from_store(out, traces_path, since, corrupt, layers, model, prometheus)
+        summary, files = _from_store(out, traces_path, since, corrupt, layers, model,
+                                     dict(baseline=baseline, hot_reference=hot_reference,
+                                          learn_window_s=learn_window_s), prometheus)
     (out / "summary.md").write_text(_markdown(summary, files))
     files.append("summary.md")
     summary["files"] = files
@@ -120,16 +129,21 @@ def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: s
 
 def _judged(j) -> dict[int, dict]:
     """Per layer, the judgement every view shares (``moescope.judge``): excess CV against the imbalance bar,
-    hot experts against their reference, the dead experts the reference predicts (None: not judged)."""
+    hot experts against their reference, the dead experts the reference predicts (None: not judged), the alerts
+    the rules would page (``Verdict.fires``) and, where the reference itself is uneven, the words saying so
+    (information, never a problem)."""
     out = {}
     for i, layer in enumerate(j.layers):
         ok, v = bool(j.judged[i]), j.verdict(i)
+        bar = j.bar[i]
         out[layer] = {
-            "excess_cv": round(float(j.excess_cv[i]), 4) if ok else None, "bar": round(float(j.bar[i]), 4),
-            "over": v.imbalanced, "collapsed": v.collapsed,
-            "hot": [{"expert": e, "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
+            "excess_cv": round(float(j.excess_cv[i]), 4) if ok else None,
+            "bar": round(float(bar), 4) if np.isfinite(bar) else None,
+            "over": v.imbalanced, "collapsed": v.collapsed, "reference": j.hot_reference[i],
+            "hot": [{"expert": e, "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.hot_reference[i]}
                     for e in v.hot_shown] if ok else [],  # hottest first; none on a collapsed layer
-            "dead_judged": [int(e) for e in np.nonzero(j.dead_mask[i])[0]] if ok else None}
+            "dead_judged": [int(e) for e in np.nonzero(j.dead_mask[i])[0]] if ok else None,
+            "pages": v.fires() if ok or v.collapsed else [], "uneven": j.uneven_words(i) or None}
     return out
 
 
@@ -154,7 +168,9 @@ def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, sourc
                          "dead": [int(e) for e in np.nonzero(load[layer] == 0)[0]], **judged[layer]}
                  for layer in layers}
     summary = {"source": source, "model": model, "n_experts": n_exp, "layers": layers, "per_layer": per_layer,
-               "judged": {"draws": int(np.nanmin(j.draws)) if len(j.draws) else 0, "reference": j.reference,
+               "judged": {"draws": int(np.nanmin(j.draws)) if len(j.draws) else 0,
+                          "reference": j.reference if j.baseline_cv is not None or len(set(j.hot_reference)) != 1
+                          else j.hot_reference[0], "against": judged_against(j),
                           "bar_from": "baseline" if j.baseline_cv is not None else "no baseline"}}
     return summary, ["overview.png", "load.csv"]
 
@@ -185,7 +201,7 @@ def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
     return summary, files
 
 
-def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model,
+def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model, against: dict,
                 prometheus: str | None = None) -> tuple[dict, list]:
     from moescope.analysis.diagnose import load_window
     from moescope.traces import store
@@ -202,12 +218,12 @@ def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model,
     out.mkdir(parents=True, exist_ok=True)
     with progress(f"report: counting {n_rows} routed tokens, writing tables and {n_figures} figures",
                   -(-n_rows // rc.CHUNK_ROWS) + n_figures) as advance:
-        summary, files = _store_files(out, w, wanted, advance)
+        summary, files = _store_files(out, w, wanted, advance, against)
     summary["expert_spread"] = _expert_spread(w, prometheus)
     return summary, files
 
 
-def _store_files(out: Path, w, wanted, advance) -> tuple[dict, list]:
+def _store_files(out: Path, w, wanted, advance, against: dict) -> tuple[dict, list]:
     n_exp, n_layers = w.n_experts, len(w.layers)
     figure_layers = _figure_layers(wanted, w.layers)
     sel = [w.layers.index(layer) for layer in figure_layers]
@@ -243,7 +259,8 @@ def _store_files(out: Path, w, wanted, advance) -> tuple[dict, list]:
         advance()
     from moescope.analysis.diagnose import window_judgement
 
-    j = window_judgement(w)
+    j = window_judgement(w, against["baseline"], hot_reference=against["hot_reference"],
+                         learn_window_s=against["learn_window_s"])
     summary, files = _load_files(out, dict(zip(w.layers, load)), w.model, "trace store", j)
     advance()
     for k in KINDS:
@@ -295,8 +312,12 @@ def _markdown(s: dict, files: list[str]) -> str:
     else:
         lines.append(f"{len(s['layers'])} MoE layers, {n_exp} experts each (an import: no domains, phases or "
                      "token-level pairs; each recorded pass is one draw).")
-    bar = ("the no-baseline bar " f"{t.imbalance_cv:g} (a baseline, `moescope baseline save`, judges smaller changes)"
-           if s["judged"]["bar_from"] == "no baseline" else "the baseline's bar")
+    against = s["judged"].get("against")
+    if against:  # a store: the reference diagnose judges against (baseline, learned, or fair as asked)
+        bar = f"its reference's bar ({against})"
+    else:
+        bar = ("the no-baseline bar " f"{t.imbalance_cv:g} (a baseline, `moescope baseline save`, judges smaller "
+               "changes)" if s["judged"]["bar_from"] == "no baseline" else "the baseline's bar")
     lines += ["", "`overview.png`: every layer (rows) x expert (columns), load against the fair share 1/E "
               "(red over, blue under, black no slot). Per-layer figures: `moescope report --layers L,...`.",
               "", "## Load per layer", "",
@@ -308,10 +329,11 @@ def _markdown(s: dict, files: list[str]) -> str:
               "| layer | load CV | excess CV (bar) | hottest expert (share of tokens) | hot | dead experts |",
               "|---|---|---|---|---|---|"]
     for layer, v in s["per_layer"].items():
+        bar_text = "-" if v["bar"] is None else f"{v['bar']:.2f}"
         if v["excess_cv"] is None:
-            excess = f"- ({v['bar']:.2f})"
+            excess = f"- ({bar_text})"
         else:
-            excess = f"{v['excess_cv']:.3f} ({v['bar']:.2f})" + (" **over**" if v["over"] else "")
+            excess = f"{v['excess_cv']:.3f} ({bar_text})" + (" **over**" if v["over"] else "")
         hot = ", ".join(f"**{h['expert']} {h['factor']:.1f}x**" for h in v["hot"]) or "-"
         dead, judged = v["dead"], v["dead_judged"]
         if not dead:
@@ -325,6 +347,12 @@ def _markdown(s: dict, files: list[str]) -> str:
         top = "-" if v["top_share"] is None else f"{v['top_share']:.1%}"
         lines.append(f"| {layer} | {v['cv']:.3f} | {excess} | {v['hottest']} ({top}) | {hot} | "
                      f"{dead_text} |")
+    pages = {layer: v["pages"] for layer, v in s["per_layer"].items() if v.get("pages")}
+    uneven = {layer: v["uneven"] for layer, v in s["per_layer"].items() if v.get("uneven")}
+    lines += ["", "## Verdict", ""]
+    lines += [f"- layer {layer}: **{', '.join(p)}**" for layer, p in pages.items()] or \
+        ["No problem: nothing the alert rules would page for."]
+    lines += [f"- layer {layer}: {words}" for layer, words in uneven.items()]
     lines += ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
     if s.get("expert_spread"):
         f = s["expert_spread"]

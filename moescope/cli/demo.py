@@ -21,7 +21,7 @@ from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_
                                          instrument_options, instrumented, model_options)
 from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
 from moescope.cli.options import emit_json, json_option, option_group
-from moescope.cli.summary import build as _summary, print_human as _print_human, save_baseline
+from moescope.cli.summary import build as _summary, learned_rows, print_human as _print_human, save_baseline
 from moescope.errors import BadInput
 
 
@@ -233,7 +233,8 @@ def _summarise(inst, records, wall: float, model, n_asked: int) -> dict:
     dropped = {layer: int(n) for layer, n in
                sorted(inst.metrics.layer_counters["moescope_tokens_dropped_total"].items())}
     summary = _summary(records, load, dropped, wall, model, model.device, n_asked,
-                       draws=inst.metrics.run_draws_of(list(load)), baseline=inst.metrics.baseline)
+                       draws=inst.metrics.run_draws_of(list(load)), baseline=inst.metrics.baseline,
+                       learned=learned_rows(inst.metrics, list(load)) if load else None)
     if inst.cache is not None:
         summary["expert_cache"] = _cache_summary(inst.cache)
     if inst.metrics.flips:

@@ -44,27 +44,54 @@ def layer_summary(counts: list[int], n: int | None = None, dead: int | None = No
             "slots": int(total), "hottest": shares(hottest), "coldest": shares(coldest), "hot": hot or []}
 
 
-def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None) -> tuple[dict, dict]:
+def learned_rows(metrics, layers) -> object | None:
+    """The reference the exporter's alerts judge against where no baseline is loaded: its learned reference
+    (``metrics.window.LearnedRows``, rows in ``layers``' order; ``has`` False on a layer it has not learned yet,
+    e.g. a run shorter than a window or never scraped), or None where it learns none (a baseline, or
+    ``--hot-reference fair``: then the run is judged against those)."""
+    learned = getattr(metrics, "learned", None)
+    if learned is None or metrics.baseline is not None:
+        return None
+    with metrics.judge_lock:  # (the scrape thread reads and updates it under this lock)
+        row = metrics.routing_window.row
+        return learned.rows(np.array([row[layer] for layer in layers], dtype=np.int64),
+                            len(metrics.routing_window.layers))
+
+
+def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None,
+              learned=None) -> tuple[dict, dict]:
     """(the run's judgement in JSON, {layer: layer_summary}) from its load {layer: counts}: ``draws`` per
-    request when known, else the most clustered draws ``requests`` allow."""
-    from moescope.analysis.diagnose import judge
+    request when known, else the most clustered draws ``requests`` allow. Against ``baseline``, else ``learned``
+    (``learned_rows``: the exporter's learned reference, what its alerts judged against: a layer uneven in it is
+    "uneven by design/traffic", information; a layer it has not learned is "learning": hot experts named, not
+    paged, imbalance and dead not judged), else the fair share (None: ``--hot-reference fair``, or a merged or
+    older summary). The whole run's draws are judged, those of the window the reference was learned from
+    included (a fault switched on mid-run is diluted by the run before it)."""
+    from moescope.analysis.diagnose import judge, judged_against
     from moescope.judge import worst_case_draws
 
     layers = list(load)
     counts = np.array([load[layer] for layer in layers], dtype=np.float64)
     how = "per request" if draws is not None else "from totals, requests as most clustered"
-    j = judge(counts, draws if draws is not None else worst_case_draws(counts, requests), layers, top_k, baseline)
+    j = judge(counts, draws if draws is not None else worst_case_draws(counts, requests), layers, top_k, baseline,
+              learned=learned if baseline is None else None)
     per, judged = {}, {}
     for i, layer in enumerate(layers):
         ok, v = bool(j.judged[i]), j.verdict(i)
-        hot = [{"expert": e, "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.reference}
-               for e in v.hot_shown] if ok else []  # hottest first; none on a collapsed layer
+        hot = [{"expert": e, "factor": round(float(j.hot_factor[i, e]), 2), "reference": j.hot_reference[i],
+                "paged": e in v.hot} for e in v.hot_shown] if ok else []  # hottest first; none on a collapsed layer
         dead = int(j.dead[i]) if ok and np.isfinite(j.dead[i]) else None  # NaN: too few draws to bound it
         per[str(layer)] = layer_summary(load[layer], dead=dead, hot=hot)
+        bar = float(j.bar[i])
         judged[str(layer)] = {"excess_cv": round(float(j.excess_cv[i]), 4) if ok else None,
-                              "bar": round(float(j.bar[i]), 4), "imbalanced": v.imbalanced,
-                              "collapsed": v.collapsed}
-    return {"draws": how, "requests": requests, "reference": j.reference,
+                              "bar": round(bar, 4) if np.isfinite(bar) else None, "imbalanced": v.imbalanced,
+                              "collapsed": v.collapsed, "reference": j.hot_reference[i],
+                              "pages": v.fires() if ok or v.collapsed else [],
+                              "uneven": j.uneven_words(i) or None}
+    kinds = sorted(set(j.hot_reference))
+    return {"draws": how, "requests": requests,
+            "reference": j.reference if j.baseline_cv is not None or len(kinds) != 1 else kinds[0],
+            "against": judged_against(j),
             "bar_from": "baseline" if j.baseline_cv is not None else "no baseline", "layers": judged}, per
 
 
@@ -80,12 +107,15 @@ def latency(ttft: list[float], tpot: list[float]) -> dict:
             "per_token_p99": round(stats.percentile(tpot, 99), 5) if tpot else None}
 
 
-def build(records, load, dropped, wall_s, model, device, n_asked, draws=None, baseline=None) -> dict:
+def build(records, load, dropped, wall_s, model, device, n_asked, draws=None, baseline=None,
+          learned=None) -> dict:
     """The summary. ``draws``: the run's per-request routing as a ``sampling.Draws`` (layers in ``load``'s
-    order) where the caller has it; ``baseline``: the profile the run is judged against."""
+    order) where the caller has it; ``baseline``: the profile the run is judged against; else ``learned``
+    (``learned_rows``: the exporter's learned reference)."""
     out_tokens = sum(r.n_output for r in records)
     prompt_tokens = sum(len(r.prompt_tokens) for r in records)
-    judged, per_layer = judgement(load, len(records), model.cfg.top_k, draws, baseline) if load else ({}, {})
+    judged, per_layer = judgement(load, len(records), model.cfg.top_k, draws, baseline, learned) if load \
+        else ({}, {})
     return {
         "model": model.cfg.name,
         "device": str(device),
@@ -183,11 +213,18 @@ def load_lines(s: dict) -> list[str]:
     imb = [layer for layer, v in layers_j.items() if v["imbalanced"]]
     hot = [(layer, h) for layer, v in per.items() for h in v.get("hot", [])]
     if judged:
-        bar = ("against the baseline" if judged.get("bar_from") == "baseline" else
-               f"no baseline: only over excess CV {DEFAULT.imbalance_cv:g}")
+        bar = {"baseline": "against the baseline", "learned": "against its learned reference",
+               "learning": "reference still being learned: imbalance, dead wait",
+               "fair": f"against the fair share: over excess CV {DEFAULT.imbalance_cv:g}"}.get(
+            judged.get("reference"), judged.get("against") or "")
         hot_text = ", ".join(f"L{layer} E{h['expert']} {h['factor']:.1f}x {h['reference']}"
                              for layer, h in sorted(hot, key=lambda x: -x[1]["factor"])[:3]) or "none"
         lines.append(f"judged ({judged.get('draws')}): imbalanced in {len(imb)} ({bar}); hot {hot_text}")
+        pages = [f"L{layer} {', '.join(v['pages'])}" for layer, v in layers_j.items() if v.get("pages")]
+        uneven = [f"L{layer} {v['uneven']}" for layer, v in layers_j.items() if v.get("uneven")]
+        lines.append("would page: " + ("; ".join(pages) if pages else "nothing"))
+        lines += uneven[:3] + ([f"... {len(uneven) - 3} more layers uneven by design/traffic (--json)"]
+                               if len(uneven) > 3 else [])
     lines.append(f"per layer: cv, no slot / judged dead, the {NAMED} hottest and coldest as expert:share "
                  "(counts: --json)")
     width = max(len(str(layer)) for layer in per)
