@@ -345,3 +345,22 @@ def test_design_md_shows_the_protocols_text():
     declared = {line.split("(")[0].removeprefix("def ") for line in shown if line.startswith("def ")}
     declared |= {line.split(":")[0] for line in shown if not line.startswith(("def ", "@", "class "))}
     assert declared == set(methods) | set(data)
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_a_feature_the_engine_lacks_is_refused_before_it_is_attached(engine, tiny_cfg):
+    """The runtime takes every feature; the others none: a config asking for the cache or the canary is one clear
+    error, raised before the engine is attached (the model keeps no hook of ours, the adapter no observer)."""
+    from moescope.config import Cache, Canary
+    from moescope.errors import BadInput
+    from moescope.runtime.model import MoETransformer
+
+    assert as_engine(MoETransformer(tiny_cfg)).features == FEATURES
+    case = {"hf": _hf, "vllm": _vllm}[engine]()
+    assert as_engine(case.target).features == frozenset()
+    hooks = (dict(case.module._forward_pre_hooks), dict(case.module._forward_hooks))
+    with pytest.raises(BadInput, match=r"^cache, canary need the moescope reference runtime"):
+        moescope.instrument(case.target, moescope.Config(cache=Cache(), canary=Canary()))
+    assert (dict(case.module._forward_pre_hooks), dict(case.module._forward_hooks)) == hooks
+    if isinstance(case.target, Engine):
+        assert case.target.observer is None

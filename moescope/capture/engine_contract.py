@@ -137,7 +137,7 @@ class Engine(Protocol):
 
 
 def missing_features(engine: Engine, config: "Config") -> list[str]:
-    """The features ``config`` asks for that ``engine`` does not take, in ``FEATURES``' order of the config."""
+    """The features ``config`` asks for that ``engine`` does not take (cache, canary, scenarios, mitigations)."""
     asked = (("cache", config.cache), ("canary", config.canary), ("scenarios", config.scenarios),
              ("mitigations", config.mitigations))
     return [name for name, on in asked if on and name not in engine.features]
