@@ -41,11 +41,15 @@ import numpy as np
 from moescope import sampling
 from moescope import judge as judging
 from moescope.judge import Judgement, draws_of
-from moescope.analysis import baseline as bl
+from moescope.analysis import baseline as bl, prom_evidence
 from moescope.analysis import step_experts
 from moescope.config import DEFAULT_WINDOW_S
 from moescope.errors import BadInput
+from moescope.metrics.window import LearnedRows
+from moescope.runtime import tokenizer
 from moescope.thresholds import DEFAULT, Thresholds
+from moescope.traces.sanitize import sanitize
+from moescope.traces.store import CorruptRows, iter_routed, routed_runs
 
 SEVERITY_ORDER = {"critical": 0, "warning": 1, "info": 2}
 PLAYBOOKS = "playbooks"
@@ -99,8 +103,6 @@ def load_window(conn, *, since: float | None = None, limit: int = 5000, corrupt=
     """The newest ``limit`` routed requests (one model); corrupt rows are skipped into ``corrupt``. ``runs``:
     only the requests of these writer runs (``select_runs``; None: every run); ``model``: only this model's
     (None: the shape most of the window's requests have)."""
-    from moescope.traces.store import CorruptRows, iter_routed
-
     corrupt = CorruptRows() if corrupt is None else corrupt
     rows = list(iter_routed(conn, since=since, limit=limit, newest=True, corrupt=corrupt, runs=runs, model=model))
     if not rows:
@@ -213,8 +215,6 @@ def learned_reference(per_request: np.ndarray, layers: list[int], top_k: int, t:
 def learned_from(draws: sampling.Draws, layers: list[int], top_k: int, t: Thresholds = DEFAULT, tokens=None):
     """``learned_reference`` from the first window's draws (``sampling.Draws``: the demo's summary keeps no
     per-request counts)."""
-    from moescope.metrics.window import LearnedRows
-
     j = judge(draws.counts, draws, layers, top_k, None, t, tokens)
     has = (draws.draws >= sampling.MIN_DRAWS) & np.isfinite(j.excess_cv) & np.isfinite(j.top_share)
     return LearnedRows(sampling.draw_shares(draws), has, np.nan_to_num(j.excess_cv), np.nan_to_num(j.top_share))
@@ -223,8 +223,6 @@ def learned_from(draws: sampling.Draws, layers: list[int], top_k: int, t: Thresh
 def not_learned(n_layers: int, n_experts: int):
     """A reference still being learned on every layer (``judge``'s "learning": hot experts named, not paged;
     imbalance and dead not judged; collapse only over ``Thresholds.collapse_ceiling``)."""
-    from moescope.metrics.window import LearnedRows
-
     return LearnedRows(np.zeros((n_layers, n_experts)), np.zeros(n_layers, dtype=bool), np.zeros(n_layers),
                        np.zeros(n_layers))
 
@@ -264,8 +262,6 @@ def _check_nonfinite(w: Window) -> list[Finding]:
     bad_layers: Counter = Counter()
     examples: list[str] = []
     in_bad, in_clean = Counter(), Counter()  # requests containing each token id
-    from moescope.runtime import tokenizer
-    from moescope.traces.sanitize import sanitize
 
     total = 0
     for rid, bad, tok, n_prompt in zip(w.ids, w.nonfinite, w.tokens, w.n_prompt):
@@ -802,8 +798,6 @@ def select_runs(conn, run: str | None = None, *, since: float | None = None, mod
     alongside it: its span overlaps the latest's); ``ALL_RUNS``, every run; else that run id (or a unique prefix
     of one). ``model``: the runs of this model's requests only (None: every model). An id the window does not
     hold is ``BadInput`` naming the stored runs."""
-    from moescope.traces.store import routed_runs
-
     stored = routed_runs(conn, since=since, model=model)
     if run == ALL_RUNS:
         return RunChoice("all", list(stored), stored)
@@ -851,8 +845,6 @@ def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=No
                 *_check_jitter(w, thresholds), *_check_drop(w, thresholds), *_check_cache(w, thresholds),
                 *_check_ranks(w, thresholds), *_check_memory(w, thresholds)]
     if prometheus:
-        from moescope.analysis import prom_evidence
-
         findings += [Finding(**f) for f in prom_evidence.findings(prometheus, w.model, thresholds)]
     spread = step_experts.finding(w.routing, w.step_of, w.n_experts, w.top_k,
                                   step_experts.utilisation_from(prometheus, w.model) if prometheus else None)

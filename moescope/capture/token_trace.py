@@ -66,7 +66,7 @@ def pack(traces: Sequence[StepTrace]) -> list[TraceArrays | None]:
     expert count) into one record array, and each step is a view ``[T, L]`` of it: a few copies per batch of
     steps, however many steps and layers, which is what keeps the writer's share of the cores small. The
     device->host copy happens here, on the caller's thread (the writer's), never the engine's."""
-    import torch
+    import torch  # start-up: torch, only when pack() runs
 
     out: list[TraceArrays | None] = [None] * len(traces)
     groups: dict[tuple[int, int], list[int]] = {}

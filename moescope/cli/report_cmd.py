@@ -37,6 +37,7 @@ from moescope.cli.options import (echo, emit_json, import_option, json_option, m
 def report_cmd(traces_path, import_path, since, model, out_dir, layers, baseline_path, hot_reference,
                learn_window_s, prometheus, as_json) -> None:
     """Write summary.md (read it first), a layers x experts overview figure and load tables to OUT."""
+    # start-up: numpy (analysis.baseline, analysis.report, traces.store), only when the command runs, not for --help
     from moescope.analysis import baseline as bl
     from moescope.analysis import report
     from moescope.traces.store import CorruptRows

@@ -48,7 +48,7 @@ MAX_INFLIGHT = 4096
 
 def _histogram(spec: catalogue.MetricSpec):
     """An unregistered prometheus_client Histogram for a catalogue spec (the exporter's collector yields it)."""
-    from prometheus_client import Histogram
+    from prometheus_client import Histogram  # optional: prometheus_client (the metrics extra)
 
     return Histogram(spec.family, spec.help, labelnames=list(spec.all_labels), buckets=spec.buckets,
                      registry=None)

@@ -23,6 +23,7 @@ from moescope.capture.observer import FanOut, Observer
 from moescope.capture.records import RequestRecord, StepRecord
 from moescope.errors import BadInput, MoescopeError
 from moescope.runtime import tokenizer
+from moescope.runtime.graph_decode import GraphCollector, StaticDecoder, check_supported
 from moescope.runtime.model import KVCache, MoETransformer, Segment
 from moescope.runtime.router import extend_prefix_key
 from moescope.runtime.traffic import TrafficRequest
@@ -131,8 +132,6 @@ class Engine:
             raise BadInput(f"decode='graph' needs the model on a CUDA device (it is on {model.device.type}); "
                            "decode='static' runs the same fixed-shape step without a graph")
         if decode != "eager":
-            from moescope.runtime.graph_decode import check_supported
-
             check_supported(model)
         self.model = model.eval()
         self.max_batch = max_batch
@@ -405,8 +404,6 @@ class Engine:
 
     def _static(self):
         if self._decoder is None:
-            from moescope.runtime.graph_decode import GraphCollector, StaticDecoder
-
             self._decoder = StaticDecoder(self.model, self.max_batch)
             if self.decode == "graph":
                 self._decoder.capture()
