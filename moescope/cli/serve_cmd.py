@@ -21,6 +21,7 @@ from moescope.cli.demo_parallel import fleet_settings, rank_options, validate_la
 from moescope.config import Config
 from moescope.errors import BadInput, MoescopeError
 from moescope.parallel.spawn import ENV_SUMMARY, write_summary
+from moescope.serve import server
 
 
 class RankEngineDied(MoescopeError):
@@ -163,8 +164,6 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
     served = served_model_names(served_names)
     # start-up: torch and numpy (parallel.launch), not for --help
     from moescope.parallel.launch import env_rank
-    # optional: fastapi, uvicorn (serve.server; the serve extra)
-    from moescope.serve import server
 
     rank_env = env_rank()  # under the launcher: one rank, on a loopback port of its own the front end forwards to
     sock = server.bind("127.0.0.1", 0) if rank_env else server.bind(host, port)  # before torch and the model load
@@ -184,9 +183,6 @@ def serve(host, port, max_queue, served_names, request_timeout, shutdown_timeout
 
 def launch_ranks(ctx: click.Context, p: ServePlan, sock) -> int:
     """The launcher: the front end on ``sock``, the ranks under torchrun's agent (``cli.serve_parallel``)."""
-    # optional: fastapi, uvicorn (serve.server; the serve extra)
-    from moescope.serve import server
-
     with sock:
         net, _ = validate_launch(p.model, p.config, p.world, p.placement_spec, p.slow_rank)  # one line, before any rank
         return serve_parallel.launch(ctx, sock, p.world, model=net.cfg.name,
@@ -199,7 +195,7 @@ def run_server(p: ServePlan, sock) -> int:
     """One process serving on ``sock`` (alone, or one expert-parallel rank): assemble the engine, serve until
     SIGTERM, flush."""
     # optional: fastapi, pydantic, starlette (serve.app, serve.loop, serve.protocol; the serve extra)
-    from moescope.serve import app as app_mod, server
+    from moescope.serve import app as app_mod
     from moescope.serve.loop import EngineLoop
     from moescope.serve.protocol import ModelLimits
 
