@@ -20,19 +20,22 @@ from pathlib import Path
 import numpy as np
 
 from moescope import stats
-from moescope.analysis import report_figures as figures
-from moescope.analysis.diagnose import judged_against
+from moescope.analysis import profile as profile_mod, report_figures as figures
+from moescope.analysis.diagnose import judge_requests, judged_against, load_window, window_judgement
 from moescope.analysis import routing_counts as rc
 from moescope.analysis import step_experts
 from moescope.config import DEFAULT_WINDOW_S
 from moescope.progress import progress
+from moescope.thresholds import DEFAULT
+from moescope.traces import store
+from moescope.traces.store import CorruptRows, select_layers
 
 TOP_PAIRS = 50
 KINDS = ("domain", "tenant", "phase")
 
 
 def _frame(rows):
-    import pandas as pd
+    import pandas as pd  # optional: pandas (the analysis extra)
 
     return pd.DataFrame(rows)
 
@@ -92,8 +95,6 @@ def _long_table(counts: np.ndarray, layers: list[int], names: list[str], by: str
 
 def _figure_layers(wanted: list[int] | str | None, layers: list[int]) -> list[int]:
     """The layers that get per-layer figures: none (None), every one (``"all"``) or ``wanted`` (ids)."""
-    from moescope.traces.store import select_layers
-
     if wanted is None:
         return []
     return [layers[j] for j in select_layers(layers, None if wanted == "all" else wanted, "here")]
@@ -111,8 +112,6 @@ def build(out_dir: str | Path, *, traces_path: str | None = None, import_path: s
     ``diagnose`` (``diagnose.window_judgement``): the baseline, else the reference learned from the first
     ``learn_window_s`` of requests (the later ones judged), else (``"fair"``, as asked) the fair share. An import
     has no request times: judged against the fair share."""
-    from moescope.traces.store import CorruptRows
-
     corrupt = CorruptRows() if corrupt is None else corrupt
     out = Path(out_dir)
     if import_path is not None:
@@ -176,10 +175,6 @@ def _load_files(out: Path, load: dict[int, np.ndarray], model: str | None, sourc
 
 
 def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
-    from moescope.analysis import profile as profile_mod
-
-    from moescope.analysis.diagnose import judge_requests
-
     with progress(f"report: reading {import_path}", 1):
         prof = profile_mod.load(None, import_path)
     layers = prof.layers
@@ -203,9 +198,6 @@ def _from_import(out: Path, import_path: str, wanted) -> tuple[dict, list]:
 
 def _from_store(out: Path, traces_path: str, since, corrupt, wanted, model, against: dict,
                 prometheus: str | None = None) -> tuple[dict, list]:
-    from moescope.analysis.diagnose import load_window
-    from moescope.traces import store
-
     with progress(f"report: reading {traces_path}", 1):
         conn = store.open_store(traces_path)
         try:
@@ -257,7 +249,6 @@ def _store_files(out: Path, w, wanted, advance, against: dict) -> tuple[dict, li
         if sel:
             passes += rc.count(ch.ids[:, sel], n_exp, ch.groups["step"], max(1, n_steps))
         advance()
-    from moescope.analysis.diagnose import window_judgement
 
     j = window_judgement(w, against["baseline"], hot_reference=against["hot_reference"],
                          learn_window_s=against["learn_window_s"])
@@ -303,8 +294,7 @@ def _expert_spread(w, prometheus: str | None) -> dict | None:
 
 
 def _markdown(s: dict, files: list[str]) -> str:
-    from moescope.thresholds import DEFAULT as t
-
+    t = DEFAULT
     n_exp = s["n_experts"]
     lines = [f"# moescope report: {s.get('model') or s['source']}", ""]
     if "requests" in s:
