@@ -12,10 +12,14 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 
+from moescope import efficiency
+from moescope.analysis import baseline as bl
 from moescope.capture.engine_contract import Engine, missing_features
 from moescope.capture.observer import FanOut, Observer
 from moescope.config import Config, Metrics
 from moescope.errors import BadInput
+from moescope.traces import otlp
+from moescope.traces.recorder import TraceRecorder
 
 
 def _name(observer) -> str:
@@ -66,7 +70,7 @@ class Instrumentation:
             raise
 
     def _wire(self, model, config: Config) -> None:
-        from moescope.metrics.state import MetricsObserver
+        from moescope.metrics.state import MetricsObserver  # start-up: torch (metrics.state), only when _wire() runs
 
         self.adapter = engine = as_engine(model)
         wants = missing_features(engine, config)
@@ -75,6 +79,7 @@ class Instrumentation:
         m = config.metrics
         info = engine.model_info(m.model_name)
         if config.routing_log is not None:
+            # start-up: torch (capture.routing_log), only when _wire() runs
             from moescope.capture.routing_log import RoutingLog
 
             self.routing_log = RoutingLog()
@@ -88,8 +93,6 @@ class Instrumentation:
                                        hot_reference=m.hot_reference, **extra)
         self.metrics.reads_flush = not engine.flushes_when_idle  # no engine says when it is idle: reads flush
         if m.peak_bandwidth is not None or m.peak_flops is not None:  # settings over the environment and table
-            from moescope import efficiency
-
             self.metrics.peak = efficiency.resolve_peak(info.device, bandwidth=m.peak_bandwidth, flops=m.peak_flops)
         self.observer = FanOut([self.metrics, *observers])
         self._stack.callback(self.observer.shutdown)  # flushes the recorder: before OTLP stops (pushed earlier)
@@ -99,15 +102,13 @@ class Instrumentation:
                                               **{_name(q): q.errors for q in queued if getattr(q, "errors", 0)}}
         self.metrics.dropped_source = lambda: {_name(q): q.dropped for q in queued}
         if m.port is not None:  # before attaching: a port that cannot be bound leaves the model untouched
-            from moescope.metrics.exporter import Exporter
+            from moescope.metrics.exporter import Exporter  # start-up: torch (metrics.exporter), only when _wire() runs
 
             self.exporter = Exporter(self.metrics, port=m.port, addr=m.addr).start()
             self._stack.callback(self.exporter.stop)
         engine.attach(self.observer)
         self._stack.callback(engine.detach)
         if m.baseline is not None:
-            from moescope.analysis import baseline as bl  # numpy-heavy: only when a baseline is configured
-
             self.metrics.baseline = bl.coerce(m.baseline)  # a file, a Profile or {layer: load}
         # read at scrape time: a placement or cache set up after instrument() counts too
         self.metrics.placement_source = engine.placement
@@ -117,12 +118,8 @@ class Instrumentation:
         self.notices += parts.notices
 
     def _recorder(self, name: str, config: Config):
-        from moescope.traces.recorder import TraceRecorder
-
         t, tracer = config.traces, None
         if t.otlp_endpoint:
-            from moescope.traces import otlp
-
             provider = otlp.tracer_provider(t.otlp_endpoint, attributes={"moescope.model": name})
             self._stack.callback(provider.shutdown)  # after the recorder's last spans (the stack unwinds LIFO)
             tracer = provider.get_tracer("moescope")
@@ -133,6 +130,7 @@ class Instrumentation:
     def engine(self, *, max_batch: int = 16, seed: int = 0, decode: str = "eager", **kwargs):
         """An ``Engine`` serving the instrumented model, with the canary and the scenarios' engine faults
         (``leak``). ``kwargs`` go to ``Engine`` (``clock``)."""
+        # start-up: torch (runtime.engine), only when engine() runs
         from moescope.runtime import engine as runtime_engine
 
         engine = runtime_engine.Engine(self.model, max_batch=max_batch, seed=seed, canary=self.canary, decode=decode,
@@ -167,13 +165,14 @@ def as_engine(model) -> Engine:
     which refuses a model it finds no MoE layer in)."""
     if isinstance(model, Engine):
         return model
-    from moescope.runtime.model import MoETransformer
+    from moescope.runtime.model import MoETransformer  # start-up: torch (runtime.model), only when as_engine() runs
 
     if isinstance(model, MoETransformer):
+        # start-up: torch (runtime.engine_adapter), only when as_engine() runs
         from moescope.runtime.engine_adapter import RuntimeEngine
 
         return RuntimeEngine(model)
-    from moescope.hf.hf_adapter import HFAdapter
+    from moescope.hf.hf_adapter import HFAdapter  # start-up: torch (hf.hf_adapter), only when as_engine() runs
 
     return HFAdapter(model)
 
