@@ -22,8 +22,12 @@ import click
 import numpy as np
 
 from moescope import stats
+from moescope.analysis import baseline as bl
+from moescope.analysis.diagnose import judge, judged_against
 from moescope.errors import BadInput
+from moescope.judge import worst_case_draws
 from moescope.thresholds import DEFAULT
+from moescope.traces import store
 from moescope.tui.routing_view import NAMED, named
 
 
@@ -67,9 +71,6 @@ def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None,
     paged, imbalance and dead not judged), else the fair share (None: ``--hot-reference fair``, or a merged or
     older summary). The whole run's draws are judged, those of the window the reference was learned from
     included (a fault switched on mid-run is diluted by the run before it)."""
-    from moescope.analysis.diagnose import judge, judged_against
-    from moescope.judge import worst_case_draws
-
     layers = list(load)
     counts = np.array([load[layer] for layer in layers], dtype=np.float64)
     how = "per request" if draws is not None else "from totals, requests as most clustered"
@@ -189,8 +190,6 @@ def drop_line(s: dict) -> str | None:
 def load_lines(s: dict) -> list[str]:
     """The expert load part of the human summary: the model in one line, what was judged, then one line per
     MoE layer."""
-    from moescope.tui.routing_view import NAMED
-
     per = s.get("expert_load_summary")
     if per is None:  # a summary without the judgement (a merged or older one): judge its totals
         judged, per = judgement({int(k): v for k, v in s["expert_load"].items()}, int(s.get("completed") or 0),
@@ -245,9 +244,6 @@ def save_baseline(path: str, summary: dict, model_name: str, run_started: float)
     structural CV, design effect and share spread), else from the run's totals (a v1-equivalent profile). An
     expert-parallel run's summary is every rank's: a store that holds only some ranks' requests (a SQLite store
     is rank 0's) gives way to the totals, which count every rank's tokens."""
-    from moescope.analysis import baseline as bl
-    from moescope.traces import store
-
     profile = None
     if summary.get("traces"):
         conn = store.open_store(summary["traces"])
