@@ -364,3 +364,54 @@ def test_a_feature_the_engine_lacks_is_refused_before_it_is_attached(engine, tin
     assert (dict(case.module._forward_pre_hooks), dict(case.module._forward_hooks)) == hooks
     if isinstance(case.target, Engine):
         assert case.target.observer is None
+
+
+def test_a_new_engine_is_one_class_and_instrument_takes_it_as_it_is():
+    """An engine moescope has never heard of, matching the Protocol structurally (no base class): ``as_engine`` keeps
+    it, ``instrument`` attaches to it, and the steps it reports are what the exporter counts (read back from the
+    exposition); closing detaches it."""
+    from metrics_util import by_label, parse
+
+    from moescope.capture.engine_contract import Parts
+
+    class ToyEngine:
+        features: frozenset[str] = frozenset()
+        flushes_when_idle = False
+
+        def __init__(self) -> None:
+            self.observer = None
+
+        def model_info(self, name=None):
+            return ModelInfo(name=name or "toy", n_experts=4, top_k=1, moe_layers=(0,), dense_params=10,
+                             expert_params=5)
+
+        def attach(self, observer) -> None:
+            self.observer = observer
+
+        def detach(self) -> None:
+            self.observer = None
+
+        def setup(self, config, stack):
+            return Parts()
+
+        def placement(self):
+            return None
+
+        def cache_capacity(self):
+            return {}
+
+        def step(self, index, phase, segments) -> None:
+            if self.observer is not None:
+                self.observer.on_step(StepRecord(index, phase, 0.0, 0.001, sum(n for _, _, n in segments),
+                                                 tuple(segments)))
+
+    toy = ToyEngine()
+    assert isinstance(toy, Engine) and as_engine(toy) is toy and _signature_problems(ToyEngine) == []
+    with moescope.instrument(toy, port=0) as inst:
+        assert toy.observer is inst.observer
+        toy.step(0, "prefill", [("r1", 0, 7), ("r2", 0, 3)])
+        toy.step(1, "decode", [("r1", 7, 1), ("r2", 3, 1)])
+        parsed = parse(inst.exporter.exposition().decode())
+    assert toy.observer is None
+    assert by_label(parsed, "moescope_tokens_total", "phase", model="toy") == {"prefill": 10.0, "decode": 2.0}
+    assert by_label(parsed, "moescope_steps_total", "phase", model="toy") == {"prefill": 1.0, "decode": 1.0}
