@@ -8,21 +8,29 @@ its share of the requests, the experts sharded over the ranks).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
+from typing import Any
 
 import click
 
 from moescope import stats
+from moescope.analysis.baseline import calibration_profile
+from moescope.cli import demo_parallel
 from moescope.cli.config_options import (InstrumentOptions, ModelOptions, build_config, build_model,
                                          instrument_options, instrumented, model_options)
+from moescope.cli.demo_live import serve_with_live_view
 from moescope.cli.demo_parallel import PEER_OPTIONS, RANK_OPTIONS
 from moescope.cli.options import emit_json, json_option, option_group
 from moescope.cli.summary import build as _summary, learned_rows, print_human as _print_human, save_baseline
+from moescope.config import Config
 from moescope.errors import BadInput
+from moescope.parallel.spawn import write_summary
+from moescope.runtime import traffic
 
 
 @dataclass(frozen=True)
@@ -96,22 +104,38 @@ demo_options = option_group(
 )
 
 
-@click.command()
-@model_options
-@instrument_options
-@demo_options
-def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -> int | None:
-    """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
-    from moescope.cli import demo_parallel
+@dataclass(frozen=True)
+class DemoPlan:
+    """``demo``'s options, checked (``plan``): what ``run_demo`` assembles and serves on this process, or, for the
+    launcher (``launcher``), the ranks ``demo_parallel.launch`` starts."""
+
+    model: ModelOptions
+    instrument: InstrumentOptions
+    run: DemoOptions
+    config: Config  # this process's one Config (its rank's; a launcher's is rank 0's, for validation)
+    rank: int  # this process's rank and world (1 but under a launcher)
+    world: int
+    under_launcher: bool  # a rank started by a launcher (``parallel.launch.env_rank``)
+    world_size: int  # the fleet's ranks, slow rank and its delay: the flags, the scenarios' settings over them
+    slow_rank: int | None
+    delay_ms: float
+    launch_model: Any = None  # the launcher: the model and placement it validated
+    placement: Any = None
+
+    @property
+    def launcher(self) -> bool:
+        return self.world_size > 1 and not self.under_launcher
+
+
+def plan(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -> DemoPlan:
+    """Check the options (each bad one: one line, exit 2, before any rank or request) and return what to run."""
+    # start-up: torch (parallel.launch), only when the command runs, not for --help
     from moescope.parallel.launch import env_rank
-    from moescope.parallel.spawn import write_summary
 
     rank_env = env_rank()
     rank, world = rank_env or (0, 1)
-    # The one Config of this process (its rank's; a launcher's is rank 0's, for validation). The scenarios'
-    # settings override the flags.
+    # The scenarios' settings override the flags.
     config = build_config(instrument, model, rank=rank, world=world)
-    settings = config.settings
     world_size, slow_rank, delay_ms = demo_parallel.fleet_settings(config, run.world_size, run.slow_rank, run.delay_ms)
     if run.decode_mode != "eager" and instrument.record_routing:
         raise BadInput(f"--record-routing logs every forward's routing, which --decode {run.decode_mode} steps do "
@@ -127,34 +151,73 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
     if not run.rebalance_steps and (run.rebalance_slots is not None or run.rebalance_below is not None):
         raise BadInput("--rebalance-slots and --rebalance-below shape the rearrangements --rebalance-steps N "
                        "makes: give it too")
-    if world_size > 1 and rank_env is None:
-        net, placement = demo_parallel.validate_launch(model, config, world_size, run.placement_spec, slow_rank)
-        if run.rebalance_slots is not None and run.rebalance_slots * world_size < net.cfg.n_experts:
-            raise BadInput(f"--rebalance-slots {run.rebalance_slots}: {world_size} ranks x "
-                           f"{run.rebalance_slots} slots cannot hold {net.cfg.n_experts} experts (need "
-                           f">= {-(-net.cfg.n_experts // world_size)})")
-        return demo_parallel.launch(click.get_current_context(), world_size, placement, run.timeout, net,
-                                    run.as_json)
-    if world > 1:
-        model = demo_parallel.rank_model(model, rank)  # CUDA: this rank's own GPU
-    net = build_model(model, config)
-    reqs, n_requests, rate = _workload(run, model.seed, settings.traffic_shift, world)
-    reqs = reqs[rank::world]  # data-parallel attention: request i is served by rank i mod W
-    if settings.traffic_shift and not instrument.baseline_path:  # drift needs a known-good reference
-        from moescope.analysis.baseline import calibration_profile
+    p = DemoPlan(model, instrument, run, config, rank, world, rank_env is not None, world_size, slow_rank, delay_ms)
+    if not p.launcher:
+        return p
+    net, placement = demo_parallel.validate_launch(model, config, world_size, run.placement_spec, slow_rank)
+    if run.rebalance_slots is not None and run.rebalance_slots * world_size < net.cfg.n_experts:
+        raise BadInput(f"--rebalance-slots {run.rebalance_slots}: {world_size} ranks x "
+                       f"{run.rebalance_slots} slots cannot hold {net.cfg.n_experts} experts (need "
+                       f">= {-(-net.cfg.n_experts // world_size)})")
+    return dataclasses.replace(p, launch_model=net, placement=placement)
 
-        config = build_config(instrument, model, rank=rank, world=world,
+
+@click.command()
+@model_options
+@instrument_options
+@demo_options
+def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -> int | None:
+    """Serve synthetic traffic (code, prose, numbers, unicode) on the reference MoE runtime."""
+    p = plan(model, instrument, run)
+    if p.launcher:
+        return demo_parallel.launch(click.get_current_context(), p.world_size, p.placement, run.timeout,
+                                    p.launch_model, run.as_json)
+    run_demo(p)
+    return None
+
+
+def run_demo(p: DemoPlan) -> None:
+    """Assemble the plan on this process (alone, or one expert-parallel rank), serve its share of the workload and
+    print the summary (a rank under the launcher hands it on instead)."""
+    model, instrument, run = p.model, p.instrument, p.run
+    if p.world > 1:
+        model = demo_parallel.rank_model(model, p.rank)  # CUDA: this rank's own GPU
+    net = build_model(model, p.config)
+    reqs, n_requests, rate = _workload(run, model.seed, p.config.settings.traffic_shift, p.world)
+    reqs = reqs[p.rank::p.world]  # data-parallel attention: request i is served by rank i mod W
+    config = p.config
+    if config.settings.traffic_shift and not instrument.baseline_path:  # drift needs a known-good reference
+        config = build_config(instrument, model, rank=p.rank, world=p.world,
                               baseline=calibration_profile(net, model.seed, 64))
         click.echo("drift baseline: a calibration pass over 64 held-out requests of the normal mix", err=True)
     run_started = time.time()
-    with ExitStack() as stack:
-        import dataclasses
+    summary = _serve_and_summarise(p, model, net, config, reqs, rate,
+                                   n_requests if run.duration is None else None)
+    if run.save_baseline and not p.under_launcher:  # (ranks: the launcher writes it from every rank's counts)
+        save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
+    if p.world > 1 and write_summary(summary):
+        return
+    if "rank" in summary:  # a rank on its own (torchrun without moescope's launcher): no merge needs them
+        summary["rank"].pop("raw_latency_s", None)
+    if instrument.record_routing:
+        summary["routing_log"] = str(instrument.record_routing)
+    if run.as_json:
+        emit_json(summary)
+    else:
+        _print_human(summary)
 
+
+def _serve_and_summarise(p: DemoPlan, model: ModelOptions, net, config, reqs, rate: float,
+                         n_asked: int | None) -> dict:
+    """Instrument ``net`` as ``config`` says (a rank joins its group first), serve ``reqs`` and summarise them.
+    ``n_asked``: the requests asked for (None: a --duration run, as many as were served)."""
+    run, rank, world = p.run, p.rank, p.world
+    with ExitStack() as stack:
         a2a = lockstep = stop = None
         if world > 1:  # join the group first: the rank's observers go into the instrumentation
             stop = demo_parallel.StopOnSignal()
             a2a, monitor, lockstep = demo_parallel.setup_rank(stack, net, rank, world, run.placement_spec,
-                                                              slow_rank, delay_ms, run.timeout)
+                                                              p.slow_rank, p.delay_ms, run.timeout)
             lockstep.rebalancer = demo_parallel.rebalancer(run)
             lockstep.measure_from = run.measure_from_step or run.rebalance_steps
             config = dataclasses.replace(config, observers=(a2a, monitor))
@@ -166,8 +229,6 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
                        id_prefix=os.environ.get("MOESCOPE_RUN_ID", f"ep{model.seed}-") if world > 1 else None)
         start = time.perf_counter()
         if _wants_tui(run, world, inst):
-            from moescope.cli.demo_live import serve_with_live_view
-
             records = serve_with_live_view(engine, reqs, serving, inst.exporter.url)
         else:
             if stop is not None:
@@ -176,32 +237,18 @@ def demo(model: ModelOptions, instrument: InstrumentOptions, run: DemoOptions) -
             if stop is not None:
                 stop.engine = None
         summary = _summarise(inst, records, time.perf_counter() - start, net,
-                             n_requests if run.duration is None else len(records))
+                             len(records) if n_asked is None else n_asked)
         if a2a is not None:
             summary["rank"] = demo_parallel.rank_summary(rank, a2a, summary, summary["wall_s"], lockstep, records)
         if run.linger:
             time.sleep(run.linger)
-    if run.save_baseline and rank_env is None:  # (ranks: the launcher writes it from every rank's counts)
-        save_baseline(run.save_baseline, summary, net.cfg.name, run_started)
-    if world > 1 and write_summary(summary):
-        return None
-    if "rank" in summary:  # a rank on its own (torchrun without moescope's launcher): no merge needs them
-        summary["rank"].pop("raw_latency_s", None)
-    if instrument.record_routing:
-        summary["routing_log"] = str(instrument.record_routing)
-    if run.as_json:
-        emit_json(summary)
-    else:
-        _print_human(summary)
-    return None
+    return summary
 
 
 def _workload(run: DemoOptions, seed: int, shift: dict | None, world: int):
     """(requests, how many, arrival rate): the arrivals of the whole run at ``--rate`` (expert-parallel ranks
     serve every W-th of them, so the fleet's rate is the one asked). ``shift``: the drift scenario's domain mix
     after the shift."""
-    from moescope.runtime import traffic
-
     rate = run.rate
     n = run.n_requests
     if n is None:  # (from the asked rate: a --duration run must not run dry; each of W ranks serves 1/W of them)
