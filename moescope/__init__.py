@@ -17,14 +17,15 @@ from moescope.version import __version__
 
 def instrument(model, config=None, **metrics):
     """Instrument ``model`` as ``config`` (``moescope.Config``) says; see ``moescope.api.Instrumentation``."""
+    # start-up: every `import moescope.X` runs this file first; moescope.api loads numpy and the sinks' modules
     from moescope.api import Instrumentation
 
     return Instrumentation(model, config, **metrics)
 
 
 def __getattr__(name: str):
-    if name == "Config":  # lazily: moescope.config imports the runtime's fault catalogue
-        from moescope.config import Config
+    if name == "Config":
+        from moescope.config import Config  # start-up: `import moescope` loads the version only (see instrument)
 
         return Config
     raise AttributeError(f"module 'moescope' has no attribute {name!r}")

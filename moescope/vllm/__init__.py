@@ -17,14 +17,15 @@ Nothing here may harm vLLM: every failure is one log line and a count, and vLLM 
 
 from __future__ import annotations
 
+import os
+
 
 def register() -> None:
     """vLLM's ``vllm.general_plugins`` entry point: run in every vLLM process (API server, engine core, workers),
     possibly more than once. Cheap and inert when nothing is configured."""
-    import os
-
     if not (os.environ.get("MOESCOPE_METRICS_PORT") or os.environ.get("MOESCOPE_TRACES")):
         return
+    # start-up: an unconfigured vLLM process imports nothing more (tests/test_vllm_plugin.py checks it)
     from moescope.vllm import plugin
 
     plugin.install()
