@@ -86,7 +86,7 @@ def runners() -> list[tuple[int, torch.nn.Module]]:
 def _sizes(runner) -> tuple[int, int]:
     """(rows, slots) of the step buffer, from the config vLLM builds the model under: ``max_num_batched_tokens``
     rows (what vLLM's own capturer allocates) and the model's hidden layers (an upper bound on its MoE layers)."""
-    from vllm.config import get_current_vllm_config
+    from vllm.config import get_current_vllm_config  # optional: vllm (only inside a vLLM process)
 
     cfg = get_current_vllm_config()
     rows = int(cfg.scheduler_config.max_num_batched_tokens)
@@ -148,6 +148,7 @@ def install_hook() -> None:
     global _hook
     if _hook is not None:
         return
+    # optional: vllm (only inside a vLLM process)
     from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
     def on_register(module, name, submodule):

@@ -9,6 +9,7 @@ on the step path is counted (``errors``), logged once, and never raised into vLL
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -16,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from moescope.config import DEFAULT_WINDOW_S
+from moescope.config import Config, ConfigError, DEFAULT_WINDOW_S, Metrics, Traces
 
 log = logging.getLogger("vllm.moescope")  # under vLLM's logger: its handlers and format, in its log
 
@@ -74,8 +75,6 @@ class Settings:
     def config(self, rank: int, model_name: str | None = None):
         """The ``moescope.Config`` of data-parallel rank ``rank``'s worker: its exporter on port + rank, its traces
         at the rank's path (``moescope.config.Traces.for_rank``). Raises ``SettingsError`` naming the variable."""
-        from moescope.config import Config, ConfigError, Metrics, Traces
-
         where = {"metrics port": "MOESCOPE_METRICS_PORT", "metrics window": "MOESCOPE_WINDOW_S",
                  "hot reference": "MOESCOPE_HOT_REFERENCE", "trace sample": "MOESCOPE_TRACE_SAMPLE"}
         try:
@@ -106,7 +105,7 @@ def install() -> bool:
             log.warning("moescope: off: %s", e)
             return False
         try:
-            import vllm
+            import vllm  # optional: vllm (only inside a vLLM process)
         except Exception as e:  # noqa: BLE001 (an import that fails for any reason leaves vLLM as it is)
             log.warning("moescope: off: cannot import vLLM (%s: %s)", type(e).__name__, e)
             return False
@@ -124,7 +123,7 @@ def install() -> bool:
         # it, nor the reverse: vLLM's compile cache is off here and in the processes this one starts.
         os.environ["VLLM_DISABLE_COMPILE_CACHE"] = "1"
         try:
-            from moescope.vllm import capture
+            from moescope.vllm import capture  # start-up: numpy, torch (vllm.capture), only when install() runs
 
             capture.install_hook()
         except Exception as e:  # noqa: BLE001
@@ -251,7 +250,7 @@ def row_order(runner, scheduler_output) -> list:
     ``input_batch``."""
     batch = getattr(getattr(runner, "execute_model_state", None), "input_batch", None)
     if batch is None and hasattr(runner, "req_states"):  # Model Runner V2 without its state (seen on a first step)
-        from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids
+        from vllm.v1.worker.gpu.model_runner import sort_batch_req_ids  # optional: vllm (only inside a vLLM process)
 
         return sort_batch_req_ids(scheduler_output.num_scheduled_tokens,
                                   scheduler_output.scheduled_spec_decode_tokens, runner.decode_query_len)
@@ -293,7 +292,7 @@ def _ranks(vllm_config) -> tuple[int, int]:
     """(data-parallel rank, tensor-parallel rank) of this worker."""
     tp_rank = 0
     try:
-        from vllm.distributed import parallel_state
+        from vllm.distributed import parallel_state  # optional: vllm (only inside a vLLM process)
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
     except Exception:  # noqa: BLE001 (no distributed state: a single process)
@@ -319,6 +318,7 @@ def _start(runner):
             # tp times (vLLM issue 22167's trap). Rank 0 of each data-parallel rank reports its tokens.
             log.info("moescope: tensor-parallel rank %d routes the tokens rank 0 reports: not exported", tp_rank)
             return None
+        # start-up: numpy, torch (api, vllm.vllm_adapter), only when _start() runs
         from moescope.api import instrument
         from moescope.vllm.vllm_adapter import VLLMAdapter, attention_shape
 
@@ -333,8 +333,6 @@ def _start(runner):
         log.warning("moescope: off in this worker: %s", _one_line(e))
         return None
     worker = Worker(adapter, inst)
-    import atexit
-
     atexit.register(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
     # vLLM's step carries none of moescope's summarising: the routing probe summarises on its own thread (and an
     # idle server's last steps too: vLLM never reports going idle)
@@ -364,7 +362,7 @@ def _one_line(e: BaseException) -> str:
 def _tokenizer(vllm_config):
     """The model's tokenizer, for the trace's text (None: the trace keeps token ids only)."""
     try:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # optional: transformers (the hf extra)
 
         mc = vllm_config.model_config
         return AutoTokenizer.from_pretrained(mc.tokenizer, trust_remote_code=bool(mc.trust_remote_code))

@@ -31,6 +31,7 @@ from moescope.capture.decision import RoutingDecision
 from moescope.capture.engine_contract import Engine, ModelInfo
 from moescope.capture.records import RequestRecord, StepRecord
 from moescope.errors import BadInput
+from moescope.vllm import capture
 
 log = logging.getLogger("vllm.moescope")
 
@@ -147,8 +148,6 @@ class VLLMAdapter(Engine):
 
     def __init__(self, model: torch.nn.Module, *, served_name: str | None = None, tokenizer=None,
                  attention: tuple[int, int] = (0, 0)) -> None:
-        from moescope.vllm import capture
-
         self.model = model
         ours = {id(m) for m in model.modules()}
         self.runners = [(layer, r) for layer, r in capture.runners() if id(r) in ours]
@@ -204,8 +203,6 @@ class VLLMAdapter(Engine):
 
     # -- the routers' ids (written into moescope.vllm.capture's step buffer inside the forward) ---------------
     def attach(self, observer) -> None:
-        from moescope.vllm import capture
-
         buf = capture.buffer_of(self.runners[0][1])
         ours = {layer for layer, r in self.runners if capture.buffer_of(r) is buf}
         self._slots = [(i, layer) for i, layer in enumerate(buf.layers) if layer in ours] if buf is not None else []
