@@ -26,6 +26,7 @@ from reference import vllm_overhead_mismatches
 from moescope import prom_http
 from servers import free_port
 from conftest import in_ci
+from vllm_estimate import vllm_ffn_fields, vllm_routed_bytes
 from vllm_server import log_text, serve, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -271,18 +272,23 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
            "MOESCOPE_TRACE_SAMPLE": "1"}
     qwen3 = arch == "qwen3_moe"
     top_k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
-    with serve(model_dir, env, [] if qwen3 else ["--no-enable-prefix-caching"], eager=not qwen3) as server:
+    # Qwen3's server also runs vLLM's own MFU metrics (`--enable-mfu-metrics`), for the experts-touched comparison
+    args = ["--enable-mfu-metrics"] if qwen3 else ["--no-enable-prefix-caching"]
+    with serve(model_dir, env, args, eager=not qwen3) as server:
         requests = _drive(server.url, server.name)
         parsed = _check_counts(server, port, requests, top_k)
         info = {dict(labels).get("model") for (n, labels), _ in parsed.items() if n == "moescope_build_info"}
         assert info == {server.name}
         _stored(store, [rid for rid, _, _ in requests])
-        top = None
+        top = touched = None
         if qwen3:
             assert _vllm_counters(server.url)["vllm:prefix_cache_hits_total"] == 0  # every trace is whole
             top = run_cli("top", f"127.0.0.1:{port}", "--once", timeout=60)
-            _prefix_hits(server, port, requests, top_k)
+            later = _prefix_hits(server, port, requests, top_k)
+            touched = _touched_on_server(server, port, store, [rid for rid, _, _ in requests + later])
         log = log_text(server)
+    if touched is not None:
+        _check_experts_touched(model_dir, store, *touched, log)
     agree = _check_traces(model_dir, store, requests, parsed, min_agree=MIN_AGREE[arch])
     print(f"{arch}: {agree:.4f} of (token, layer) expert sets equal to HF float32")
     assert "moescope: watching" in log and "Traceback" not in log
@@ -297,9 +303,10 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
         assert baseline.exists()
 
 
-def _prefix_hits(server, port: int, earlier, top_k: int) -> None:
+def _prefix_hits(server, port: int, earlier, top_k: int) -> list:
     """Prefix caching on (vLLM's default): a shared 2-block prefix is served from the cache for the later requests;
-    moescope counts what vLLM forwarded, per vLLM's own hit counter (over every request the server has answered)."""
+    moescope counts what vLLM forwarded, per vLLM's own hit counter (over every request the server has answered).
+    Returns the later requests."""
     from openai import OpenAI
 
     prefix = " ".join(vllm_models.HELD_OUT.split()[:260])
@@ -310,6 +317,118 @@ def _prefix_hits(server, port: int, earlier, top_k: int) -> None:
         requests.append((r.id, r.usage.prompt_tokens, r.usage.completion_tokens))
     assert _vllm_counters(server.url)["vllm:prefix_cache_hits_total"] >= 5 * 128  # the later five hit
     _check_counts(server, port, requests, top_k)
+    return requests[len(earlier):]
+
+
+def _summarised(port: int, expect_requests: int) -> dict:
+    """The exporter's samples once every request is counted and every step vLLM ran is summarised: a finished request
+    is counted on arrival, its steps' routing when the probe next summarises (its own thread, every interval), so
+    wait until the steps the step histogram of experts touched holds are the steps the engine reported."""
+    def total(p, name):
+        return sum(v for (n, _), v in p.items() if n == name)
+
+    return wait_until(lambda: _moescope(port), timeout=30, what="the exporter to summarise every step",
+                      until=lambda p: total(p, "moescope_requests_total") >= expect_requests
+                      and total(p, "moescope_step_experts_touched_ratio_count") == total(p, "moescope_steps_total"))
+
+
+def _touched_on_server(server, port: int, store: Path, earlier_ids: list[str]) -> tuple[dict, str, set]:
+    """A burst of 8 concurrent requests (decode steps batch up to 8 rows: where experts are shared, vLLM's
+    ``min(rows x k, E)`` over-counts). Returns the exporter's counters over the burst alone (after minus before:
+    the earlier prefix-cache hits are stored without routing, so their steps cannot be recomputed from the store),
+    vLLM's own /metrics text (its `--enable-mfu-metrics` estimate) and the burst's request ids."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    before = _summarised(port, len(earlier_ids))  # every earlier step summarised: nothing of theirs in the window
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=120)
+
+    def one(i: int) -> str:
+        return client.completions.create(model=server.name, prompt=PROMPTS[i], max_tokens=16, temperature=1.0,
+                                         seed=100 + i).id
+
+    with ThreadPoolExecutor(8) as pool:
+        burst = list(pool.map(one, range(8)))
+    after = _summarised(port, len(earlier_ids) + len(burst))
+    _stored(store, earlier_ids + burst)
+    assert _vllm_counters(server.url)["vllm:request_success_total"] == len(earlier_ids) + len(burst)
+    delta = {key: v - before.get(key, 0.0) for key, v in after.items()}
+    return delta, prom_http.get(server.url + "/metrics", "vLLM", 10).decode(), set(burst)
+
+
+def _check_experts_touched(model_dir: Path, store_path: Path, parsed: dict, vllm_text: str, burst: set,
+                           log: str) -> None:
+    """Issue 44 on vLLM: the distinct experts each step touched, as the exporter counts them (per layer: summed over
+    steps, and the steps; per phase: the histogram of the share of experts a step touched over all MoE layers),
+    equal a recomputation from the trace store (every stored token's experts, grouped by the engine step that
+    routed it: the index the store keeps per row), over the burst's steps. Beside it, vLLM's `--enable-mfu-metrics`
+    estimate of the same reads, "perfect load balancing": min(rows x k, E) experts per layer and step."""
+    import collections
+
+    import numpy as np
+
+    from moescope.traces import store
+
+    cfg = json.loads((model_dir / "config.json").read_text())
+    e, k = (cfg.get("num_experts") or cfg["num_local_experts"]), cfg["num_experts_per_tok"]
+    touched: dict[tuple[int, int], set] = collections.defaultdict(set)
+    steps: dict[int, list] = {}  # step index -> [phase, rows]
+    layers: set[int] = set()
+    seen = set()
+    for r in store.iter_routed(store.open_store(store_path)):
+        if r.request_id not in burst:
+            continue
+        seen.add(r.request_id)
+        layers.update(r.layers)
+        for row in range(r.n_routed):
+            st = r.steps[r.step_of[row]]
+            steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
+            for j, layer in enumerate(r.layers):
+                touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
+    assert seen == burst and len(layers) == cfg["num_hidden_layers"]
+    per_step = collections.Counter()
+    for (idx, _), v in touched.items():
+        per_step[idx] += len(v)
+    # per layer: the counters
+    got = sum_by_label(parsed, "moescope_expert_distinct_total", "layer")
+    n_steps = sum_by_label(parsed, "moescope_expert_distinct_steps_total", "layer")
+    assert got == {str(lay): float(sum(len(v) for (_, la), v in touched.items() if la == lay)) for lay in layers}
+    assert n_steps == {str(lay): float(len(steps)) for lay in layers}
+    # per step: the histogram of each step's share, phase by phase (its count, sum and every bucket)
+    width = len(layers) * e
+    for phase in {p for p, _ in steps.values()}:
+        shares = np.array([per_step[i] / width for i, (p, _) in steps.items() if p == phase])
+        count = sum_by_label(parsed, "moescope_step_experts_touched_ratio_count", "phase")[phase]
+        total = sum_by_label(parsed, "moescope_step_experts_touched_ratio_sum", "phase")[phase]
+        assert count == len(shares) and total == pytest.approx(shares.sum(), rel=1e-9), (
+            phase, sum_by_label(parsed, "moescope_step_experts_touched_ratio_count", "phase"),
+            sum_by_label(parsed, "moescope_steps_total", "phase"), collections.Counter(p for p, _ in steps.values()),
+            sorted((i, p, n) for i, (p, n) in steps.items()))
+        buckets = sum_by_label(parsed, "moescope_step_experts_touched_ratio_bucket", "le", phase=phase)
+        for le, n in buckets.items():
+            assert n == int((shares <= float(le)).sum()), (phase, le)
+    batched = [i for i, (p, rows) in steps.items() if p == "decode" and rows > 1]
+    assert batched  # the burst's decode steps held several rows
+    # vLLM's estimate beside ours: the same bytes per expert (3 x hidden x moe_intermediate at the served dtype);
+    # vLLM's experts per layer and step min(rows x k, E) (its own code), ours measured: never more than its bound
+    vllm_total = sum(v for (n, _), v in parse(vllm_text).items() if n == "vllm:estimated_read_bytes_per_gpu_total")
+    assert vllm_total > 0, "vLLM's --enable-mfu-metrics counter is missing or zero"
+    order = sorted(steps)
+    fields = vllm_ffn_fields(log)
+    assert (fields["num_experts"], fields["num_experts_per_tok"], fields["num_moe_layers"]) == (e, k, len(layers))
+    theirs = dict(zip(order, vllm_routed_bytes(fields, [steps[i][1] for i in order])))
+    per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * fields["weight_byte_size"]
+    ours = {i: per_step[i] * per_expert for i in order}
+    for i in order:
+        assert ours[i] <= theirs[i], (i, steps[i])  # distinct <= min(rows x k, E) in every layer
+    print(f"experts touched on vLLM, the burst: {len(order)} steps; batched decode steps ({len(batched)}, "
+          f"{np.mean([steps[i][1] for i in batched]):.1f} rows): moescope {sum(ours[i] for i in batched) / 1e6:.3f} MB "
+          f"of routed-expert weights read, vLLM's estimate {sum(theirs[i] for i in batched) / 1e6:.3f} MB (experts "
+          f"per layer {np.mean([per_step[i] / len(layers) for i in batched]):.2f} vs "
+          f"{np.mean([min(steps[i][1] * k, e) for i in batched]):.2f}); every step: {sum(ours.values()) / 1e6:.3f} "
+          f"vs {sum(theirs.values()) / 1e6:.3f} MB; vllm:estimated_read_bytes_per_gpu_total over the server's life "
+          f"{vllm_total / 1e6:.3f} MB")
 
 
 # Model Runner V2 (vLLM's default wherever Triton runs: every GPU build) on the CPU build: tests/mrv2/ registers the
