@@ -14,7 +14,7 @@ from contextlib import ExitStack
 
 from moescope import efficiency
 from moescope.analysis import baseline as bl
-from moescope.capture.engine_contract import Engine, missing_features
+from moescope.capture.engine_contract import EngineContract, missing_features
 from moescope.capture.observer import FanOut, Observer
 from moescope.config import Config, Metrics
 from moescope.errors import BadInput
@@ -31,7 +31,7 @@ class Instrumentation:
 
     Args:
         model: a ``moescope.runtime`` ``MoETransformer``, a HuggingFace transformers MoE model, or an adapter
-            implementing the engine contract (``moescope.capture.engine_contract.Engine``: the vLLM plugin's);
+            implementing the engine contract (``moescope.capture.engine_contract.EngineContract``: the vLLM plugin's);
             ``as_engine`` picks the adapter. Every engine takes metrics, traces, your own observers and the routing
             log; the cache, canary, faults and mitigations need an engine that names them in its ``features``
             (the reference runtime).
@@ -41,7 +41,7 @@ class Instrumentation:
             ``observers``. Not together with ``config``.
     Attributes:
         metrics: the ``MetricsObserver`` (its counters are what the exporter serves).
-        adapter: the model's ``Engine`` adapter (``as_engine``).
+        adapter: the model's ``EngineContract`` adapter (``as_engine``).
         exporter: the metrics HTTP server, or None. recorder: the ``TraceRecorder``, or None.
         routing_log: the ``RoutingLog``, or None. cache: the ``ExpertCache``, or None. canary: the
         ``Canary``, or None. notices: one-line notes for the user (e.g. a router path that cannot run).
@@ -158,12 +158,12 @@ def instrument(model, config: Config | None = None, **metrics) -> Instrumentatio
     return Instrumentation(model, config, **metrics)
 
 
-def as_engine(model) -> Engine:
-    """The engine contract's adapter for ``model``, picked once (``moescope.capture.engine_contract``): an ``Engine``
-    already (the vLLM plugin's ``VLLMAdapter``, a new engine's adapter) is itself, a reference-runtime
-    ``MoETransformer`` gets ``RuntimeEngine``, anything else is taken for a HF transformers MoE model (``HFAdapter``,
-    which refuses a model it finds no MoE layer in)."""
-    if isinstance(model, Engine):
+def as_engine(model) -> EngineContract:
+    """The engine contract's adapter for ``model``, picked once (``moescope.capture.engine_contract``): an
+    ``EngineContract`` already (the vLLM plugin's ``VLLMAdapter``, a new engine's adapter) is itself, a
+    reference-runtime ``MoETransformer`` gets ``RuntimeEngine``, anything else is taken for a HF transformers MoE model
+    (``HFAdapter``, which refuses a model it finds no MoE layer in)."""
+    if isinstance(model, EngineContract):
         return model
     from moescope.runtime.model import MoETransformer  # start-up: torch (runtime.model), only when as_engine() runs
 

@@ -1,4 +1,5 @@
-"""[contract] 1: the engine contract (``moescope.capture.engine_contract.Engine``) and the three engines under it.
+"""[contract] 1: the engine contract (``moescope.capture.engine_contract.EngineContract``) and the three engines
+under it.
 
 One test body, parametrised over the reference runtime, a tiny HF transformers model (built offline from a config)
 and the vLLM adapter (driven on CPU without a server: a model whose MoE layers call their router's capture function
@@ -22,7 +23,7 @@ import torch
 
 import moescope
 from moescope.api import Instrumentation, as_engine
-from moescope.capture.engine_contract import FEATURES, Engine, ModelInfo
+from moescope.capture.engine_contract import FEATURES, EngineContract, ModelInfo
 from moescope.capture.observer import Observer
 from moescope.capture.records import StepRecord
 
@@ -31,9 +32,9 @@ from moescope.capture.records import StepRecord
 
 def _protocol_members() -> tuple[dict[str, inspect.Signature], dict[str, object]]:
     """(methods: name -> signature, data members: name -> annotation) the Protocol declares."""
-    methods = {n: inspect.signature(v) for n, v in vars(Engine).items()
+    methods = {n: inspect.signature(v) for n, v in vars(EngineContract).items()
                if inspect.isfunction(v) and not n.startswith("_")}
-    data = dict(vars(Engine).get("__annotations__", {}))
+    data = dict(vars(EngineContract).get("__annotations__", {}))
     return methods, data
 
 
@@ -70,11 +71,11 @@ def test_the_protocol_declares_what_moescope_asks():
     methods, data = _protocol_members()
     assert set(methods) == {"model_info", "attach", "detach", "setup", "placement", "cache_capacity"}
     assert set(data) == {"features", "flushes_when_idle"}
-    assert {"model_info", "attach", "detach"} <= Engine.__abstractmethods__  # what every engine must write
+    assert {"model_info", "attach", "detach"} <= EngineContract.__abstractmethods__  # what every engine must write
 
 
 def test_the_checks_can_fail():
-    """A class missing ``attach`` is not an Engine, and a wrong ``attach`` signature is reported."""
+    """A class missing ``attach`` is not an EngineContract, and a wrong ``attach`` signature is reported."""
 
     class NoAttach:
         features, flushes_when_idle = frozenset(), False
@@ -92,7 +93,7 @@ def test_the_checks_can_fail():
     class WrongAttach(NoAttach):
         def attach(self): ...
 
-    assert not isinstance(NoAttach(), Engine)
+    assert not isinstance(NoAttach(), EngineContract)
     assert _signature_problems(NoAttach) == ["no method attach"]
     assert _signature_problems(WrongAttach) == ["attach: no parameter observer"]
 
@@ -275,11 +276,11 @@ def case(request, tiny_cfg) -> Case:
 
 def test_each_engine_satisfies_the_protocol(case):
     adapter = as_engine(case.target)
-    assert isinstance(adapter, Engine)
+    assert isinstance(adapter, EngineContract)
     assert _signature_problems(type(adapter)) == []
     assert adapter.features <= FEATURES and isinstance(adapter.flushes_when_idle, bool)
     for name in ("model_info", "attach", "detach"):  # written by the engine, not left to the Protocol's stub
-        assert getattr(type(adapter), name) is not getattr(Engine, name), name
+        assert getattr(type(adapter), name) is not getattr(EngineContract, name), name
     info = adapter.model_info("named")
     assert isinstance(info, ModelInfo) and info.name == "named"
     assert info.n_experts > 0 and 0 < info.top_k <= info.n_experts and info.moe_layers
@@ -291,7 +292,7 @@ def test_each_engine_reports_steps_with_request_ids_until_detached(case):
     spy = Spy()
     try:
         with moescope.instrument(case.target, observers=[spy]) as inst:
-            assert isinstance(inst.adapter, Engine)
+            assert isinstance(inst.adapter, EngineContract)
             per_request = case.run(inst)
             case.settle()
         tokens_fed, forwards = sum(fed), len(fed)
@@ -362,7 +363,7 @@ def test_a_feature_the_engine_lacks_is_refused_before_it_is_attached(engine, tin
     with pytest.raises(BadInput, match=r"^cache, canary need the moescope reference runtime"):
         moescope.instrument(case.target, moescope.Config(cache=Cache(), canary=Canary()))
     assert (dict(case.module._forward_pre_hooks), dict(case.module._forward_hooks)) == hooks
-    if isinstance(case.target, Engine):
+    if isinstance(case.target, EngineContract):
         assert case.target.observer is None
 
 
@@ -406,7 +407,7 @@ def test_a_new_engine_is_one_class_and_instrument_takes_it_as_it_is():
                                                  tuple(segments)))
 
     toy = ToyEngine()
-    assert isinstance(toy, Engine) and as_engine(toy) is toy and _signature_problems(ToyEngine) == []
+    assert isinstance(toy, EngineContract) and as_engine(toy) is toy and _signature_problems(ToyEngine) == []
     with moescope.instrument(toy, port=0) as inst:
         assert toy.observer is inst.observer
         toy.step(0, "prefill", [("r1", 0, 7), ("r2", 0, 3)])

@@ -2,9 +2,9 @@
 
 An engine is anything that runs a Mixture-of-Experts model: the reference runtime (``moescope.runtime``), a
 HuggingFace transformers model (``moescope.hf``), a vLLM worker (``moescope.vllm``). Each is wrapped by one adapter
-that implements ``Engine``; ``moescope.api`` picks the adapter once and then talks to the contract only. A new
+that implements ``EngineContract``; ``moescope.api`` picks the adapter once and then talks to the contract only. A new
 engine (SGLang, a second vLLM runner) is one module beside ``hf/`` and ``vllm/`` with a class that subclasses
-``Engine`` (for the defaults) or matches it structurally.
+``EngineContract`` (for the defaults) or matches it structurally.
 
 This module imports no engine and no sink (the import-linter contract "the observer seam needs no engine").
 """
@@ -23,13 +23,13 @@ if TYPE_CHECKING:  # typing only: no engine, no sink, no settings at import time
     from moescope.config import Config
 
 # The parts of a ``moescope.Config`` that change what the model computes or add runtime machinery. An engine names
-# the ones it takes in ``Engine.features``; a config asking for one the engine lacks is refused (``BadInput``).
+# the ones it takes in ``EngineContract.features``; a config asking for one the engine lacks is refused (``BadInput``).
 FEATURES = frozenset({"scenarios", "mitigations", "cache", "canary"})
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The model's shape, as the statistics need it (``Engine.model_info``)."""
+    """The model's shape, as the statistics need it (``EngineContract.model_info``)."""
 
     name: str
     n_experts: int
@@ -56,8 +56,8 @@ class ModelInfo:
 
 @dataclass
 class Parts:
-    """What ``Engine.setup`` built for a config: the expert cache and the canary (or None), and one-line notes for
-    the user (e.g. a router path that cannot run)."""
+    """What ``EngineContract.setup`` built for a config: the expert cache and the canary (or None), and one-line notes
+    for the user (e.g. a router path that cannot run)."""
 
     cache: Any = None
     canary: Any = None
@@ -65,7 +65,7 @@ class Parts:
 
 
 @runtime_checkable
-class Engine(Protocol):
+class EngineContract(Protocol):
     """The contract between an inference engine and moescope.
 
     What the engine hands moescope:
@@ -104,7 +104,7 @@ class Engine(Protocol):
       the expert-parallel placement its MoE layers dispatch by (or None), and ``cache_capacity()``,
       {MoE layer: resident experts / experts} of an expert cache (or {}).
 
-    ``model_info``, ``attach`` and ``detach`` are what every engine must write; subclassing ``Engine`` gives the
+    ``model_info``, ``attach`` and ``detach`` are what every engine must write; subclassing ``EngineContract`` gives the
     rest (no features, no idle flush, no placement, no cache).
     """
 
@@ -136,11 +136,11 @@ class Engine(Protocol):
         return {}
 
 
-def missing_features(engine: Engine, config: "Config") -> list[str]:
+def missing_features(engine: EngineContract, config: "Config") -> list[str]:
     """The features ``config`` asks for that ``engine`` does not take (cache, canary, scenarios, mitigations)."""
     asked = (("cache", config.cache), ("canary", config.canary), ("scenarios", config.scenarios),
              ("mitigations", config.mitigations))
     return [name for name, on in asked if on and name not in engine.features]
 
 
-__all__ = ["FEATURES", "Engine", "ModelInfo", "Parts", "missing_features"]
+__all__ = ["FEATURES", "EngineContract", "ModelInfo", "Parts", "missing_features"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from moescope.capture.decision import RoutingDecision, entropy_margin
-from moescope.capture.engine_contract import Engine, ModelInfo
+from moescope.capture.engine_contract import EngineContract, ModelInfo
 from moescope.capture.records import StepRecord
 from moescope.errors import BadInput
 
@@ -87,12 +87,12 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     return found
 
 
-class HFAdapter(Engine):
-    """A HF MoE model under the engine contract (``moescope.capture.engine_contract.Engine``): ``attach(observer)``
-    hooks it, ``detach()`` removes every hook. Its caller drives the model forward by forward, so there is no
-    scheduler to name requests: each top-level forward is one ``StepRecord`` with no ``segments`` (each forward is
-    one sampling draw) and no ``on_request``; nothing says when it is idle (the metrics flush on read); it takes
-    none of the runtime's features."""
+class HFAdapter(EngineContract):
+    """A HF MoE model under the engine contract (``moescope.capture.engine_contract.EngineContract``):
+    ``attach(observer)`` hooks it, ``detach()`` removes every hook. Its caller drives the model forward by forward, so
+    there is no scheduler to name requests: each top-level forward is one ``StepRecord`` with no ``segments`` (each
+    forward is one sampling draw) and no ``on_request``; nothing says when it is idle (the metrics flush on read); it
+    takes none of the runtime's features."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -1,5 +1,5 @@
-"""The reference runtime as a ``moescope.capture.engine_contract.Engine``: a ``MoETransformer`` and the runtime's
-``Engine`` that serves it (``moescope.runtime.engine``).
+"""The reference runtime as a ``moescope.capture.engine_contract.EngineContract``: a ``MoETransformer`` and the
+runtime's ``Engine`` that serves it (``moescope.runtime.engine``).
 
 The model reports routing and layer times from its forward (``model.observer``); a runtime ``Engine`` serving it
 reports steps, finished requests and idleness to the same observer (it reads ``model.observer`` at every event), so
@@ -14,7 +14,7 @@ import tempfile
 from contextlib import ExitStack, contextmanager
 from typing import TYPE_CHECKING
 
-from moescope.capture.engine_contract import FEATURES, Engine, ModelInfo, Parts
+from moescope.capture.engine_contract import FEATURES, EngineContract, ModelInfo, Parts
 from moescope.capture.observer import Observer
 from moescope.runtime import faults
 from moescope.runtime.calibration import calibration_load
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from moescope.runtime.model import MoETransformer
 
 
-class RuntimeEngine(Engine):
+class RuntimeEngine(EngineContract):
     """A ``MoETransformer`` under the engine contract."""
 
     features = FEATURES

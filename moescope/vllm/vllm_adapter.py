@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moescope.capture.decision import RoutingDecision
-from moescope.capture.engine_contract import Engine, ModelInfo
+from moescope.capture.engine_contract import EngineContract, ModelInfo
 from moescope.capture.records import RequestRecord, StepRecord
 from moescope.errors import BadInput
 from moescope.vllm import capture
@@ -140,9 +140,9 @@ def attention_shape(hf_config) -> tuple[int, int]:
     return 2 * layers * kv_heads * head_dim, 4 * layers * heads * head_dim
 
 
-class VLLMAdapter(Engine):
-    """A vLLM worker's model under the engine contract (``moescope.capture.engine_contract.Engine``): reports to an
-    observer between ``attach(observer)`` and ``detach()``, at the model runner's step boundaries
+class VLLMAdapter(EngineContract):
+    """A vLLM worker's model under the engine contract (``moescope.capture.engine_contract.EngineContract``): reports to
+    an observer between ``attach(observer)`` and ``detach()``, at the model runner's step boundaries
     (``begin_step``/``end_step``), with the scheduler's request ids; no idle signal (the metrics flush on read), none
     of the runtime's features. One per worker process."""
 
