@@ -1,6 +1,6 @@
 """The routing judgement: computed once, here, for every view.
 
-``judge`` takes a window of routing (slots per layer and expert, its draws as ``sampling.Draws``, the tokens each
+``judge_window`` takes a window of routing (slots per layer and expert, its draws as ``sampling.Draws``, the tokens each
 layer routed) plus the model's shape, its noise (``sampling``) and an optional baseline, and returns one
 ``Judgement``: the quantities the exporter exports (load CV, the CV's sampling noise and the excess beyond it,
 max/mean, top share, hot factors, unexpected dead experts, drift and its noise) and the alert rules' verdicts as
@@ -258,7 +258,7 @@ def top_factors(factors: np.ndarray, k: int) -> list[list[tuple[int, float]]]:
     return out
 
 
-def judge(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, t: Thresholds = DEFAULT, *,
+def judge_window(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline=None, t: Thresholds = DEFAULT, *,
           tokens=None, family_layers: int | None = None, learned=None) -> Judgement:
     """The judged quantities of a window: ``counts`` [L, E] slots, ``draws`` its requests as ``sampling.Draws``,
     ``tokens`` [L] the tokens each layer routed (default: slots / ``top_k``, which undercounts where slots were

@@ -1,6 +1,6 @@
 """A scrape judges outside the engine's lock (issue [contract] part 3): ``MetricsObserver.layer_gauges`` (what
 ``routing_text`` serves) copies the routing window under ``MetricsObserver.lock``, which the engine's thread takes
-on every step, and runs ``judge.judge`` and the learned reference's update after releasing it. Here a judge held
+on every step, and runs ``judge.judge_window`` and the learned reference's update after releasing it. Here a judge held
 by a hook (it waits on an event) is in progress while the engine's thread steps a real model: the steps return,
 and their hooks took the lock, while the judgement is still held. The property is asserted with events; the
 one timeout is a guard that turns the old behaviour (a step blocked until the judgement ends) into a failure
@@ -32,14 +32,14 @@ def test_an_engine_step_never_waits_for_a_scrapes_judgement(tiny_cfg, monkeypatc
         assert steps_before > 0
 
         entered, release = threading.Event(), threading.Event()
-        real_judge = judge.judge
+        real_judge = judge.judge_window
 
         def held_judge(*args, **kwargs):
             entered.set()
             release.wait(GUARD_S)
             return real_judge(*args, **kwargs)
 
-        monkeypatch.setattr(judge, "judge", held_judge)
+        monkeypatch.setattr(judge, "judge_window", held_judge)
         scraped: list = []
         scrape = threading.Thread(target=lambda: scraped.append(st.layer_gauges()), daemon=True)
         scrape.start()
@@ -66,5 +66,5 @@ def test_an_engine_step_never_waits_for_a_scrapes_judgement(tiny_cfg, monkeypatc
         (g,) = scraped
         assert g.layers and np.all(g.slots.sum(1) > 0)
         # and the next scrape sees the new steps' routing: more slots than the held one judged
-        monkeypatch.setattr(judge, "judge", real_judge)
+        monkeypatch.setattr(judge, "judge_window", real_judge)
         assert st.layer_gauges().slots.sum() > g.slots.sum()

@@ -74,7 +74,7 @@ def test_every_caller_reports_the_same_max_over_mean_and_top_share_for_the_same_
     layers = [1, 2, 3, 4]
     want_mom = [naive_max_over_mean(r) for r in COUNTS.tolist()]
     # the judge: what the exporter's window exports and diagnose, report and the summary show
-    j = judge.judge(COUNTS, judge.worst_case_draws(COUNTS, 1), layers, top_k=2, tokens=TOKENS)
+    j = judge.judge_window(COUNTS, judge.worst_case_draws(COUNTS, 1), layers, top_k=2, tokens=TOKENS)
     for i, row in enumerate(COUNTS.tolist()):
         assert _same(float(j.max_over_mean[i]), want_mom[i])
         assert _same(float(j.top_share[i]), naive_top_share(row, TOKENS[i]))

@@ -2,7 +2,7 @@
 by the views' own code, fires the same alerts, case by case.
 
 Each case is per-request routing counts (the exporter's draws) and, where given, a baseline profile.
-``diagnose.judge`` turns them into the series the exporter exports (excess CV, baseline CV, hot factors,
+``diagnose.judge_counts`` turns them into the series the exporter exports (excess CV, baseline CV, hot factors,
 unexpected dead experts, drift and its noise, top share) and its verdicts; the summary judges the same counts
 (``summary.judgement``); ``moescope top``'s data layer reads the same series from a parsed exposition; and
 ``promtool test rules`` evaluates ``rules.rules_document()`` over the same series. The alert names expected from

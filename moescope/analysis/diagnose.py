@@ -178,7 +178,7 @@ def window_judgement(w: Window, baseline=None, t: Thresholds = DEFAULT, chunk: i
             rows = later
     draws = _draws_of_rows(w, rows, chunk)
     judged = w if len(rows) == len(w.ids) else _subset(w, np.asarray(rows))
-    return judge(draws.counts, draws, w.layers, w.top_k, baseline, t, tokens=_routed_tokens(judged),
+    return judge_counts(draws.counts, draws, w.layers, w.top_k, baseline, t, tokens=_routed_tokens(judged),
                  learned=learned)
 
 
@@ -189,19 +189,19 @@ def _routed_tokens(w: Window) -> np.ndarray:
     return np.full(len(w.layers), float(n))
 
 
-def judge(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: int, baseline=None,
-          t: Thresholds = DEFAULT, tokens=None, learned=None) -> Judgement:
-    """``moescope.judge.judge`` with ``baseline`` as a ``baseline.Profile``, a path or {layer: load}; ``learned``:
-    without a baseline, the reference learned from the run's first window (``learned_reference``)."""
-    return judging.judge(counts, draws, layers, top_k, bl.coerce(baseline) if baseline is not None else None, t,
-                         tokens=tokens, learned=learned)
+def judge_counts(counts: np.ndarray, draws: sampling.Draws, layers: list[int], top_k: int, baseline=None,
+                 t: Thresholds = DEFAULT, tokens=None, learned=None) -> Judgement:
+    """``moescope.judge.judge_window`` with ``baseline`` as a ``baseline.Profile``, a path or {layer: load};
+    ``learned``: without a baseline, the reference learned from the run's first window (``learned_reference``)."""
+    return judging.judge_window(counts, draws, layers, top_k, bl.coerce(baseline) if baseline is not None else None,
+                                t, tokens=tokens, learned=learned)
 
 
 def judge_requests(per_request: np.ndarray, layers: list[int], top_k: int, baseline=None,
                    t: Thresholds = DEFAULT, tokens=None, learned=None) -> Judgement:
     """``judge`` of per-request counts [R, L, E] (each request one draw, as the exporter folds them)."""
     per_request = np.asarray(per_request)
-    return judge(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t, tokens, learned)
+    return judge_counts(per_request.sum(0), draws_of(per_request), layers, top_k, baseline, t, tokens, learned)
 
 
 def learned_reference(per_request: np.ndarray, layers: list[int], top_k: int, t: Thresholds = DEFAULT,
@@ -215,7 +215,7 @@ def learned_reference(per_request: np.ndarray, layers: list[int], top_k: int, t:
 def learned_from(draws: sampling.Draws, layers: list[int], top_k: int, t: Thresholds = DEFAULT, tokens=None):
     """``learned_reference`` from the first window's draws (``sampling.Draws``: the demo's summary keeps no
     per-request counts)."""
-    j = judge(draws.counts, draws, layers, top_k, None, t, tokens)
+    j = judge_counts(draws.counts, draws, layers, top_k, None, t, tokens)
     has = (draws.draws >= sampling.MIN_DRAWS) & np.isfinite(j.excess_cv) & np.isfinite(j.top_share)
     return LearnedRows(sampling.draw_shares(draws), has, np.nan_to_num(j.excess_cv), np.nan_to_num(j.top_share))
 

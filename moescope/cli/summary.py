@@ -23,7 +23,7 @@ import numpy as np
 
 from moescope import stats
 from moescope.analysis import baseline as bl
-from moescope.analysis.diagnose import judge, judged_against
+from moescope.analysis.diagnose import judge_counts, judged_against
 from moescope.errors import BadInput
 from moescope.judge import worst_case_draws
 from moescope.thresholds import DEFAULT
@@ -35,7 +35,7 @@ def layer_summary(counts: list[int], n: int | None = None, dead: int | None = No
                   hot: list[dict] | None = None) -> dict:
     """One layer's load: CV, experts with no slot, the ``n`` hottest and coldest as (expert, share of slots)
     (``n``: as many as `moescope top` names, by the same ranking); ``dead`` (the experts judged dead; None: not
-    judged) and ``hot`` ([{expert, factor, reference}] over the hot bar) from ``judge``."""
+    judged) and ``hot`` ([{expert, factor, reference}] over the hot bar) from ``judge_counts``."""
     n = NAMED if n is None else n
     c = np.asarray(counts, dtype=np.float64)
     total = c.sum()
@@ -74,8 +74,8 @@ def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None,
     layers = list(load)
     counts = np.array([load[layer] for layer in layers], dtype=np.float64)
     how = "per request" if draws is not None else "from totals, requests as most clustered"
-    j = judge(counts, draws if draws is not None else worst_case_draws(counts, requests), layers, top_k, baseline,
-              learned=learned if baseline is None else None)
+    j = judge_counts(counts, draws if draws is not None else worst_case_draws(counts, requests), layers, top_k,
+                     baseline, learned=learned if baseline is None else None)
     per, judged = {}, {}
     for i, layer in enumerate(layers):
         ok, v = bool(j.judged[i]), j.verdict(i)

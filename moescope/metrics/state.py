@@ -14,7 +14,7 @@ each request's slots per (layer, expert); the state sums them per in-flight requ
 Updates happen on the engine thread, reads on the HTTP thread. ``lock`` guards the state both touch: the engine's
 thread takes it on every step (its hooks add counts under it), a read only to copy what it needs (the routing
 window's sums: ``RoutingWindow.snapshot``, a copy of a few [L, E] arrays). A scrape judges the copy after releasing
-it (``judge.judge``, then the learned reference's update from that judgement), under ``judge_lock``, which the
+it (``judge.judge_window``, then the learned reference's update from that judgement), under ``judge_lock``, which the
 engine never takes: a step never waits for a scrape's judgement, and two scrapes judge one after the other.
 """
 

@@ -233,8 +233,9 @@ class RoutingWindow:
         e = self.n_experts
         layers = tuple(self.layers[i] for i in keep.tolist())
         draws = self.draws.rows(keep)
-        j = judge.judge(slots, draws, layers, baseline=profile, t=t, tokens=tokens, family_layers=len(self.layers),
-                        learned=None if learned is None else learned.rows(keep, len(self.layers)))
+        j = judge.judge_window(slots, draws, layers, baseline=profile, t=t, tokens=tokens,
+                               family_layers=len(self.layers),
+                               learned=None if learned is None else learned.rows(keep, len(self.layers)))
         mean = slots.sum(1) / max(1, e)
         rel = slots / np.where(mean > 0, mean, 1.0)[:, None]
         relative = np.stack([(rel <= le).sum(1) for le in RELATIVE_LOAD_BUCKETS], axis=1) if len(keep) else \
