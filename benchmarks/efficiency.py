@@ -248,59 +248,62 @@ def vllm_section(tokens: int = 24) -> dict:
 
     if not vllm_server.vllm_available():
         return {"skipped": f"the vLLM environment {vllm_server.VLLM_PYTHON.parent.parent} is missing"}
-    tmp = Path(tempfile.mkdtemp(prefix="efficiency-vllm-"))
-    ckpt = vllm_models.build("qwen3_moe", tmp / "qwen3_moe")
-    cfg = json.loads((ckpt / "config.json").read_text())
-    port = free_port()
-    traces = tmp / "t.sqlite"
-    env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_TRACES": str(traces), "MOESCOPE_TRACE_SAMPLE": "1"}
-    server = vllm_server.VLLMServer(ckpt, free_port(), env_extra=env, name="tiny",
-                                    args=["--enable-mfu-metrics", "--no-enable-prefix-caching"])
-    server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_") or k in env}
-    load_before = os.getloadavg()
-    with server:
-        from openai import OpenAI
+    with tempfile.TemporaryDirectory(prefix="efficiency-vllm-") as scratch:  # the checkpoint, the trace store
+        tmp = Path(scratch)
+        ckpt = vllm_models.build("qwen3_moe", tmp / "qwen3_moe")
+        cfg = json.loads((ckpt / "config.json").read_text())
+        port = free_port()
+        traces = tmp / "t.sqlite"
+        env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_TRACES": str(traces), "MOESCOPE_TRACE_SAMPLE": "1"}
+        server = vllm_server.VLLMServer(ckpt, free_port(), env_extra=env, name="tiny", log_path=tmp / "vllm.log",
+                                        args=["--enable-mfu-metrics", "--no-enable-prefix-caching"])
+        server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_") or k in env}
+        load_before = os.getloadavg()
+        with server:
+            from openai import OpenAI
 
-        client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
-        prompts = [" ".join(vllm_models.HELD_OUT.split()[i * 7:i * 7 + 12]) for i in range(max(VLLM_BATCHES))]
-        n_req = 0
-        for b in VLLM_BATCHES:
-            with ThreadPoolExecutor(b) as pool:
-                list(pool.map(lambda i: client.completions.create(
-                    model=server.name, prompt=prompts[i], max_tokens=tokens, temperature=1.0, seed=i,
-                    extra_body={"ignore_eos": True}), range(b)))
-            n_req += b
+            client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300)
+            prompts = [" ".join(vllm_models.HELD_OUT.split()[i * 7:i * 7 + 12]) for i in range(max(VLLM_BATCHES))]
+            n_req = 0
+            for b in VLLM_BATCHES:
+                with ThreadPoolExecutor(b) as pool:
+                    list(pool.map(lambda i: client.completions.create(
+                        model=server.name, prompt=prompts[i], max_tokens=tokens, temperature=1.0, seed=i,
+                        extra_body={"ignore_eos": True}), range(b)))
+                n_req += b
 
-        def scrape():
-            return parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+            def scrape():
+                return parse(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
 
-        def total(p, name):
-            return sum(v for (n, _), v in p.items() if n == name)
+            def total(p, name):
+                return sum(v for (n, _), v in p.items() if n == name)
 
-        # every request counted (on arrival) and every step summarised (the probe's next flush, its own thread)
-        deadline = time.monotonic() + 60
-        while True:
-            ours = scrape()
-            if total(ours, "moescope_requests_total") >= n_req and total(
-                    ours, "moescope_step_experts_touched_ratio_count") == total(ours, "moescope_steps_total"):
-                break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the exporter did not summarise every request and step within 60 s")
-            time.sleep(0.5)
-        theirs = parse(urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode())
-        fields = vllm_ffn_fields(server.log_path.read_text(errors="replace"))
-        time.sleep(2)  # the trace writer commits every half second
-    # the trace store: every step's rows and distinct experts per layer
-    touched: dict[tuple[int, int], set] = collections.defaultdict(set)
-    steps: dict[int, list] = {}
-    layers: set[int] = set()
-    for r in store.iter_routed(store.open_store(traces)):
-        layers.update(r.layers)
-        for row in range(r.n_routed):
-            st = r.steps[r.step_of[row]]
-            steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
-            for j, layer in enumerate(r.layers):
-                touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
+            # every request counted (on arrival) and every step summarised (the probe's next flush, its own thread)
+            deadline = time.monotonic() + 60
+            while True:
+                ours = scrape()
+                if total(ours, "moescope_requests_total") >= n_req and total(
+                        ours, "moescope_step_experts_touched_ratio_count") == total(ours, "moescope_steps_total"):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the exporter did not summarise every request and step within 60 s")
+                time.sleep(0.5)
+            theirs = parse(urllib.request.urlopen(server.url + "/metrics", timeout=10).read().decode())
+            fields = vllm_ffn_fields(server.log_path.read_text(errors="replace"))
+            time.sleep(2)  # the trace writer commits every half second
+        # the trace store: every step's rows and distinct experts per layer
+        touched: dict[tuple[int, int], set] = collections.defaultdict(set)
+        steps: dict[int, list] = {}
+        layers: set[int] = set()
+        conn = store.open_store(traces)
+        for r in store.iter_routed(conn):
+            layers.update(r.layers)
+            for row in range(r.n_routed):
+                st = r.steps[r.step_of[row]]
+                steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
+                for j, layer in enumerate(r.layers):
+                    touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
+        conn.close()
     exported = sum_by_label(ours, "moescope_expert_distinct_total", "layer")
     recomputed = {str(la): float(sum(len(v) for (_, lay), v in touched.items() if lay == la)) for la in layers}
     e, k, n_l = (cfg.get("num_experts") or cfg["num_local_experts"]), cfg["num_experts_per_tok"], len(layers)
