@@ -105,6 +105,15 @@ SETTLE_S = 5
 LEARN_WINDOW_S = 20
 FAULT_AFTER_S = 60
 LEARNED_WATCH_S = FAULT_AFTER_S + 60
+
+
+def learned_timing(window_s: float) -> tuple[float, float]:
+    """(fault after, watch) for a ``--learn-window`` of ``window_s``: the reference is learned a window after the
+    first scrape, so the switch moves with the window (the same margin as at LEARN_WINDOW_S), and the watch runs
+    three windows past it (at 20 s: a minute), time for a window of the fault's requests, the alert's scaled
+    ``for`` and its delivery."""
+    fault_after = FAULT_AFTER_S + (window_s - LEARN_WINDOW_S)
+    return fault_after, fault_after + 3 * window_s
 # (rate: the quick run's five demos start at once beside the rest of CI's suite: at 4 requests/s each asks for ~0.4
 # of a core, as the detection matrix's tiny rows, tests/test_detection_matrix.py TINY_RATE)
 QUICK = {"shapes": ["tiny-demo"], "healthy_s": 30, "watch_s": 30, "baseline": False, "rate": 4.0,
@@ -285,7 +294,7 @@ def _matcher(fault: str, layer: int):
 
 
 def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: float, chain: bool,
-          traffic: str = "broad", hot_reference: str = "fair") -> dict:
+          traffic: str = "broad", hot_reference: str = "fair", learn_window_s: float = LEARN_WINDOW_S) -> dict:
     """One fault's magnitudes, largest first; with ``chain``, stop after the first one not detected.
     ``hot_reference`` (hot only): fair (the fault on from the start, judged against 1/E) or learned (the default
     reference; the fault switched on mid-run, FAULT_AFTER_S). ``traffic``: broad or narrow (hot only)."""
@@ -307,12 +316,13 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
         base = out / shape / (scenario.replace("=", "-").replace(":", "_") + tag)
         hot = fault == "hot"
         if learned:
-            row = run_one(base, shape, scenario, LEARNED_WATCH_S, matches=_matcher(fault, layer),
-                          window_s=LEARN_WINDOW_S, demo_args=["--fault-after", f"{FAULT_AFTER_S:g}", *narrow])
-            row.update(fault_after_s=FAULT_AFTER_S, traffic=traffic)
+            fault_after, learned_watch = learned_timing(learn_window_s)
+            row = run_one(base, shape, scenario, learned_watch, matches=_matcher(fault, layer),
+                          window_s=learn_window_s, demo_args=["--fault-after", f"{fault_after:g}", *narrow])
+            row.update(fault_after_s=fault_after, traffic=traffic)
             if row.get("detected"):  # the watch starts WARMUP_S (+ Prometheus' start) after instrumenting
                 row["seconds_after_fault_at_least"] = round(row["seconds_to_detect"] + pipeline.WARMUP_S
-                                                            - FAULT_AFTER_S, 1)
+                                                            - fault_after, 1)
         else:
             # The fault is on from the first request: judged against the fair share (the default reference is
             # learned from the first window, fault included)
@@ -323,7 +333,7 @@ def sweep(out: Path, shape: str, fault: str, magnitudes: list[float], watch_s: f
         row["magnitude"] = m
         if hot:
             row["hot_reference"] = hot_reference
-        row.update(store_figures(base / "traces.sqlite", fault, layer, FAULT_AFTER_S if learned else None))
+        row.update(store_figures(base / "traces.sqlite", fault, layer, row.get("fault_after_s") if learned else None))
         row["others_delivered"] = [d for d in row.get("delivered", []) if not d.startswith(EXPECTED[fault])]
         # Paged at all: the expected alert, or a routing alert that inhibits it (a strong imbalance or hot
         # expert on a small model is a collapse: MoEExpertCollapse pages and holds the imbalance alert back).
@@ -371,6 +381,11 @@ def main() -> None:
     ap.add_argument("--hot-reference", default="fair", choices=("fair", "learned"),
                     help="the hot sweep: fair (the fault on from the start, judged against 1/E: --hot-reference "
                          "fair) or learned (the default reference; the fault switched on mid-run)")
+    ap.add_argument("--magnitudes", default=None, help="comma-separated magnitudes for every fault asked, largest "
+                                                        "first (default: each fault's SWEEP)")
+    ap.add_argument("--learn-window", type=float, default=LEARN_WINDOW_S,
+                    help="--hot-reference learned: the exporter's window in the hot runs, from which the reference "
+                         "is learned and the fault judged (the switch and the watch move with it: learned_timing)")
     ap.add_argument("--work", default=None, help="directory for the runs' files (default: a temporary one)")
     ap.add_argument("--markdown", metavar="RESULTS", default=None,
                     help="print the docs' tables from a results file and exit (no run)")
@@ -397,12 +412,21 @@ def _run(args, work: Path) -> None:
             SHAPES[s] = {**SHAPES[s], "rate": QUICK["rate"]}
     else:
         shapes, healthy_s, baseline, chain = args.shapes.split(","), args.healthy_s, True, True
-        sweeps = {f: SWEEP[f] for f in args.faults.split(",") if f}
+        sweeps = {f: SWEEP.get(f, []) for f in args.faults.split(",") if f}
+        if args.magnitudes:
+            try:
+                sweeps = {f: [float(m) for m in args.magnitudes.split(",")] for f in sweeps}
+            except ValueError:
+                print(f"--magnitudes must be numbers, got {args.magnitudes!r}", file=sys.stderr)
+                sys.exit(2)
     traffics = ["broad"] if args.quick else args.traffic.split(",")
     unknown = [s for s in shapes if s not in SHAPES] + [f for f in sweeps if f not in SWEEP] + \
         [t for t in traffics if t not in ("broad", "narrow")]
     if unknown:
         print(f"unknown shape(s)/fault(s): {', '.join(unknown)}", file=sys.stderr)
+        sys.exit(2)
+    if not args.learn_window > 0:
+        print(f"--learn-window must be > 0 seconds, got {args.learn_window:g}", file=sys.stderr)
         sys.exit(2)
     t0 = time.time()
     # the code measured is the code at the start (the runs take half an hour: a commit meanwhile is not it)
@@ -429,7 +453,8 @@ def _run(args, work: Path) -> None:
             for f in healthy_futures:
                 f.result()
             print(f"healthy done at {time.time() - t0:.0f} s", flush=True)
-        sweep_futures = [submit(sweep, work, s, f, sweeps[f], watch[s], chain, t, args.hot_reference)
+        sweep_futures = [submit(sweep, work, s, f, sweeps[f], watch[s], chain, t, args.hot_reference,
+                                args.learn_window)
                          for s, f, t in jobs]
         healthy_rows = dict(zip(healthy_jobs, (f.result() for f in healthy_futures)))
         swept = [f.result() for f in sweep_futures]
@@ -445,7 +470,8 @@ def _run(args, work: Path) -> None:
         "how": "moescope demo (renamed preset) -> exporter -> Prometheus (generated rules, for / 30, memory window "
                "x3) -> Alertmanager (repo routing) -> webhook; times from Prometheus' first scrape (12 s after the "
                "exporter answers)",
-        "healthy_s": healthy_s, "hot_reference": args.hot_reference, "parallel_demos": parallel,
+        "healthy_s": healthy_s, "hot_reference": args.hot_reference, "learn_window_s": args.learn_window,
+        "parallel_demos": parallel,
         "chain_stops_at_first_miss": chain,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "note": "shared 2-core VM: other test runs share the cores"},
