@@ -9,7 +9,9 @@ so that both cli/demo.py (one process) and demo_parallel (the launcher, from eve
 without demo_parallel importing cli/demo.py back.
 
 Imbalance, hot and dead experts are judged as the alert rules judge them: ``moescope.judge`` (the exporter's
-``sampling`` functions and the ``Thresholds`` methods). The run's draws are its requests: given per request
+``sampling`` functions and the ``Thresholds`` methods), against the reference the alerts judge against (the loaded
+baseline, else the exporter's learned reference, ``learned_rows``; the fair share only with ``--hot-reference
+fair``). The run's draws are its requests: given per request
 (``draws``, a ``sampling.Draws``) they are used as they are; from totals alone the summary judges with the
 most clustered draws the totals allow (``judge.worst_case_draws``: as if each request routed all its slots
 alike), which can only hold a judgement back, and says so. An expert with no slot is "dead" only where its
