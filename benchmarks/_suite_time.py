@@ -10,8 +10,9 @@ environments, lint, docs) is the total less the passes. ``--log CI_LOG --total S
 ``--markdown RESULTS`` prints the table docs/design.md holds (benchmarks/_doc_tables.py).
 
 Not a benchmark of moescope: the figure is CI's cost, which the project keeps under 35 minutes (CI's limit is 90).
-The machine matters (an AVX2 EPYC took 1999 s where an AVX-512 Xeon took 1409 s for the same suite), so the file
-records it, and the load average before the run (another process beside it is not a result).
+The machine matters (the same suite's time differed by a third between the AVX2 EPYC and AVX-512 Xeon machines of
+earlier sessions), so the file records it, and the load average before the run (another process beside it is not a
+result).
 """
 
 from __future__ import annotations
