@@ -42,6 +42,16 @@ from moescope.runtime.engine import Engine
 SHAPES = ("tiny-demo", "deepseek-v3-shape")
 
 
+def _serve(model, batch: int, n_requests: int, tokens: int) -> None:
+    """``n_requests`` of the demo's traffic (four domains, varied prompts: a batch of one prompt repeated would share
+    experts), ``tokens`` each, through the reference runtime ``batch`` at a time, to the end."""
+    engine = Engine(model, max_batch=batch)
+    for r in traffic.generate(traffic.TrafficConfig(seed=batch), n_requests):
+        engine.submit(r.prompt, max_new_tokens=tokens, ignore_eos=True)
+    while engine.has_work:
+        engine.step()
+
+
 def measure(model, batch: int, tokens: int) -> dict:
     cfg = model.cfg
     seen = []
@@ -56,12 +66,7 @@ def measure(model, batch: int, tokens: int) -> dict:
             spent[0] += time.perf_counter() - t0
 
         st.probe.flush = timed
-        engine = Engine(model, max_batch=batch)
-        # the demo's traffic (four domains, varied prompts): a batch of one prompt repeated would share experts
-        for r in traffic.generate(traffic.TrafficConfig(seed=batch), batch):
-            engine.submit(r.prompt, max_new_tokens=tokens, ignore_eos=True)
-        while engine.has_work:
-            engine.step()
+        _serve(model, batch, batch, tokens)
         st.flush()
     probe.flush(final=True)
     per_layer = []
@@ -161,11 +166,7 @@ def cost_round(model, batch: int, n_requests: int, tokens: int, repeats: int) ->
             return fold(s)
 
         st.probe._host, st._experts = keep_host, keep_fold  # instance attributes: what the probe and metrics call
-        engine = Engine(model, max_batch=batch)
-        for r in traffic.generate(traffic.TrafficConfig(seed=batch), n_requests):
-            engine.submit(r.prompt, max_new_tokens=tokens, ignore_eos=True)
-        while engine.has_work:
-            engine.step()
+        _serve(model, batch, n_requests, tokens)
         st.flush()
         step_s = sum(h._sum.get() for (name, _), h in st._children.items() if name == "moescope_step_seconds")
         n_steps = sum(sum(b.get() for b in h._buckets) for (name, _), h in st._children.items()
@@ -229,7 +230,6 @@ def vllm_section(tokens: int = 24) -> dict:
     k, E)`` experts per layer); the exporter's per-layer counters checked equal to the store's recomputation; the
     plugin's own time on vLLM's step path (``moescope_capture_seconds_total``) over ``moescope_step_seconds_sum``,
     and vLLM's whole estimated read bytes beside moescope's measured weight + KV bytes."""
-    import collections
     import os
     import sys
     import tempfile
@@ -242,9 +242,8 @@ def vllm_section(tokens: int = 24) -> dict:
     import vllm_server
     from _ports import free_port
     from metrics_util import parse, sum_by_label
-    from vllm_estimate import vllm_ffn_fields, vllm_routed_bytes
+    from vllm_estimate import touched_from_store, vllm_ffn_fields, vllm_routed_bytes
 
-    from moescope.traces import store
 
     if not vllm_server.vllm_available():
         return {"skipped": f"the vLLM environment {vllm_server.VLLM_PYTHON.parent.parent} is missing"}
@@ -292,18 +291,7 @@ def vllm_section(tokens: int = 24) -> dict:
             fields = vllm_ffn_fields(server.log_path.read_text(errors="replace"))
             time.sleep(2)  # the trace writer commits every half second
         # the trace store: every step's rows and distinct experts per layer
-        touched: dict[tuple[int, int], set] = collections.defaultdict(set)
-        steps: dict[int, list] = {}
-        layers: set[int] = set()
-        conn = store.open_store(traces)
-        for r in store.iter_routed(conn):
-            layers.update(r.layers)
-            for row in range(r.n_routed):
-                st = r.steps[r.step_of[row]]
-                steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
-                for j, layer in enumerate(r.layers):
-                    touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
-        conn.close()
+        touched, steps, layers, _ = touched_from_store(traces)
     exported = sum_by_label(ours, "moescope_expert_distinct_total", "layer")
     recomputed = {str(la): float(sum(len(v) for (_, lay), v in touched.items() if lay == la)) for la in layers}
     e, k, n_l = (cfg.get("num_experts") or cfg["num_local_experts"]), cfg["num_experts_per_tok"], len(layers)

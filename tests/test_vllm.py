@@ -27,7 +27,7 @@ from reference import vllm_overhead_mismatches
 from moescope import prom_http
 from servers import free_port
 from conftest import in_ci
-from vllm_estimate import vllm_ffn_fields, vllm_routed_bytes
+from vllm_estimate import touched_from_store, vllm_ffn_fields, vllm_routed_bytes
 from vllm_server import log_text, serve, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
@@ -372,24 +372,10 @@ def _check_experts_touched(model_dir: Path, store_path: Path, parsed: dict, vllm
 
     import numpy as np
 
-    from moescope.traces import store
 
     cfg = json.loads((model_dir / "config.json").read_text())
     e, k = (cfg.get("num_experts") or cfg["num_local_experts"]), cfg["num_experts_per_tok"]
-    touched: dict[tuple[int, int], set] = collections.defaultdict(set)
-    steps: dict[int, list] = {}  # step index -> [phase, rows]
-    layers: set[int] = set()
-    seen = set()
-    for r in store.iter_routed(store.open_store(store_path)):
-        if r.request_id not in burst:
-            continue
-        seen.add(r.request_id)
-        layers.update(r.layers)
-        for row in range(r.n_routed):
-            st = r.steps[r.step_of[row]]
-            steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
-            for j, layer in enumerate(r.layers):
-                touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
+    touched, steps, layers, seen = touched_from_store(store_path, burst)  # steps: index -> [phase, rows]
     assert seen == burst and len(layers) == cfg["num_hidden_layers"]
     per_step = collections.Counter()
     for (idx, _), v in touched.items():

@@ -10,9 +10,13 @@ the server's engine parsed from the model's config (its log line "Instantiated C
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import subprocess
+from pathlib import Path
+
+from moescope.traces import store
 
 # The routed-weights part of vLLM's estimate, by vLLM's code (vllm.v1.metrics.perf.FfnMetrics,
 # what `--enable-mfu-metrics` sums into vllm:estimated_read_bytes_per_gpu_total) for each step's token count, in the
@@ -47,3 +51,28 @@ def vllm_routed_bytes(fields: dict, tokens: list[int]) -> list[int]:
     run = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_FFN], input=json.dumps([fields, tokens]), capture_output=True,
                          text=True, timeout=300, check=True)
     return json.loads(run.stdout.splitlines()[-1])
+
+
+def touched_from_store(store_path: Path, only: set | None = None) -> tuple[dict, dict, set, set]:
+    """The reference both read from a trace store (not the exporter's code): every stored token's experts grouped
+    by the engine step that routed it (the step index the store keeps per row). Returns ({(step, layer): experts},
+    {step: [phase, rows]}, the MoE layers, the request ids read); ``only``: those requests alone."""
+    touched: dict[tuple[int, int], set] = collections.defaultdict(set)
+    steps: dict[int, list] = {}
+    layers: set[int] = set()
+    seen: set[str] = set()
+    conn = store.open_store(store_path)
+    try:
+        for r in store.iter_routed(conn):
+            if only is not None and r.request_id not in only:
+                continue
+            seen.add(r.request_id)
+            layers.update(r.layers)
+            for row in range(r.n_routed):
+                st = r.steps[r.step_of[row]]
+                steps.setdefault(st["index"], [st["phase"], 0])[1] += 1
+                for j, layer in enumerate(r.layers):
+                    touched[(st["index"], layer)] |= {int(x) for x in r.ids[row, j] if x != r.n_experts}
+    finally:
+        conn.close()
+    return touched, steps, layers, seen

@@ -6,8 +6,8 @@ import json
 
 import click
 
-from moescope.config import DEFAULT_WINDOW_S
-from moescope.cli.options import echo, emit_json, json_option, model_option, read_store, since_option, traces_option
+from moescope.cli.options import (echo, emit_json, json_option, model_option, read_store, reference_options,
+                                  since_option, traces_option)
 from moescope.errors import CheckFailed
 
 MARK = {"critical": "CRIT", "warning": "WARN", "info": "ok  "}
@@ -29,18 +29,9 @@ def _brief(evidence: dict) -> str:
 @model_option
 @click.option("--limit", type=click.IntRange(min=1), default=5000, show_default=True,
               help="Most recent requests read.")
-@click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
-              help="Judge against this baseline profile (`moescope baseline save`): the imbalance bar from its "
-              "structural CV, hot and dead experts against its shares, drift against its load (else: the "
-              "no-baseline bar, the fair share, and the window's earlier half).")
-@click.option("--hot-reference", "hot_reference", type=click.Choice(["learned", "fair"]), default="learned",
-              show_default=True,
-              help="Without --baseline, what routing is judged against, as the exporter's option: learned (the "
-              "run's first --learn-window seconds of requests, the later ones judged against it: a finding means the "
-              "routing changed) or fair (uniform routing: the absolute bars).")
-@click.option("--learn-window", "learn_window_s", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_WINDOW_S,
-              show_default=True, help="Seconds of the run's first requests the learned reference comes from (the "
-              "exporter's --metrics-window).")
+@reference_options("Judge against this baseline profile (`moescope baseline save`): the imbalance bar from its "
+                   "structural CV, hot and dead experts against its shares, drift against its load (else: the "
+                   "no-baseline bar, the fair share, and the window's earlier half).")
 @click.option("--prometheus", default=None, help="Prometheus URL: add its firing moescope alerts as evidence.")
 @click.option("--run", "run", default=None, metavar="ID|all",
               help="Which writer run to judge (each process that wrote the store is one run; a store often holds "

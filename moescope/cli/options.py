@@ -50,6 +50,33 @@ def traces_option(*, allow_none: bool = False, help: str = "Trace store (SQLite)
                         show_envvar=True, help=help + suffix)
 
 
+def reference_options(baseline_help: str):
+    """What a store's routing is judged against, as the exporter judges it (``diagnose`` and ``report``):
+    ``--baseline PATH`` into ``baseline_path`` (``baseline_help`` says how), else ``--hot-reference`` learned (the
+    run's first ``--learn-window`` seconds of requests, the later ones judged against it: a finding means the
+    routing changed) or fair (uniform routing: the absolute bars)."""
+    from moescope.config import DEFAULT_WINDOW_S  # start-up: moescope.config is loaded only by the commands using it
+
+    def apply(f):
+        for option in reversed((
+                click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
+                             help=baseline_help),
+                click.option("--hot-reference", "hot_reference", type=click.Choice(["learned", "fair"]),
+                             default="learned", show_default=True,
+                             help="Without --baseline, what routing is judged against, as the exporter's option: "
+                             "learned (the run's first --learn-window seconds of requests, the later ones judged "
+                             "against it: a finding means the routing changed) or fair (uniform routing: the "
+                             "absolute bars)."),
+                click.option("--learn-window", "learn_window_s", type=click.FloatRange(min=0, min_open=True),
+                             default=DEFAULT_WINDOW_S, show_default=True,
+                             help="Seconds of the run's first requests the learned reference comes from (the "
+                             "exporter's --metrics-window)."))):
+            f = option(f)
+        return f
+
+    return apply
+
+
 def import_option(use: str):
     """``--import PATH`` into ``import_path``: a peer's expert-load dump (an SGLang expert-distribution dump, .pt,
     or a Megatron-style tokens-per-expert JSONL); ``use`` says what the command does with it."""

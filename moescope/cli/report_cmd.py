@@ -7,9 +7,8 @@ from pathlib import Path
 import click
 
 from moescope.cli.layer_select import layers_option
-from moescope.config import DEFAULT_WINDOW_S
 from moescope.cli.options import (echo, emit_json, import_option, json_option, model_option, no_model_with,
-                                  since_option, traces_option)
+                                  reference_options, since_option, traces_option)
 
 
 @click.command("report")
@@ -20,17 +19,8 @@ from moescope.cli.options import (echo, emit_json, import_option, json_option, m
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="moescope-report", show_default=True)
 @layers_option("Also draw per-layer figures (expert x step, expert x domain) for these layers: 'all' or ids and "
                "ranges, e.g. 3,17,40-45. The overview figure always has every layer.")
-@click.option("--baseline", "baseline_path", type=click.Path(dir_okay=False), default=None,
-              help="Judge the store's routing against this baseline profile (`moescope baseline save`), as "
-              "`moescope diagnose --baseline`.")
-@click.option("--hot-reference", "hot_reference", type=click.Choice(["learned", "fair"]), default="learned",
-              show_default=True,
-              help="Without --baseline, what the store's routing is judged against, as `moescope diagnose` and the "
-              "exporter: learned (the first --learn-window seconds of requests; the later ones judged against it) "
-              "or fair (uniform routing: the absolute bars).")
-@click.option("--learn-window", "learn_window_s", type=click.FloatRange(min=0, min_open=True), default=DEFAULT_WINDOW_S,
-              show_default=True, help="Seconds of the first requests the learned reference comes from (the "
-              "exporter's --metrics-window).")
+@reference_options("Judge the store's routing against this baseline profile (`moescope baseline save`), as "
+                   "`moescope diagnose --baseline`.")
 @click.option("--prometheus", default=None, help="Prometheus URL: its S-MBU and S-MFU say whether bandwidth binds "
               "(the expert-spread finding's severity, as `moescope diagnose --prometheus`).")
 @json_option
