@@ -290,7 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, env in envs.items():
             server = VLLMServer(model_dir, free_port(), env_extra=env, name="tiny-qwen", timeout=900,
                                 args=["--enforce-eager" if args.quick else "--no-enforce-eager",
-                                      "--no-enable-prefix-caching"], log_path=tmp / f"{name}.log")
+                                      "--no-enable-prefix-caching",
+                                      # a clean shutdown: the workers' exit handlers run, the trace writer commits
+                                      # its last interval (vLLM's default 0 kills them: that interval is lost)
+                                      "--shutdown-timeout", "5"], log_path=tmp / f"{name}.log")
             server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_")}
             server.env.update(env)
             servers[name] = server

@@ -100,3 +100,29 @@ def test_the_attention_shape_of_a_config_is_what_a_step_reads_and_computes():
     assert attention_shape(mha) == (3 * 2 * 4 * 64, 3 * 4 * 4 * 64)
     mla = SimpleNamespace(num_hidden_layers=61, num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64)
     assert attention_shape(mla) == (61 * (512 + 64), 0)
+
+
+def _child(register, path):
+    register(lambda: open(path, "a").write("closed\n"))
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_a_worker_leaving_cleanly_closes_under_either_start_method(tmp_path, method):
+    """vLLM's workers are multiprocessing children (spawned on the CPU build, forked by default elsewhere). A forked
+    child leaves through os._exit, past atexit: plugin.on_exit must still close, once. The negative control shows the
+    trap it avoids: atexit alone does not run in a forked child."""
+    import atexit
+    import multiprocessing
+
+    ctx = multiprocessing.get_context(method)
+    done = tmp_path / "closed"
+    p = ctx.Process(target=_child, args=(plugin.on_exit, str(done)))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0 and done.read_text() == "closed\n"  # once, though registered twice
+    if method == "fork":
+        control = tmp_path / "atexit-only"
+        p = ctx.Process(target=_child, args=(atexit.register, str(control)))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0 and not control.exists()

@@ -65,6 +65,18 @@ def vllm_available() -> bool:
     return VLLM_PYTHON.exists()
 
 
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` still runs (zombies waiting to be reaped do not count)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
 class VLLMServer:
     def __init__(self, model_dir: str | os.PathLike, port: int, env_extra: dict[str, str] | None = None,
                  args: list[str] | None = None, *, name: str | None = None, host: str = "127.0.0.1",
@@ -135,7 +147,13 @@ class VLLMServer:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        try:  # stragglers of the group (workers) after the leader exited
+        # The leader (API server) can exit before its engine core and workers finish their own shutdown (vLLM's
+        # worker exits after it sees its parent go, then runs its exit handlers: moescope's trace writer commits
+        # there). Give the rest of the group the grace to leave, then kill what is left.
+        deadline = time.monotonic() + grace
+        while _group_alive(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass

@@ -10,6 +10,7 @@ on the step path is counted (``errors``), logged once, and never raised into vLL
 from __future__ import annotations
 
 import atexit
+import multiprocessing.util
 import logging
 import os
 import threading
@@ -307,6 +308,22 @@ def _served_name(vllm_config) -> str | None:
     return name or getattr(vllm_config.model_config, "model", None)
 
 
+def on_exit(close) -> None:
+    """Runs ``close`` when this process leaves cleanly. vLLM's workers are multiprocessing children: spawned ones
+    (the CPU build, CUDA once initialised) run atexit handlers, forked ones (vLLM's default start method elsewhere)
+    leave through ``os._exit`` and run only multiprocessing's exit finalizers. Both are registered; ``close`` runs
+    once. A kill (vLLM's default ``--shutdown-timeout 0`` ends its workers so) runs neither: the trace writer's last
+    flush interval is lost, as in any crash."""
+    pending = [close]
+
+    def once() -> None:
+        while pending:
+            pending.pop()()
+
+    atexit.register(once)
+    multiprocessing.util.Finalize(None, once, exitpriority=100)
+
+
 def _start(runner):
     """Attach to a runner's model: one log line either way."""
     try:
@@ -333,7 +350,7 @@ def _start(runner):
         log.warning("moescope: off in this worker: %s", _one_line(e))
         return None
     worker = Worker(adapter, inst)
-    atexit.register(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
+    on_exit(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
     # vLLM's step carries none of moescope's summarising: the routing probe summarises on its own thread (and an
     # idle server's last steps too: vLLM never reports going idle)
     inst.metrics.probe.summarise_in_background()
