@@ -50,12 +50,15 @@ def overhead(d: dict, section: str | None) -> list[str]:
              f"metrics + traces <= {OVERHEAD_GOALS['metrics+traces']}x, judged by benchmarks/_verdict.py (met only "
              "where the upper quartile of the per-round ratios is within the goal):", "",
              "| workload | concurrent requests | requests | bare serving s | metrics ratio | metrics + traces ratio | "
-             "traces hook share of a step | metrics goal | metrics + traces goal |",
-             "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             "traces hook share of a step | GC share (bare / metrics / + traces) | metrics goal | "
+             "metrics + traces goal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for w in d["workloads"]:
         m, t = w["metrics"], w["metrics+traces"]
+        gc = (f"{w['bare_gc_share']:.2%} / {m['gc_share']:.2%} / {t['gc_share']:.2%}" if "gc_share" in m
+              else "not measured")
         lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} | {w['bare_s']:.2f} | {m['ratio']:.3f}x | "
-                     f"{t['ratio']:.3f}x | {t['hook_share_of_step']:.2%} | {_overhead_verdict(w, 'metrics')} | "
+                     f"{t['ratio']:.3f}x | {t['hook_share_of_step']:.2%} | {gc} | {_overhead_verdict(w, 'metrics')} | "
                      f"{_overhead_verdict(w, 'metrics+traces')} |")
     return lines
 

@@ -11,7 +11,12 @@ Two measures, both printed:
   thread works while the engine serves, so its competition for the cores and the GIL is in this figure; its
   drain after the run is reported apart (``drain_s``), and so are the requests it stored and any it dropped.
 - hook share: the engine thread's own time in the hooks of one step (every ``on_routing`` and
-  ``on_layer_time`` of a forward, then ``on_step``), replayed in a tight loop, as a share of the bare step.
+  ``on_layer_time`` of a forward, then ``on_step``), replayed in a tight loop, as a share of the bare step. It
+  leaves out the routing probe's summary, which runs on the engine thread once per interval (0.25 s).
+- GC share: the time Python's cyclic garbage collector ran while the engine served (``gc.callbacks``), as a
+  share of the serving time. The routing probe holds each step's decisions (tensors: GC-tracked objects) until
+  its summary; held across collections, they are promoted to the oldest generation, whose collections walk
+  every object of the process (torch's included: tens of ms each). The bare engine frees its decisions at once.
 
 Workloads: tiny-demo at 1 and 16 concurrent requests (16 = 16 tokens per decode step), and
 deepseek-v3-shape at 16 (58 MoE layers x 256 experts; ``--quick`` skips it).
@@ -21,6 +26,7 @@ deepseek-v3-shape at 16 (58 MoE layers x 256 experts; ``--quick`` skips it).
 
 from __future__ import annotations
 
+import gc
 import statistics
 import sys
 import tempfile
@@ -64,16 +70,30 @@ def _serve(model, reqs, variant: str, store: Path, max_batch: int) -> dict:
         observers.append(recorder)
     inst = moescope.instrument(model, observers=observers) if variant != "bare" else None
     engine = Engine(model, max_batch=max_batch)
+    collected = {"s": 0.0, "full": 0, "start": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            collected["start"] = time.perf_counter()
+        else:
+            collected["s"] += time.perf_counter() - collected["start"]
+            collected["full"] += info["generation"] == 2
+
+    gc.callbacks.append(on_gc)
     t, cpu = time.perf_counter(), time.process_time()
-    records = engine.run(reqs, realtime=False)
-    seconds = time.perf_counter() - t
+    try:
+        records = engine.run(reqs, realtime=False)
+    finally:
+        seconds = time.perf_counter() - t
+        gc.callbacks.remove(on_gc)
     t = time.perf_counter()
     if inst is not None:
         inst.close()  # the writer drains its queue and commits here
     drain = time.perf_counter() - t
     cpu = time.process_time() - cpu  # every thread of the process, the drain included
     model.observer = NOOP
-    out = {"seconds": seconds, "cpu_s": cpu, "tokens": sum(r.n_output for r in records), "drain_s": drain}
+    out = {"seconds": seconds, "cpu_s": cpu, "tokens": sum(r.n_output for r in records), "drain_s": drain,
+           "gc_s": collected["s"], "gc_full": collected["full"]}
     if recorder is not None:
         out.update(stored=recorder.written, dropped=recorder.dropped, errors=recorder.errors)
     return out
@@ -119,7 +139,8 @@ def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: in
     tokens = extra["bare"][0]["tokens"]
     step_s = bare / max(1, tokens / concurrency)  # a decode step's time, roughly
     row = {"model": name, "concurrency": concurrency, "requests": n_requests, "output_tokens": tokens,
-           "rounds": rounds, "bare_s": bare}
+           "rounds": rounds, "bare_s": bare,
+           "bare_gc_share": sum(e["gc_s"] for e in extra["bare"]) / sum(times["bare"])}
     for v in VARIANTS[1:]:
         med = statistics.median(times[v])
         hook = statistics.median(_hook_cost(model, v, tmp / f"hook-{name}-{v}.sqlite", concurrency) for _ in range(3))
@@ -128,7 +149,10 @@ def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: in
         row[v] = {"serving_s": med, "ratio": statistics.median(paired), "ratios": paired,
                   "ratio_of_medians": med / bare, "cpu_ratio": statistics.median(cpu),
                   "hook_s": hook, "hook_share_of_step": hook / step_s,
-                  "drain_s": statistics.median(e["drain_s"] for e in extra[v])}
+                  "drain_s": statistics.median(e["drain_s"] for e in extra[v]),
+                  # over all rounds: full collections are rare events (one every few rounds), a median hides them
+                  "gc_share": sum(e["gc_s"] for e in extra[v]) / sum(times[v]),
+                  "gc_full_collections": sum(e["gc_full"] for e in extra[v])}
         if v == "metrics+traces":
             row[v].update(stored=extra[v][-1]["stored"], dropped=max(e["dropped"] for e in extra[v]),
                           errors=max(e["errors"] for e in extra[v]))

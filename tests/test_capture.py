@@ -552,3 +552,63 @@ def test_a_scrape_reads_the_engines_last_flush_and_never_summarises_routing_itse
             after = scraped()
     assert after == routed
     assert threads == {threading.get_ident()}  # the engine's (this) thread only, never the HTTP thread
+
+
+def test_closing_ends_the_probes_summary_thread_and_keeps_every_count(tiny_cfg):
+    """summarise_in_background's worker ends with the instrumentation (a process that instruments and closes many
+    times keeps no thread behind), and what it left pending is summarised at close. Reference: the slots the
+    engine's forwards routed, counted from the decisions themselves."""
+    import threading
+
+    model = MoETransformer(tiny_cfg).eval()
+    routed = {}
+
+    class Count(Observer):
+        def on_routing(self, layer, decision):
+            routed[layer] = routed.get(layer, 0) + int((decision.ids >= 0).sum())
+
+    before = {t for t in threading.enumerate() if t.name == "moescope-routing-probe"}
+    inst = moescope.instrument(model, observers=[Count()])
+    inst.metrics.probe.summarise_in_background()
+    inst.metrics.probe.interval_s = 3600  # nothing due within the test: close must summarise what is pending
+    Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=3, output_tokens_median=4), 3),
+                                   realtime=False)
+    worker = inst.metrics.probe._worker
+    assert worker is not None and worker.is_alive()
+    inst.close()
+    assert not worker.is_alive()
+    assert {t for t in threading.enumerate() if t.name == "moescope-routing-probe"} == before
+    got = {layer: int(c.sum()) for layer, c in inst.metrics.expert_tokens.items()}
+    assert got == routed
+
+
+def test_every_bucket_reached_carries_an_exemplar_of_a_request_that_reached_it(tiny_cfg):
+    """Exemplars are attached at most once a second per bucket (MetricsObserver.observe): every bucket an
+    observation reached still shows one, naming a request whose value fell in that bucket. Reference: the buckets
+    and ids recomputed from the values given, against the OpenMetrics exposition."""
+    import bisect
+
+    from moescope.metrics.catalogue import BY_NAME
+
+    model = MoETransformer(tiny_cfg).eval()
+    bounds = list(BY_NAME["moescope_token_latency_seconds"].buckets)
+    values = [0.0007, 0.0008, 0.003, 0.02, 0.021, 0.3, 7.0] * 20
+    want: dict[str, set[str]] = {}
+    with moescope.instrument(model, port=0) as inst:
+        with inst.metrics.lock:
+            for i, v in enumerate(values):
+                rid = f"r{i}"
+                inst.metrics.observe("moescope_token_latency_seconds", (), v, rid)
+                b = bisect.bisect_left(bounds, v)
+                want.setdefault(str(bounds[b]) if b < len(bounds) else "+Inf", set()).add(rid)
+        text = inst.exporter.exposition(openmetrics=True).decode()
+    got = {}
+    for ln in text.splitlines():
+        if ln.startswith("moescope_token_latency_seconds_bucket") and " # {" in ln:
+            le = ln.split('le="')[1].split('"')[0]
+            got[le] = ln.split('request_id="')[1].split('"')[0]
+    assert {float(le) for le in got} == {float(le) for le in want}  # one exemplar in every bucket reached
+    assert all(got[le] in next(ids for w, ids in want.items() if float(w) == float(le)) for le in got)
+    counts = [float(ln.split()[-1]) for ln in text.splitlines()
+              if ln.startswith("moescope_token_latency_seconds_count")]
+    assert counts == [len(values)]  # every observation counted, exemplar or not

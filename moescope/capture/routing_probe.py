@@ -217,6 +217,7 @@ class RoutingProbe(Observer):
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None  # summarise_in_background(): the probe's own thread
         self._due = threading.Event()
+        self._stopping = threading.Event()
         self._serial = contextlib.nullcontext()  # with a worker: one flush at a time, in order
         self.errors = 0  # the worker's flushes that raised (counted, logged once)
 
@@ -250,12 +251,13 @@ class RoutingProbe(Observer):
         if self._worker is not None:
             return
         self._serial = threading.Lock()
+        self._stopping.clear()
 
         def run() -> None:
-            while True:
+            while not self._stopping.is_set():
                 self._due.wait(self.interval_s)
                 self._due.clear()
-                if not (self._bounds or self._finished):
+                if self._stopping.is_set() or not (self._bounds or self._finished):
                     continue
                 try:
                     self.flush()
@@ -268,6 +270,16 @@ class RoutingProbe(Observer):
 
         self._worker = threading.Thread(target=run, name="moescope-routing-probe", daemon=True)
         self._worker.start()
+
+    def stop_background(self, timeout: float = 5.0) -> None:
+        """Ends the worker of ``summarise_in_background`` (after the flush it may be in); what is still pending
+        stays for the caller's ``flush``. No worker: nothing to do."""
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        self._stopping.set()
+        self._due.set()
+        worker.join(timeout)
 
     def on_request(self, request_id: str) -> None:
         """The request finished: its draw is complete once the steps already reported are summarised."""
@@ -365,7 +377,7 @@ class RoutingProbe(Observer):
         starts = np.concatenate([[0], np.cumsum(per_layer)[:-1]]).astype(np.int64)  # first decision of each layer
         off = np.concatenate([cls._offsets(items, width, cache) + i * block
                               for i, items in enumerate(by_layer.values())])  # [sum T over layers]
-        ids = torch.cat([d.active_ids.reshape(-1) for d in decs]).numpy().reshape(len(off), -1)  # [sum T, k]
+        ids = torch.cat([d.active_ids for d in decs]).numpy()  # [sum T, k] (each [T, k]: no per-decision reshape)
         counts = np.bincount((off[:, None] + ids).ravel(), minlength=n_layers * block)
         counts = counts.reshape(n_layers, n_draws, width)
         per_draw = np.ascontiguousarray(counts[:, :, :n_exp].transpose(1, 0, 2), dtype=np.int32)
@@ -381,7 +393,7 @@ class RoutingProbe(Observer):
         tokens = np.fromiter((d.ids.shape[0] for d in decs), np.int64, len(decs))
         layer_of_row = np.repeat(np.repeat(np.arange(n_layers), per_layer), tokens)  # each token row's layer
         for j, name in ((n_exp + 1, "entropy"), (n_exp + 2, "margin")):
-            values = torch.cat([getattr(d, name).reshape(-1) for d in decs]).numpy().astype(np.float64)
+            values = torch.cat([getattr(d, name) for d in decs]).numpy().astype(np.float64)  # each [T]
             rows[:, j] = np.bincount(layer_of_row, weights=values, minlength=n_layers)
         rows[:, n_exp + 3] = np.add.reduceat(torch.stack([d.nonfinite for d in decs]).numpy(), starts)
         rows[:, n_exp + 4] = np.add.reduceat(torch.stack([d.dropped for d in decs]).numpy(), starts)

@@ -20,7 +20,9 @@ engine never takes: a step never waits for a scrape's judgement, and two scrapes
 
 from __future__ import annotations
 
+import bisect
 import collections
+import math
 import threading
 import time
 from typing import Any, Callable
@@ -53,6 +55,9 @@ def _histogram(spec: catalogue.MetricSpec):
     return Histogram(spec.family, spec.help, labelnames=list(spec.all_labels), buckets=spec.buckets,
                      registry=None)
 
+
+# A histogram bucket's request-id exemplar is replaced at most this often (MetricsObserver.observe)
+EXEMPLAR_EVERY_S = 1.0
 
 HELD_EXPERTS = "held"  # moescope_expert_physical_slots_total's expert label in the reduced tier: all held together
 
@@ -110,6 +115,8 @@ class MetricsObserver(Observer):
         # prometheus_client Histograms (exemplars included), one per catalogue histogram; children per label set
         self.histograms = {m.name: _histogram(m) for m in c.values() if m.kind == "histogram"}
         self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
+        self._bounds = {m.name: tuple(m.buckets) for m in c.values() if m.kind == "histogram"}
+        self._exemplar_at: dict[tuple[str, tuple[str, ...]], list[float]] = {}  # per child: each bucket's last
         self.counters: dict[tuple[str, tuple[str, ...]], float] = collections.defaultdict(float)
         self.routing_window = RoutingWindow(info.moe_layers, info.n_experts, window_s)
         # Without a baseline, the hot test's reference ("learned": from this window's own past; "fair": 1/E)
@@ -165,6 +172,28 @@ class MetricsObserver(Observer):
             h = self._children[key] = self.histograms[name].labels(self.info.name, str(self.rank), *label_values)
         return h
 
+    def observe(self, name: str, label_values: tuple[str, ...], value: float, request_id: str | None) -> None:
+        """One observation of histogram ``name`` (caller holds ``lock``), with a ``request_id`` exemplar at most
+        once per ``EXEMPLAR_EVERY_S`` per bucket. prometheus_client keeps only each bucket's latest exemplar, and
+        validating one costs ~3x the observation itself: attaching it to every step and every output token was
+        most of the exporter's per-step cost. Every bucket an observation reaches still gets an exemplar within
+        that time, so a slow step or token still links to a request of its bucket."""
+        h = self.hist(name, *label_values)
+        if request_id is None:
+            h.observe(value)
+            return
+        key = (name, label_values)
+        last = self._exemplar_at.get(key)
+        if last is None:
+            last = self._exemplar_at[key] = [-math.inf] * (len(self._bounds[name]) + 1)
+        b = bisect.bisect_left(self._bounds[name], value)  # the bucket whose le the value is within
+        now = time.monotonic()
+        if now - last[b] >= EXEMPLAR_EVERY_S:
+            last[b] = now
+            h.observe(value, {"request_id": request_id})
+        else:
+            h.observe(value)
+
     # -- observer hooks (engine thread) ----------------------------------------------------------------
     def on_routing(self, layer, decision) -> None:
         self.probe.on_routing(layer, decision)
@@ -187,6 +216,7 @@ class MetricsObserver(Observer):
         self._on_stats(st)
 
     def shutdown(self) -> None:
+        self.probe.stop_background()
         self.probe.flush(final=True)
 
     def on_step(self, step) -> None:
@@ -194,8 +224,7 @@ class MetricsObserver(Observer):
         segments = step.segments
         phase = (step.phase,)
         with self.lock:
-            self.hist("moescope_step_seconds", step.phase).observe(
-                step.seconds, {"request_id": segments[0][0]} if segments else None)
+            self.observe("moescope_step_seconds", phase, step.seconds, segments[0][0] if segments else None)
             counters = self.counters
             counters[("moescope_steps_total", phase)] += 1
             # Prefill tokens are the prompts; a decode step's tokens are generated ones.
@@ -262,12 +291,11 @@ class MetricsObserver(Observer):
 
     def on_request(self, record) -> None:
         self.probe.on_request(record.request_id)  # its draw is folded once its last step is summarised
-        ex = {"request_id": record.request_id}
+        rid = record.request_id
         with self.lock:
-            h = self.hist("moescope_token_latency_seconds")
             for lat in record.token_latencies_s:
-                h.observe(lat, ex)
-            self.hist("moescope_request_queue_seconds").observe(record.queue_s, ex)
+                self.observe("moescope_token_latency_seconds", (), lat, rid)
+            self.observe("moescope_request_queue_seconds", (), record.queue_s, rid)
             self.counters[("moescope_requests_total", (record.finish_reason,))] += 1
 
     def _on_stats(self, st: StepStats) -> None:
