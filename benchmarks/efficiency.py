@@ -233,6 +233,7 @@ def vllm_section(tokens: int = 24) -> dict:
     import os
     import sys
     import tempfile
+    import threading
     import urllib.request
     from concurrent.futures import ThreadPoolExecutor
 
@@ -265,10 +266,17 @@ def vllm_section(tokens: int = 24) -> dict:
             prompts = [" ".join(vllm_models.HELD_OUT.split()[i * 7:i * 7 + 12]) for i in range(max(VLLM_BATCHES))]
             n_req = 0
             for b in VLLM_BATCHES:
+                # sent together: every thread waits at the gate first (a pool's threads start one by one; without
+                # it, one run here served its bursts of 8 and 16 one request after another)
+                gate = threading.Barrier(b)
+
+                def one(i: int, gate=gate) -> None:
+                    gate.wait(timeout=60)
+                    client.completions.create(model=server.name, prompt=prompts[i], max_tokens=tokens,
+                                              temperature=1.0, seed=i, extra_body={"ignore_eos": True})
+
                 with ThreadPoolExecutor(b) as pool:
-                    list(pool.map(lambda i: client.completions.create(
-                        model=server.name, prompt=prompts[i], max_tokens=tokens, temperature=1.0, seed=i,
-                        extra_body={"ignore_eos": True}), range(b)))
+                    list(pool.map(one, range(b)))
                 n_req += b
 
             def scrape():
