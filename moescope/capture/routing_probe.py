@@ -377,7 +377,9 @@ class RoutingProbe(Observer):
         starts = np.concatenate([[0], np.cumsum(per_layer)[:-1]]).astype(np.int64)  # first decision of each layer
         off = np.concatenate([cls._offsets(items, width, cache) + i * block
                               for i, items in enumerate(by_layer.values())])  # [sum T over layers]
-        ids = torch.cat([d.active_ids for d in decs]).numpy()  # [sum T, k] (each [T, k]: no per-decision reshape)
+        # [sum T, k] (each [T, k]: no per-decision reshape). Host tensors only (summarise sends CUDA to _device):
+        # .numpy() is no device sync, and this runs once per flush interval, never per token or step.
+        ids = torch.cat([d.active_ids for d in decs]).numpy()
         counts = np.bincount((off[:, None] + ids).ravel(), minlength=n_layers * block)
         counts = counts.reshape(n_layers, n_draws, width)
         per_draw = np.ascontiguousarray(counts[:, :, :n_exp].transpose(1, 0, 2), dtype=np.int32)
@@ -393,7 +395,7 @@ class RoutingProbe(Observer):
         tokens = np.fromiter((d.ids.shape[0] for d in decs), np.int64, len(decs))
         layer_of_row = np.repeat(np.repeat(np.arange(n_layers), per_layer), tokens)  # each token row's layer
         for j, name in ((n_exp + 1, "entropy"), (n_exp + 2, "margin")):
-            values = torch.cat([getattr(d, name) for d in decs]).numpy().astype(np.float64)  # each [T]
+            values = torch.cat([getattr(d, name) for d in decs]).numpy().astype(np.float64)  # each [T]; host, as ids
             rows[:, j] = np.bincount(layer_of_row, weights=values, minlength=n_layers)
         rows[:, n_exp + 3] = np.add.reduceat(torch.stack([d.nonfinite for d in decs]).numpy(), starts)
         rows[:, n_exp + 4] = np.add.reduceat(torch.stack([d.dropped for d in decs]).numpy(), starts)

@@ -10,8 +10,8 @@ on the step path is counted (``errors``), logged once, and never raised into vLL
 from __future__ import annotations
 
 import atexit
-import multiprocessing.util
 import logging
+import multiprocessing.util
 import os
 import threading
 import time
