@@ -83,6 +83,7 @@ class StepStats:
     top_k: int
     draws: DrawCounts | None = None  # None: no per-draw information (a CUDA-graph decode's in-graph counters)
     experts: "StepExperts | None" = None  # None: no per-step information (a CUDA-graph decode's counters)
+    sample: "StepSample | None" = None  # None: no per-step information (as ``experts``)
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,38 @@ class StepExperts:
     # step reads), and the positions its rows attend to (causal: row i of a segment at p attends p + i + 1)
     context: np.ndarray | None = None
     attended: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """The slots per expert of a sample of the summarised steps, per MoE layer: what each step asked of each expert
+    (issue [eplb]: a rank's load in a step is the sum over the experts it holds). Up to ``MAX_SAMPLED_STEPS`` steps
+    per summary, evenly spaced over the summary's steps (all of them when fewer), so quantiles over steps are
+    estimated from an even sample of the steps, not the run's average. Dropped slots are not counted.
+
+    ``index[j]``: the engine's step index of sample ``j`` (-1: a forward no engine step reported), ``of`` its
+    position among the summary's steps (``StepExperts`` order), ``counts`` [S, L, E] int32 (layers in
+    ``StepStats.layers`` order; a layer that routed nothing in the step has a zero row), ``steps`` how many steps
+    the sample was drawn from."""
+
+    index: tuple[int, ...]
+    phases: tuple[str, ...]
+    of: np.ndarray  # [S] int64
+    counts: np.ndarray  # [S, L, E] int32
+    steps: int
+
+
+# Per summary (a flush interval), at most this many steps' per-expert counts (``StepSample``): 64 x 58 x 256 int32
+# is 3.8 MB at DeepSeek-V3's shape, a bincount of the sampled rows only.
+MAX_SAMPLED_STEPS = 64
+
+
+def sampled_steps(n_steps: int, limit: int = MAX_SAMPLED_STEPS) -> np.ndarray:
+    """[S] int64 positions of the steps a summary samples: every step up to ``limit``, else ``limit`` evenly spaced
+    ones (first and last included)."""
+    if n_steps <= limit:
+        return np.arange(n_steps, dtype=np.int64)
+    return np.unique(np.linspace(0, n_steps - 1, limit).round().astype(np.int64))
 
 
 REROUTE_REASONS = ("load", "smoothing")
@@ -327,6 +360,7 @@ class RoutingProbe(Observer):
             per[mode] = per.get(mode, 0) + d.ids.shape[0]  # (host metadata: no device access)
         summary = self._host if first.ids.device.type == "cpu" else self._device
         rows, per_draw, distinct = summary(by_layer, n_exp, n_draws, step_by_layer, len(s_index))
+        sample = self._sample(by_layer, step_by_layer, len(s_index), n_exp, s_index, s_phase)
         layers = []
         for (layer, decs), row in zip(by_layer.items(), rows):
             r_s, e_s = times.get(layer, (None, None))
@@ -342,7 +376,38 @@ class RoutingProbe(Observer):
         return StepStats(steps=steps, layers=tuple(layers), n_experts=n_exp, top_k=k,
                          draws=DrawCounts(tuple(keys), per_draw, finished),
                          experts=StepExperts(s_index, s_phase, s_rows, distinct.T.astype(np.int64),
-                                             *np.asarray(s_ctx, np.int64).reshape(-1, 2).T))
+                                             *np.asarray(s_ctx, np.int64).reshape(-1, 2).T),
+                         sample=sample)
+
+    @staticmethod
+    def _sample(by_layer, step_by_layer, n_steps: int, n_exp: int, s_index, s_phase) -> StepSample:
+        """The ``StepSample`` of this summary: one bincount over the sampled steps' rows of every layer (on the
+        decisions' device, then one copy to the host: once per flush interval)."""
+        of = sampled_steps(n_steps)
+        slot = np.full(n_steps, -1, dtype=np.int64)
+        slot[of] = np.arange(len(of))
+        n_sample, width, n_layers = len(of), n_exp + 1, len(by_layer)
+        keys, ids = [], []
+        for i, (layer, items) in enumerate(by_layer.items()):
+            per_row = np.repeat(slot[np.asarray(step_by_layer[layer], dtype=np.int64)],
+                                [d.ids.shape[0] for d, _ in items])
+            keep = per_row >= 0
+            if keep.any():
+                kept = torch.from_numpy(np.nonzero(keep)[0])
+                layer_ids = torch.cat([d.active_ids for d, _ in items])
+                ids.append(layer_ids.index_select(0, kept.to(layer_ids.device)))
+                keys.append((per_row[keep] * n_layers + i) * width)
+        counts = np.zeros((n_sample, n_layers, n_exp), dtype=np.int32)
+        if ids:
+            slots = torch.cat(ids)
+            base = torch.from_numpy(np.concatenate(keys)).to(slots.device)
+            flat = (base[:, None] + slots).reshape(-1)
+            binned = torch.zeros(n_sample * n_layers * width, dtype=torch.int32, device=slots.device)
+            binned.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # (no max read back: no sync)
+            binned = binned.cpu().numpy()  # the sample's one device->host copy per flush (a CPU tensor: a view)
+            counts[...] = binned.reshape(n_sample, n_layers, width)[:, :, :n_exp]
+        return StepSample(tuple(s_index[j] for j in of.tolist()), tuple(s_phase[j] for j in of.tolist()), of,
+                          counts, n_steps)
 
     @staticmethod
     def _offsets(decs, width: int, cache: dict | None = None) -> np.ndarray:
