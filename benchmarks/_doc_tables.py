@@ -10,8 +10,16 @@ whose body is what that command prints (run from the repository root with this P
 results file's provenance (`provenance_line`): the commit, date, machine and command its `provenance` object
 records (benchmarks/_results.py `save()`); for a file from before runs recorded it, the provenance reconstructed
 from what the run did record, marked as such with how sure its commit is.
-``python benchmarks/_doc_tables.py`` rewrites every block; ``--check`` exits 1 naming the blocks that differ and
-any page still holding a hand-typed figure table (a ``<!-- figures: ... -->`` marker) (tests/test_docs.py runs it).
+``python benchmarks/_doc_tables.py`` rewrites every block; ``--check`` exits 1 naming
+
+- ``tables``: the blocks that differ from what their command prints, and any page still holding a hand-typed figure
+  table (a ``<!-- figures: ... -->`` marker);
+- ``fresh``: the results files measured before a change to the code they measure, or without the CPU model or the
+  load average (benchmarks/_freshness.py; what each file measures: benchmarks/_measures.py);
+- ``claims``: the figures in the docs' prose that name no source holding them (benchmarks/_doc_claims.py);
+
+``--only tables|fresh|claims`` (repeatable) checks those alone; tests/test_docs.py runs each. ``--declarations``
+lists the commits declared behaviour-free, each with the command that shows its diff (for a reviewer).
 """
 
 from __future__ import annotations
@@ -21,6 +29,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import _doc_claims
+import _freshness
+import _measures
 
 ROOT = Path(__file__).resolve().parent.parent
 BLOCK = re.compile(r"(<!-- table: (?P<cmd>[^>]+?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
@@ -61,6 +73,9 @@ def provenance_line(results: Path) -> str:
         again = f" Summary {p['summarised']}." if p.get("summarised") else ""
         if p.get("corrected"):  # a provenance field set right after the run, with what and why
             again += f" Provenance corrected: {p['corrected']}."
+        if results.name in _measures.KNOWN_STALE:  # cannot be re-run here: the docs say so beside its figures
+            said = _freshness.notice(_freshness.judge(ROOT, results, _freshness.declarations(ROOT)))
+            again += f" {said}" if said else ""
         return (f"{head}: commit {p.get('commit')}{dirty}, {p.get('date')}; {_machine(m)}"
                 f"{'; ' + pkgs if pkgs else ''}; `{_command(p.get('command', '?'))}`.{again}")
     # (tests/test_docs.py fails on this line: every results file carries its provenance)
@@ -85,8 +100,8 @@ def pages() -> list[Path]:
     return sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 
 
-def main() -> int:
-    check = "--check" in sys.argv[1:]
+def _tables(check: bool) -> list[str]:
+    """Rewrites (or, under ``check``, names) the blocks out of date; names the hand-typed figure tables."""
     stale, hand = [], []
     for page in pages():
         text = page.read_text()
@@ -97,17 +112,42 @@ def main() -> int:
             stale.append(str(page.relative_to(ROOT)))
             if not check:
                 page.write_text(new)
+    out = []
     if hand:
-        print(f"hand-typed figure tables ({HAND_TYPED} ...) in: {', '.join(hand)} (print them from their results "
-              "file in a `<!-- table: ... -->` block, or remove them)", file=sys.stderr)
+        out.append(f"hand-typed figure tables ({HAND_TYPED} ...) in: {', '.join(hand)} (print them from their "
+                   "results file in a `<!-- table: ... -->` block, or remove them)")
     if check and stale:
-        print(f"tables out of date with their results files in: {', '.join(stale)} "
-              "(python benchmarks/_doc_tables.py rewrites them)", file=sys.stderr)
-    if check and (stale or hand):
-        return 1
+        out.append(f"tables out of date with their results files in: {', '.join(stale)} "
+                   "(python benchmarks/_doc_tables.py rewrites them)")
     if not check:
         print(f"rewrote {len(stale)} page(s)" + (f": {', '.join(stale)}" if stale else ""))
-    return 1 if hand else 0
+    return out
+
+
+CHECKS = {"tables": lambda: _tables(check=True), "fresh": _freshness.problems, "claims": _doc_claims.problems}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--declarations" in argv:
+        print("\n".join(_freshness.declaration_lines()) or "no Behaviour-free declarations")
+        return 0
+    only = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--only"]
+    if bad := [o for o in only if o not in CHECKS]:
+        print(f"--only takes {', '.join(CHECKS)}, not {', '.join(bad)}", file=sys.stderr)
+        return 2
+    if "--check" not in argv:
+        problems = _tables(check=False)
+    else:
+        problems = []
+        for name in only or CHECKS:
+            found = CHECKS[name]()
+            if found:
+                problems.append(f"{name}: {len(found)} problem(s)")
+                problems += [f"  {line}" for line in found]
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

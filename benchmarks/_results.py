@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import _measures
 from moescope.progress import progress
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -93,10 +94,12 @@ def _git_state() -> dict:
                                                     ":(exclude)benchmarks/results"))}
 
 
-def provenance(packages: Iterable[str] = ("torch",)) -> dict:
+def provenance(packages: Iterable[str] = ("torch",), results: str | Path | None = None) -> dict:
     """How a results file was made: the commit when the run started (and whether the tree had uncommitted changes;
     ``commit_at_save`` where HEAD moved during the run), the exact command,
-    the date, the machine (cores, load average, CPU model, GPU if any) and the versions of ``packages``."""
+    the date, the machine (cores, load average, CPU model, GPU if any), the versions of ``packages`` and, given the
+    file it is for (``results``), the code it measures (``measures``: benchmarks/_measures.py; ``python
+    benchmarks/_doc_tables.py --check`` fails the file once that code changes and nothing re-runs it)."""
     import datetime
     import os
     import platform
@@ -134,13 +137,17 @@ def provenance(packages: Iterable[str] = ("torch",)) -> dict:
             "machine": {"cores": os.cpu_count(), "load_average": [round(x, 2) for x in os.getloadavg()],
                         "cpu": cpu, "gpu": gpu, "platform": platform.platform(),
                         "python": platform.python_version()},
-            "packages": versions}
+            "packages": versions,
+            **({"measures": list(_measures.of(results) or ())} if results is not None else {})}
 
 
 def save(report, path: Path, packages: Iterable[str] = ("torch",)) -> None:
-    """Write ``report`` (a dict gets ``provenance``: ``provenance(packages)``, unless it has one)."""
+    """Write ``report`` (a dict gets ``provenance``: ``provenance(packages, path)``, unless it has one; one without
+    ``measures`` gets them)."""
     if isinstance(report, dict) and "provenance" not in report:
-        report = {**report, "provenance": provenance(packages)}
+        report = {**report, "provenance": provenance(packages, path)}
+    elif isinstance(report, dict) and "measures" not in report["provenance"]:
+        report = {**report, "provenance": {**report["provenance"], "measures": list(_measures.of(path) or ())}}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     print(f"wrote {path}")

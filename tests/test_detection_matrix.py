@@ -246,7 +246,7 @@ def _keep(key, table):
     if not out:
         return
     command = f"MOESCOPE_MATRIX_OUT={out} python -m pytest {' '.join(shlex.quote(a) for a in sys.argv[1:])}"
-    provenance = {**_results().provenance(), "command": command}
+    provenance = {**_results().provenance(results=out), "command": command}
     try:
         with open(out) as f:
             doc = json.load(f)
