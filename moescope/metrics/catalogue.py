@@ -30,6 +30,11 @@ RATIO_BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8,
 # Experts by load relative to the layer's mean (1 = fair share; le="0": dead), a gauge histogram per layer.
 RELATIVE_LOAD_BUCKETS = (0.0, 0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 4.0, 8.0)
 
+# Busiest / mean rank per step (1 = balanced, the EP size = one rank does everything): the step-level prediction's
+# buckets (``parallel.step_balance.StepBalance`` is built with them).
+STEP_BALANCE_BUCKETS = (1.0, 1.02, 1.05, 1.1, 1.15, 1.2, 1.3, 1.4, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0, 16.0,
+                        32.0, 64.0)
+
 
 @dataclass(frozen=True)
 class MetricSpec:
@@ -181,6 +186,40 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "placement of the last rearrangement, on the counts it planned from.", "layer"),
     _g("moescope_eplb_measured_max_over_mean_ratio", "EPLB: the busiest / mean rank measured from the exchanges "
        "since the last rearrangement (compare with the predicted ratio).", "layer"),
+    # Would expert parallelism and EPLB help? (issue [eplb]; parallel/step_balance.py, docs/metrics.md "Step-level
+    # rank load"): each layer's busiest rank / mean rank per engine step, predicted from the steps' routing for each
+    # EP size and placement (placement: linear, round_robin = vLLM's expert_placement_strategy; eplb = vLLM's EPLB
+    # with `redundant` experts, its default policy every interval on the window's load; plan = moescope's planner on
+    # the same schedule; in_use = the engine's own placement)
+    *map(_routing, (
+        _h("moescope_ep_step_max_over_mean_ratio", "Per sampled engine step: a layer's busiest rank's slots / the "
+           "mean rank's under the placement, the step's own counts (a replicated expert's slots split 1/R over its "
+           "replicas); layer=worst: the step's worst layer, layer=mean: the mean over its layers, a layer id where "
+           "asked for.", STEP_BALANCE_BUCKETS, "ep", "placement", "redundant", "layer"),
+        _g("moescope_ep_straggler_ratio", "Sum over the sampled steps and layers of the busiest rank's slots / the "
+           "sum of the mean rank's: a step's MoE time over a balanced one's, each layer waiting on its busiest "
+           "rank (the run so far).", "ep", "placement", "redundant"),
+        _g("moescope_ep_straggler_stderr_ratio", "Standard error of moescope_ep_straggler_ratio from the sample of "
+           "steps (ratio estimator, steps as independent draws).", "ep", "placement", "redundant"),
+        _g("moescope_ep_average_max_over_mean_ratio", "The average-load figure: busiest / mean rank of the same "
+           "sampled steps' counts added up, summed over layers (what whole-run counts show: it hides the "
+           "per-step straggler).", "ep", "placement", "redundant"),
+        _c("moescope_ep_sampled_steps_total", "Engine steps whose per-expert counts the step-level prediction "
+           "judged (an even sample of the steps)."),
+        _c("moescope_ep_steps_total", "Engine steps the judged steps were sampled from."),
+        _g("moescope_ep_eplb_schedule_steps", "The EPLB schedule the prediction simulates (vLLM's EPLBConfig): "
+           "which=window (window_size, steps of load it plans from), interval (step_interval).", "which"),
+        _c("moescope_ep_rearrangements_total", "Changes of the placement the engine runs (the runtime's or vLLM's "
+           "EPLB rearrangements)."),
+        _g("moescope_ep_rearrangement_straggler_ratio", "The last rearrangement of the placement in use, straggler "
+           "factors summed over layers: when=before (old placement, the steps since the previous change), "
+           "predicted_old / predicted_new (both on the window's counts), after (new placement, the steps since).",
+           "when"),
+        _c("moescope_ep_rank_slots_total", "The placement in use: slots each rank computes, every step (the "
+           "summary's counts, a replicated expert's split 1/R), summed over layers.", "peer"),
+        _c("moescope_ep_physical_slots_total", "The placement in use: slots each physical expert slot computes "
+           "(full tier only: layers x physical experts within the series budget).", "layer", "physical"),
+    )),
     _c("moescope_all_to_all_peer_wait_seconds_total", "Time this rank waited for each peer to join the dispatch "
        "exchange (the N x N wait matrix is this series by rank and peer).", "peer"),
     _h("moescope_step_seconds", "Engine step (one forward) time, with a request id exemplar.", LATENCY_BUCKETS,
