@@ -7,6 +7,12 @@ order-balanced mean) of noisy rounds. Quartiles are ``statistics.quantiles(ratio
 exclusive method: rank (n + 1) p, so with 2 rounds they lie beyond the two values, a quarter of their gap out);
 fewer than 2 rounds resolve nothing.
 
+Two instances (``instances=True``: the ratio's two sides are separate server processes, the one with capture doing
+strictly more work): a ratio the rounds put below 1 by more than the goal's margin (upper quartile < 2 - goal) can
+only be the instances differing, by more than the goal; such rounds cannot resolve the goal either way, and the
+verdict is "not resolved" (a difference the other way, the instance without capture the cheaper, cannot be told
+from a cost: two instances resolve a goal only as far as they are alike).
+
     judge([1.00, 1.01, 1.00, 1.02], 1.02)   # True
     verdict([0.64, 1.38, 0.73, 1.41], 1.02)  # 'not resolved (rounds 0.64-1.41)'
 
@@ -28,12 +34,16 @@ def judge(ratios: Sequence[float], goal: float) -> bool | None:
     return True if q3 <= goal else (False if q1 > goal else None)
 
 
-def verdict(ratios: Sequence[float] | None, goal: float, *, why: str | None = None) -> str:
+def verdict(ratios: Sequence[float] | None, goal: float, *, why: str | None = None, instances: bool = False) -> str:
     """The words every table prints for ``ratios`` (the per-round ratios) against ``goal``: "met", "missed" or
     "not resolved (rounds LO-HI)". ``ratios`` None: the results file holds no per-round ratios, and the verdict is
-    "not resolved (WHY)" (``why`` says what is missing)."""
+    "not resolved (WHY)" (``why`` says what is missing). ``instances``: the two sides are two processes (module
+    docstring): rounds under 1 by more than the goal's margin are "not resolved (the instances differ ...)"."""
     if ratios is None:
         return f"not resolved ({why or 'no per-round ratios in the results file'})"
+    if instances and len(ratios) >= 2 and statistics.quantiles(ratios, n=4)[2] < 2 - goal:
+        return (f"not resolved (rounds {min(ratios):.2f}-{max(ratios):.2f}: the instances differ by more than the "
+                "goal)")
     met = judge(ratios, goal)
     if met is None:
         if len(ratios) < 2:

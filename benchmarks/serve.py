@@ -410,11 +410,12 @@ def markdown(report: dict) -> str:
             # capture's cost (their batching, the machine), never that capture made one cheaper
             note = " (under 1: the two servers differed by more than capture's cost, not a saving)" if x < 1 else ""
             said.append(f"{c} client{'' if str(c) == '1' else 's'} {x:.3f}x{note}: "
-                        f"{verdict(per_round, GOAL, why='this file keeps no per-round runs')}")
+                        f"{verdict(per_round, GOAL, why='this file keeps no per-round runs', instances=True)}")
         lines += ["", f"Capture's cost against the goal of <= {GOAL}x server CPU per token, capture on / off (the "
                   "capture is metrics + every request's trace, serve's default; the order-balanced ratio, then the "
                   "verdict of benchmarks/_verdict.py on the per-round ratios: met only where their upper quartile "
-                  f"is within the goal): {'; '.join(said)}."]
+                  "is within the goal, and never where the rounds put capture on under off by more than the goal: "
+                  f"two servers that differ by that much cannot resolve it): {'; '.join(said)}."]
         o = r.get("open")
         if o:
             lines += ["", f"Open loop (Poisson arrivals for {o['duration_s']:g} s at multiples of the saturation rate "

@@ -195,11 +195,14 @@ def naive_jensen_shannon(p, q) -> float:
     return 0.5 * kl(ps, m) + 0.5 * kl(qs, m)
 
 
-def naive_goal_verdict(ratios, goal: float) -> str:
+def naive_goal_verdict(ratios, goal: float, instances: bool = False) -> str:
     """docs/vllm.md's rule from its words: the quartiles of the per-round ratios, each at rank (n + 1) p of the
     sorted values (1-based; the "exclusive" definition), on the line through the two nearest ranks (between them,
     or beyond the end ones: with 2 rounds the quartiles lie outside them); "met" when the upper one is within
-    ``goal``, "missed" when the lower one is above it, else "not resolved" (fewer than 2 rounds: not resolved)."""
+    ``goal``, "missed" when the lower one is above it, else "not resolved" (fewer than 2 rounds: not resolved).
+    ``instances`` (two server processes, capture on doing strictly more): where the upper quartile says capture on
+    was cheaper than off by more than the goal's margin (goal - 1), the two differ by more than the goal: not
+    resolved."""
     xs = sorted(ratios)
     if len(xs) < 2:
         return "not resolved"
@@ -209,6 +212,8 @@ def naive_goal_verdict(ratios, goal: float) -> str:
         lo = min(max(int(math.floor(h)), 1), len(xs) - 1)  # the pair of ranks (lo, lo + 1) the line goes through
         return xs[lo - 1] + (h - lo) * (xs[lo] - xs[lo - 1])
 
+    if instances and 1 - q(0.75) > goal - 1:
+        return "not resolved"
     return "met" if q(0.75) <= goal else "missed" if q(0.25) > goal else "not resolved"
 
 
