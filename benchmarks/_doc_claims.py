@@ -75,18 +75,17 @@ def _strip_inline(line: str) -> str:
     return line
 
 
-def blocks(text: str) -> list[tuple[int, list[str]]]:
-    """The page's prose in blocks: (first line number, lines). A block is a paragraph, a list item (with its
-    continuation lines) or a table; a heading belongs to the block under it."""
-    out: list[tuple[int, list[str]]] = []
-    cur: list[str] = []
-    start = 0
-    heading: list[str] = []
+def blocks(text: str) -> list[list[tuple[int, str]]]:
+    """The page's prose in blocks of (line number, line): a paragraph, a list item (with its continuation lines)
+    or a table; a heading belongs to the block under it."""
+    out: list[list[tuple[int, str]]] = []
+    cur: list[tuple[int, str]] = []
+    heading: list[tuple[int, str]] = []
 
     def close():
         nonlocal cur, heading
         if cur:
-            out.append((start, heading + cur))
+            out.append(heading + cur)
             heading = []
         cur = []
 
@@ -97,16 +96,13 @@ def blocks(text: str) -> list[tuple[int, list[str]]]:
             continue
         if s.startswith("#"):
             close()
-            heading = [line]
-            start = i
+            heading = [(i, line)]
             continue
         item = re.match(r"\s*(?:[-*+]|\d+\.)\s", line) is not None
         table = s.startswith("|")
-        if cur and (item or (table != cur[-1].strip().startswith("|"))):
+        if cur and (item or (table != cur[-1][1].strip().startswith("|"))):
             close()
-        if not cur:
-            start = i if not heading else start
-        cur.append(line)
+        cur.append((i, line))
     close()
     return out
 
@@ -116,17 +112,17 @@ def _number(tok: str) -> tuple[float, int]:
     return float(tok), len(tok.split(".")[1]) if "." in tok else 0
 
 
-def figures(page: Path, lines: list[str], first: int) -> list[Figure]:
+def figures(page: Path, block: list[tuple[int, str]]) -> list[Figure]:
     out = []
-    for j, line in enumerate(lines):
+    for number, line in block:
         prose = _strip_inline(line)
         for m in FIGURE.finditer(prose):
             vals = [_number(m["num"])] + ([_number(m["num2"])] if m["num2"] else [])
-            out.append(Figure(page.name, first + j, m.group(0), tuple(v for v, _ in vals), tuple(d for _, d in vals),
+            out.append(Figure(page.name, number, m.group(0), tuple(v for v, _ in vals), tuple(d for _, d in vals),
                               m["unit"]))
         for m in WORDS.finditer(prose):
             n = {"a": 1.0, "one": 1.0, "half a": 0.5, "two": 2.0, "a few": 3.0}[m["n"].lower()]
-            out.append(Figure(page.name, first + j, m.group(0), (n,), (1,), m["unit"].lower()))
+            out.append(Figure(page.name, number, m.group(0), (n,), (1,), m["unit"].lower()))
     return out
 
 
@@ -169,7 +165,9 @@ def _json_numbers(x, out: list[float]) -> None:
         out.append(float(x))
     elif isinstance(x, dict):
         for k, v in x.items():
-            if k != "provenance":
+            if k == "provenance":  # of the provenance, the load (a figure the prose may cite); not dates, cores
+                _json_numbers(((v.get("machine") or {}) if isinstance(v, dict) else {}).get("load_average"), out)
+            else:
                 _json_numbers(v, out)
     elif isinstance(x, list):
         for v in x:
@@ -246,11 +244,18 @@ def problems(root: Path = ROOT, pages: list[Path] | None = None) -> list[str]:
     out = []
     for page in pages:
         rel = page.relative_to(root) if page.is_relative_to(root) else page
-        for first, lines in blocks(page.read_text()):
-            figs = figures(page, lines, first)
-            raw = "\n".join(lines)
-            sources, errors = _sources(raw, root)
-            out += [f"{rel}:{first}: {e}" for e in errors]
+        inherited: list[Source] = []
+        for block in blocks(page.read_text()):
+            figs = figures(page, block)
+            sources, errors = _sources("\n".join(line for _, line in block), root)
+            # a list introduced by a paragraph ending in ":" shares that paragraph's sources
+            first = next((line for _, line in block if not line.lstrip().startswith("#")), "")
+            item = re.match(r"\s*(?:[-*+]|\d+\.)\s", first)
+            if item:
+                sources = sources + inherited
+            else:
+                inherited = sources if block[-1][1].rstrip().endswith(":") else []
+            out += [f"{rel}:{block[0][0]}: {e}" for e in errors]
             for f in figs:
                 if not sources:
                     out.append(f"{rel}:{f.line}: {f.text!r} names no source (a test, a results file or the code "
