@@ -148,6 +148,13 @@ class Thresholds:
 
     for_scale: float | None = None
 
+    # -- expert parallelism: is EPLB worth its rearrangements? (issue [eplb], ``eplb_worth``) --------------------
+    # What one rearrangement costs, from vLLM's published figures: the step that rearranged took 3.17x a step
+    # (vLLM #50647, Kimi K2 on 16 ranks: 2.17 step times more), and 16-21 s on DeepSeek-class models (#47206: the
+    # lower end). Where a step's seconds are known the larger of the two, in step times, is the cost.
+    eplb_rearrange_extra_steps: float = 2.17
+    eplb_rearrange_seconds: float = 16.0
+
     # -- judgements (the same methods for every view) ------------------------------------------------------
     def hot_z(self, n_layers: int, n_experts: int) -> float:
         """The z at which L x E per-expert tests false-alarm with ``family_alpha`` per window together."""
@@ -254,6 +261,34 @@ class Thresholds:
 
     def rank_overloaded(self, max_over_mean: float | None) -> bool:
         return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean
+
+    def eplb_cost_steps(self, step_s: float | None = None) -> float:
+        """One EPLB rearrangement in step times: vLLM's published cost (``eplb_rearrange_extra_steps``), or
+        ``eplb_rearrange_seconds`` over a step's seconds where that is more."""
+        by_time = self.eplb_rearrange_seconds / step_s if step_s and step_s > 0 else 0.0
+        return max(self.eplb_rearrange_extra_steps, by_time)
+
+    def eplb_gain_steps(self, static: float, eplb: float, interval_steps: int) -> float:
+        """Step times EPLB saves per rearrangement interval against the static placement: each step's MoE time
+        scales with its straggler factor (every layer waits on its busiest rank), so a step takes ``eplb /
+        static`` of its static time at most (all of a step taken as MoE time: an upper bound of the gain)."""
+        return interval_steps * (1.0 - eplb / static) if static > 0 else 0.0
+
+    def eplb_beyond_noise(self, static: float, static_se: float, eplb: float, eplb_se: float) -> bool:
+        """EPLB's straggler factor is below the static placement's by more than ``noise_z`` standard errors of the
+        two (the sample's noise, taken as independent: conservative, both are measured on the same steps)."""
+        if not all(math.isfinite(v) for v in (static, eplb)):
+            return False
+        noise = self.noise_z * math.hypot(static_se if math.isfinite(static_se) else 0.0,
+                                          eplb_se if math.isfinite(eplb_se) else 0.0)
+        return static - eplb > noise
+
+    def eplb_worth(self, static: float, static_se: float, eplb: float, eplb_se: float, interval_steps: int,
+                   step_s: float | None = None) -> bool:
+        """EPLB is worth turning on when its gain is beyond the sample's noise (``eplb_beyond_noise``) and the step
+        times it saves per interval exceed one rearrangement's (``eplb_cost_steps``)."""
+        return self.eplb_beyond_noise(static, static_se, eplb, eplb_se) and \
+            self.eplb_gain_steps(static, eplb, interval_steps) > self.eplb_cost_steps(step_s)
 
 
 def expected_activation(dense_params: int, expert_params: int, n_moe_layers: int, top_k: int,

@@ -15,7 +15,7 @@ from moescope.analysis import profile
 from moescope.parallel import planner as placement_plan
 from moescope.cli import main
 from moescope.parallel import placement as placement_mod
-from reference import naive_max_over_mean
+from reference import naive_max_over_mean, naive_rank_loads
 
 
 def _naive_rank_loads(load, per_rank):
@@ -61,8 +61,20 @@ def test_planned_placement_measures_better_than_round_robin_in_a_2_rank_demo(tmp
     capsys.readouterr()
     assert main(["plan-placement", "--ranks", "2", "--traces", str(traces), "--out", str(tmp_path / "p"),
                  "--json"]) == 0
-    predicted = json.loads(capsys.readouterr().out)["layers"]
+    report = json.loads(capsys.readouterr().out)
+    predicted = report["layers"]
     assert all(v["planned_max_over_mean"] < v["round_robin_max_over_mean"] for v in predicted.values())
+    # [eplb] the step-level verdict: linear's straggler recomputed from the stored steps (the profile's passes),
+    # slot by slot, on the steps after those held out to plan EPLB's first placement
+    step = report["step_level"]
+    prof = profile.load(str(traces))
+    steps = np.stack([prof.passes[layer] for layer in prof.layers], 1)[step["steps_held_out"]:]
+    assert len(steps) == step["steps_judged"] > 0
+    halves = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    busiest = sum(max(naive_rank_loads(row, halves)) for s in steps for row in s)
+    mean = sum(sum(naive_rank_loads(row, halves)) / 2 for s in steps for row in s)
+    assert step["static"]["placement"] == "linear" and step["static"]["straggler"] == pytest.approx(busiest / mean)
+    assert json.loads(step["flags"].split("'")[1])["num_redundant_experts"] == 2  # one per rank by default
     yaml_path = tmp_path / "p" / "placement.yaml"
     placement_mod.load(yaml_path, n_experts=8, world_size=2, moe_layers=[1, 2, 3])  # the runtime accepts it
 

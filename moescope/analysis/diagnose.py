@@ -42,7 +42,7 @@ from moescope import sampling
 from moescope import judge as judging
 from moescope.judge import Judgement, draws_of
 from moescope.analysis import baseline as bl, prom_evidence
-from moescope.analysis import step_experts
+from moescope.analysis import ep_advice, step_experts
 from moescope.config import DEFAULT_WINDOW_S
 from moescope.errors import BadInput
 from moescope.metrics.window import LearnedRows
@@ -849,6 +849,8 @@ def diagnose(conn, *, since: float | None = None, limit: int = 5000, baseline=No
     spread = step_experts.finding(w.routing, w.step_of, w.n_experts, w.top_k,
                                   step_experts.utilisation_from(prometheus, w.model) if prometheus else None)
     findings += [Finding(**spread)] if spread else []
+    balance = ep_advice.diagnose_finding(w)  # [eplb]: would EP and EPLB pay, from the steps' own routing
+    findings += [Finding(**balance)] if balance else []
     findings.sort(key=lambda f: (SEVERITY_ORDER[f.severity], -f.score))
     for f in findings:
         if f.playbook:

@@ -32,6 +32,8 @@ class LoadProfile:
     passes: dict[int, np.ndarray]  # layer -> [P, E] slots per expert per pass
     coactivation: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [E, E] tokens choosing both
     model: str | None = None
+    steps: list = field(default_factory=list)  # the trace store's steps (their JSON: phase, seconds), in pass order
+
 
     @property
     def layers(self) -> list[int]:
@@ -54,6 +56,7 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt
     corrupt = CorruptRows() if corrupt is None else corrupt
 
     step_rows: dict[tuple, dict[int, np.ndarray]] = {}
+    step_json: dict[tuple, dict] = {}
     co: dict[int, np.ndarray] = {}
     n_exp, name = None, None
     for r in iter_routed(conn, since=since, limit=limit, corrupt=corrupt, model=model):
@@ -64,6 +67,7 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt
         for s in np.unique(step_of):
             st = steps[int(s)] if steps else {}
             key = (st.get("run", ""), st.get("index", int(s)))
+            step_json[key] = st
             rows = ids[step_of == s]
             per_layer = step_rows.setdefault(key, {})
             for j, layer in enumerate(layers):
@@ -82,7 +86,7 @@ def from_store(conn, *, since: float | None = None, limit: int = 100000, corrupt
     layers = sorted({layer for v in step_rows.values() for layer in v})
     passes = {layer: np.stack([step_rows[key].get(layer, np.zeros(n_exp, np.int64)) for key in sorted(step_rows)])
               for layer in layers}
-    return LoadProfile("trace store", n_exp, passes, co, name)
+    return LoadProfile("trace store", n_exp, passes, co, name, [step_json[key] for key in sorted(step_rows)])
 
 
 def from_sglang(path: str | Path) -> LoadProfile:

@@ -313,11 +313,13 @@ class StepBalance:
         keep_values: keep every step's ratios (offline, for exact quantiles; unbounded).
         in_use_source: () -> ``Layout`` or None, the placement the engine runs now (read once per summary).
         budget: multiply-adds per summary (``WORK_BUDGET``); the steps judged are as many of the sample as it pays.
+        warm: [L, E] a load EPLB and the plan start from (instead of vLLM's initial map): offline, the steps before
+            the ones judged, so that a short trace judges EPLB's steady state, out of sample.
     """
 
     def __init__(self, moe_layers, n_experts: int, *, buckets, ep_sizes=None, placements=PLACEMENTS, redundant=None,
                  schedule: Schedule = Schedule(), groups: int = 1, nodes: int = 1, per_layer: bool = False,
-                 keep_values: bool = False, in_use_source=None, budget: int = WORK_BUDGET) -> None:
+                 keep_values: bool = False, in_use_source=None, budget: int = WORK_BUDGET, warm=None) -> None:
         self.layers = tuple(moe_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.n_experts, self.schedule = n_experts, schedule
@@ -359,6 +361,8 @@ class StepBalance:
         self._in_use_phys: np.ndarray | None = None
         self.rearrangements: collections.deque = collections.deque(maxlen=EVENTS_KEPT)
         self.rearranged = 0
+        if warm is not None:  # EPLB and the plan start from the placement this load gives (offline: held out)
+            self._rearrange(warm)
 
     def _initial(self, placement: str, n: int, r: int) -> Layout:
         """EPLB's map before its first rearrangement (vLLM's ``initial``; the planner's entry starts from it too)."""
@@ -520,9 +524,10 @@ class StepBalance:
     def _window_counts(self) -> np.ndarray:
         return sum((c for _, c in self._window), np.zeros((len(self.layers), self.n_experts)))
 
-    def _rearrange(self) -> None:
-        """EPLB's (and the planner's) new placements from the window's counts, as vLLM's ``EplbState.rearrange``."""
-        load = self._window_counts()
+    def _rearrange(self, load: np.ndarray | None = None) -> None:
+        """EPLB's (and the planner's) new placements from the window's counts (``load``: these instead), as vLLM's
+        ``EplbState.rearrange``."""
+        load = self._window_counts() if load is None else np.asarray(load, dtype=np.float64)
         if not load.sum():
             return
         for acc in self._acc.values():
