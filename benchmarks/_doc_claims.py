@@ -39,11 +39,11 @@ FIGURE = re.compile(rf"(?<![\w.\-/+])(?P<num>{_NUM})(?:\s?(?:-|–|\.\.|to)\s?(?
                     rf"(?:\s|-)?(?P<unit>{_UNIT})(?![\w/])")
 WORDS = re.compile(r"\b(?:within|under|about|after|every|over|than|in)\s+(?:about\s+)?(?P<n>a|one|half a|two|a few)\s+"
                    r"(?P<unit>second|minute|millisecond|hour)s?\b", re.I)
-TEST = re.compile(r"\(test: (?P<body>[^)]+)\)")
-RESULT = re.compile(r"(?:benchmarks/results/)?(?P<file>[\w.-]+\.json), commit (?P<commit>[0-9a-f]{7,40}), "
+TEST = re.compile(r"\(test:\s+(?P<body>[^)]+)\)")
+RESULT = re.compile(r"(?:benchmarks/results/)?(?P<file>[\w.-]+\.json),\s+commit\s+(?P<commit>[0-9a-f]{7,40}),\s+"
                     r"(?P<date>\d{4}-\d{2}-\d{2})")
-RESULTS_MARK = re.compile(r"\((?P<body>(?:benchmarks/results/)?[\w.-]+\.json, commit [^)]+)\)")
-SET = re.compile(r"\(set: (?P<body>[^)]+)\)")
+RESULTS_MARK = re.compile(r"\((?P<body>(?:benchmarks/results/)?[\w.-]+\.json,\s+commit\s[^)]+)\)")
+SET = re.compile(r"\(set:\s+(?P<body>[^)]+)\)")
 _LITERAL = re.compile(r"(?<![\w.])(\d[\d_]*(?:\.\d+)?(?:[eE]-?\d+)?)(?![\w])")
 
 
@@ -67,12 +67,14 @@ def _prose(text: str) -> str:
     return text
 
 
-def _strip_inline(line: str) -> str:
-    line = re.sub(r"`[^`\n]*`", " ", line)
-    line = re.sub(r"\]\([^)]*\)", "]", line)  # a link's target (a path, an anchor)
+def _strip_inline(text: str) -> str:
+    """Code spans, link targets and source markers blanked (newlines kept: a marker may span lines)."""
+    blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731
+    text = re.sub(r"`[^`\n]*`", blank, text)
+    text = re.sub(r"\]\([^)]*\)", blank, text)  # a link's target (a path, an anchor)
     for marker in (TEST, RESULTS_MARK, SET):
-        line = marker.sub(" ", line)
-    return line
+        text = marker.sub(blank, text)
+    return text
 
 
 def blocks(text: str) -> list[list[tuple[int, str]]]:
@@ -114,8 +116,8 @@ def _number(tok: str) -> tuple[float, int]:
 
 def figures(page: Path, block: list[tuple[int, str]]) -> list[Figure]:
     out = []
-    for number, line in block:
-        prose = _strip_inline(line)
+    stripped = _strip_inline("\n".join(line for _, line in block)).split("\n")
+    for (number, _), prose in zip(block, stripped):
         for m in FIGURE.finditer(prose):
             vals = [_number(m["num"])] + ([_number(m["num2"])] if m["num2"] else [])
             out.append(Figure(page.name, number, m.group(0), tuple(v for v, _ in vals), tuple(d for _, d in vals),
@@ -176,13 +178,19 @@ def _json_numbers(x, out: list[float]) -> None:
         out.extend(float(t) for t in re.findall(r"-?\d+(?:\.\d+)?", x))
 
 
+_DURATION = re.compile(r"(?<![\w.])(\d+)(ms|s|m|h)(?![\w])")  # Prometheus' "2m", "10m", "4h", "30s"
+
+
 def _literals(text: str) -> list[float]:
+    """The numbers ``text`` (code, a config) holds as literals, and its duration strings in seconds."""
     out = []
     for tok in _LITERAL.findall(text):
         try:
             out.append(float(tok.replace("_", "")))
         except ValueError:
             pass
+    per = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    out += [int(n) * per[u] for n, u in _DURATION.findall(text)]
     return out
 
 
