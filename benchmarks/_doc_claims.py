@@ -6,14 +6,18 @@ A figure is a number with a unit in a docs page's prose (docs/*.md, README.md): 
 ... -->`` blocks), code (fenced blocks and `inline code`: commands, formulas) and HTML comments.
 
 Every other figure sits in a block (a paragraph, a list item or a table, with the heading above it) that names its
-source, in one of three forms, each checked here:
+source, in one of these forms, each checked here (a list item shares the sources of the items it is nested in
+and of the paragraph that introduces the list, ending in a colon):
 
 - ``(test: tests/test_x.py::test_name)``: the test that asserts it. The test must exist and its module hold the
   figure as a literal (``10 s`` -> ``10``, ``93%`` -> ``0.93`` or ``93``, ``250 ms`` -> ``0.25`` or ``250``).
-- ``(X.json, commit abc1234, 2026-12-07)``: a results file in benchmarks/results/ (several: ``(X.json, commit ..,
-  date; Y.json, commit .., date)``). The commit and date must be the file's provenance's (a re-run changes them, so
+- ``(X.json, commit abc1234, 2026-12-07)``: a results file in benchmarks/results/, or a path from the root for
+  another file with a provenance (``moescope/assets/tiny-demo.json``); several: ``(X.json, commit .., date; Y.json,
+  commit .., date)``. The commit and date must be the file's provenance's (a re-run changes them, so
   the prose is read again), and the file must hold the figure at the precision printed (``1.88%`` is 0.0188 or 1.88
   to two decimals; each end of a range ``3.6-4.4%``).
+- ``(log: benchmarks/results/X.log)``: a run's own log kept with the results (device-checks.log), holding the
+  figure as written.
 - ``(set: moescope/x.py)``: a value the code sets, not a measurement: a default, a bar, an interval, a goal (several
   paths: comma-separated). Each path must exist and one of them hold the figure as a literal.
 
@@ -40,10 +44,10 @@ FIGURE = re.compile(rf"(?<![\w.\-/+])(?P<num>{_NUM})(?:\s?(?:-|–|\.\.|to)\s?(?
 WORDS = re.compile(r"\b(?:within|under|about|after|every|over|than|in)\s+(?:about\s+)?(?P<n>a|one|half a|two|a few)\s+"
                    r"(?P<unit>second|minute|millisecond|hour)s?\b", re.I)
 TEST = re.compile(r"\(test:\s+(?P<body>[^)]+)\)")
-RESULT = re.compile(r"(?:benchmarks/results/)?(?P<file>[\w.-]+\.json),\s+commit\s+(?P<commit>[0-9a-f]{7,40}),\s+"
-                    r"(?P<date>\d{4}-\d{2}-\d{2})")
-RESULTS_MARK = re.compile(r"\((?P<body>(?:benchmarks/results/)?[\w.-]+\.json,\s+commit\s[^)]+)\)")
+RESULT = re.compile(r"(?P<file>[\w./-]+\.json),\s+commit\s+(?P<commit>[0-9a-f]{7,40}),\s+(?P<date>\d{4}-\d{2}-\d{2})")
+RESULTS_MARK = re.compile(r"\((?P<body>[\w./-]+\.json,\s+commit\s[^)]+)\)")
 SET = re.compile(r"\(set:\s+(?P<body>[^)]+)\)")
+LOG = re.compile(r"\(log:\s+(?P<body>benchmarks/results/[\w./-]+\.log)\)")
 _LITERAL = re.compile(r"(?<![\w.])(\d[\d_]*(?:\.\d+)?(?:[eE]-?\d+)?)(?![\w])")
 
 
@@ -72,7 +76,7 @@ def _strip_inline(text: str) -> str:
     blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731
     text = re.sub(r"`[^`\n]*`", blank, text)
     text = re.sub(r"\]\([^)]*\)", blank, text)  # a link's target (a path, an anchor)
-    for marker in (TEST, RESULTS_MARK, SET):
+    for marker in (TEST, RESULTS_MARK, SET, LOG):
         text = marker.sub(blank, text)
     return text
 
@@ -223,7 +227,8 @@ def _sources(raw: str, root: Path) -> tuple[list[Source], list[str]]:
             if not r:
                 errors.append(f"({part.strip()}): not `X.json, commit SHA, YYYY-MM-DD`")
                 continue
-            path = root / "benchmarks" / "results" / r["file"]
+            # a bare name is a results file; a path (moescope/assets/tiny-demo.json) is from the root
+            path = root / r["file"] if "/" in r["file"] else root / "benchmarks" / "results" / r["file"]
             if not path.is_file():
                 errors.append(f"{r['file']}: no such results file")
                 continue
@@ -236,6 +241,12 @@ def _sources(raw: str, root: Path) -> tuple[list[Source], list[str]]:
             values: list[float] = []
             _json_numbers(d, values)
             sources.append(Source(r["file"], values, rounded=True))
+    for m in LOG.finditer(raw):  # a run's log kept beside the results files (device-checks.log): its text
+        path = root / m["body"]
+        if not path.is_file():
+            errors.append(f"(log: {m['body']}): no such file")
+        else:
+            sources.append(Source(m["body"], _literals(path.read_text()), rounded=False))
     for m in SET.finditer(raw):
         for ref in (r.strip() for r in m["body"].split(",")):
             path = root / ref
@@ -252,17 +263,21 @@ def problems(root: Path = ROOT, pages: list[Path] | None = None) -> list[str]:
     out = []
     for page in pages:
         rel = page.relative_to(root) if page.is_relative_to(root) else page
-        inherited: list[Source] = []
+        intro: list[Source] = []  # the sources of the paragraph introducing a list (ending in ":")
+        parents: list[tuple[int, list[Source]]] = []  # (indent, sources) of the list items enclosing the next
         for block in blocks(page.read_text()):
             figs = figures(page, block)
-            sources, errors = _sources("\n".join(line for _, line in block), root)
-            # a list introduced by a paragraph ending in ":" shares that paragraph's sources
+            own, errors = _sources("\n".join(line for _, line in block), root)
+            sources = own
             first = next((line for _, line in block if not line.lstrip().startswith("#")), "")
-            item = re.match(r"\s*(?:[-*+]|\d+\.)\s", first)
-            if item:
-                sources = sources + inherited
+            if re.match(r"\s*(?:[-*+]|\d+\.)\s", first):  # a list item: its own, its parents' and the intro's
+                indent = len(first) - len(first.lstrip())
+                parents = [(i, s) for i, s in parents if i < indent]
+                sources = own + [s for _, ss in parents for s in ss] + intro
+                parents.append((indent, own))
             else:
-                inherited = sources if block[-1][1].rstrip().endswith(":") else []
+                intro = own if block[-1][1].rstrip().endswith(":") else []
+                parents = []
             out += [f"{rel}:{block[0][0]}: {e}" for e in errors]
             for f in figs:
                 if not sources:
