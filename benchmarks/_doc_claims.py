@@ -74,7 +74,7 @@ def _prose(text: str) -> str:
 def _strip_inline(text: str) -> str:
     """Code spans, link targets and source markers blanked (newlines kept: a marker may span lines)."""
     blank = lambda m: re.sub(r"[^\n]", " ", m.group(0))  # noqa: E731
-    text = re.sub(r"`[^`\n]*`", blank, text)
+    text = re.sub(r"`[^`]*`", blank, text)  # (inline code may wrap: the block's text is whole here)
     text = re.sub(r"\]\([^)]*\)", blank, text)  # a link's target (a path, an anchor)
     for marker in (TEST, RESULTS_MARK, SET, LOG):
         text = marker.sub(blank, text)
@@ -147,6 +147,8 @@ def _scales(unit: str) -> tuple[float, ...]:
         return (1.0, 3600.0, 60.0)
     if u in ("millisecond",):
         return (1.0, 0.001)
+    if u in ("us", "µs"):
+        return (1.0, 1e-6)
     return (1.0,)
 
 
