@@ -3,7 +3,8 @@
 A figure is a number with a unit in a docs page's prose (docs/*.md, README.md): a time (``2 s``, ``250 ms``,
 ``5 minutes``, ``4h``, "within a second"), a share (``3.6%``), a ratio (``1.02x``, ``4.5 x``) or a size
 (``16 MB``, ``256 KiB``). Exempt: the tables benchmarks/_doc_tables.py prints from results files (``<!-- table:
-... -->`` blocks), code (fenced blocks and `inline code`: commands, formulas) and HTML comments.
+... -->`` blocks), a table printed from code that a test checks (under ``<!-- generated: ... -->``), code (fenced
+blocks and `inline code`: commands, formulas) and HTML comments.
 
 Every other figure sits in a block (a paragraph, a list item or a table, with the heading above it) that names its
 source, in one of these forms, each checked here (a list item shares the sources of the items it is nested in
@@ -47,6 +48,7 @@ TEST = re.compile(r"\(test:\s+(?P<body>[^)]+)\)")
 RESULT = re.compile(r"(?P<file>[\w./-]+\.json),\s+commit\s+(?P<commit>[0-9a-f]{7,40}),\s+(?P<date>\d{4}-\d{2}-\d{2})")
 RESULTS_MARK = re.compile(r"\((?P<body>[\w./-]+\.json,\s+commit\s[^)]+)\)")
 SET = re.compile(r"\(set:\s+(?P<body>[^)]+)\)")
+GENERATED = re.compile(r"<!-- generated: (?P<func>[\w.()]+) \((?P<test>tests/[\w/]+\.py) checks it\) -->")
 LOG = re.compile(r"\(log:\s+(?P<body>benchmarks/results/[\w./-]+\.log)\)")
 _LITERAL = re.compile(r"(?<![\w.])(\d[\d_]*(?:\.\d+)?(?:[eE]-?\d+)?)(?![\w])")
 
@@ -67,6 +69,8 @@ def _prose(text: str) -> str:
     keep_lines = lambda m: "\n" * m.group(0).count("\n")  # noqa: E731
     text = re.sub(r"<!-- table:.*?<!-- /table -->", keep_lines, text, flags=re.S)
     text = re.sub(r"^```.*?^```", keep_lines, text, flags=re.S | re.M)
+    # a table printed from code that a test compares with it (`<!-- generated: FUNCTION (TEST checks it) -->`)
+    text = re.sub(r"<!-- generated: [^>]* checks it\) -->\n(?:\|.*\n)+", keep_lines, text)
     text = re.sub(r"<!--.*?-->", keep_lines, text, flags=re.S)
     return text
 
@@ -160,6 +164,8 @@ def _held(values: list[float], fig: Figure, *, rounded: bool) -> bool:
         if rounded:
             ok = any(round(x / k, d) == v for x in values for k in _scales(fig.unit) if x == x)
         else:
+            if fig.unit == "%":  # a relative change, as code writes it: 1% up or down is 1.01 or 0.99
+                targets += [1 + v / 100, 1 - v / 100]
             ok = any(abs(x - t) <= 1e-9 * max(1.0, abs(t)) for x in values for t in targets)
         if not ok:
             return False
@@ -265,9 +271,15 @@ def problems(root: Path = ROOT, pages: list[Path] | None = None) -> list[str]:
     out = []
     for page in pages:
         rel = page.relative_to(root) if page.is_relative_to(root) else page
+        text = page.read_text()
+        for m in GENERATED.finditer(text):  # an exempt table names the code printing it and the test checking it
+            test = root / m["test"]
+            if not test.is_file() or m["func"].split(".")[-1].rstrip("()") not in test.read_text():
+                out.append(f"{rel}: <!-- generated: {m['func']} ({m['test']} checks it) -->: that test does not "
+                           "name that function")
         intro: list[Source] = []  # the sources of the paragraph introducing a list (ending in ":")
         parents: list[tuple[int, list[Source]]] = []  # (indent, sources) of the list items enclosing the next
-        for block in blocks(page.read_text()):
+        for block in blocks(text):
             figs = figures(page, block)
             own, errors = _sources("\n".join(line for _, line in block), root)
             sources = own
