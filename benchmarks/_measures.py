@@ -60,6 +60,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "efficiency-vllm.json": ("benchmarks/efficiency.py", "tests/vllm_estimate.py", *VLLM, *CAPTURE, *TRACES),
     "eplb*.json": ("benchmarks/eplb.py", *PARALLEL, *RUNTIME, *CAPTURE),
     "parallel.json": ("benchmarks/parallel.py", *PARALLEL, *RUNTIME, *CAPTURE),
+    "step-balance*.json": ("benchmarks/step_balance.py", *PARALLEL, *RUNTIME, "moescope/capture/routing_probe.py",
+                           "moescope/metrics/catalogue.py"),
     "fleet_series.json": ("benchmarks/fleet_series.py", *PARALLEL, *CAPTURE),
     "lake.json": ("benchmarks/lake.py", "moescope/traces/to_parquet.py", *TRACES, *VIEWS, *RUNTIME,
                   "moescope/capture/token_trace.py", "moescope/capture/queued.py"),

@@ -27,7 +27,8 @@ QUICK_TIMEOUT_S = 900  # a quick run is a smoke run: minutes at most, even on a 
 # (vllm.py and vllm_soak.py need the .vllm/ environment: their quick runs are in the vLLM pass, `make test-vllm`)
 QUICK_TESTED_ELSEWHERE = {"serve": ("test_serve.py", "test_load_benchmark_quick_runs"),
                           "vllm": ("test_vllm.py", "test_the_overhead_benchmark_quick_runs"),
-                          "vllm_soak": ("test_vllm_diagnose.py", "test_the_soak_benchmark_quick_runs")}
+                          "vllm_soak": ("test_vllm_diagnose.py", "test_the_soak_benchmark_quick_runs"),
+                          "step_balance": ("test_step_balance_ranks.py", "report")}
 
 
 def test_the_directory_holds_the_benchmarks():

@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from moescope.errors import BadInput
 
 
+# A layer moves only when the plan's busiest / mean rank is more than this below its current placement's (same counts)
+MIN_GAIN = 0.01
+
+
 @dataclass(frozen=True)
 class Rebalancer:
     """When to rearrange: every ``every_steps`` steps, only below ``below`` balancedness if set; ``slots``:
@@ -41,7 +45,7 @@ class Rebalancer:
     slots: int | None = None
     below: float | None = None
     horizon: int = 8
-    min_gain: float = 0.01
+    min_gain: float = MIN_GAIN
 
     def __post_init__(self) -> None:
         if self.every_steps < 1:

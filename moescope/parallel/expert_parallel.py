@@ -54,7 +54,7 @@ from moescope import stats
 from moescope.errors import MoescopeError
 from moescope.parallel.eplb import Rebalance
 from moescope.parallel.placement import Placement
-from moescope.parallel.planner import plan_layer
+from moescope.parallel.planner import plan_or_keep
 from moescope.runtime.experts import Experts, combine
 
 
@@ -83,6 +83,8 @@ class AllToAllRecord:
     # dispatch only: rows every rank computes in this exchange (from the split sizes every rank receives: the same
     # on every rank): the measured per-rank load
     rank_rows: tuple[int, ...] = ()
+    # the rank step it was made in (``ExpertParallel.steps``: the same count on every rank), for per-step loads
+    step: int = -1
 
 
 class ExpertParallel:
@@ -271,46 +273,72 @@ class ExpertParallel:
         """Plan a placement from the fleet's counts of the last ``horizon`` windows and move the weights of the
         layers whose plan gains more than ``min_gain`` (``parallel.eplb``)."""
         start = time.perf_counter()
-        rb, w, old = self.rebalancer, self.world, self.placement
+        rb, old = self.rebalancer, self.placement
         layers = [m.layer_index for m in moe_layers]
-        n_exp = old.n_experts
-        device = moe_layers[0].experts.gate_up_proj.device
-        counts = torch.stack([self._routed.get(layer, torch.zeros(n_exp, dtype=torch.long, device=device)).double()
-                              for layer in layers])  # [L, E]
-        self._collective(dist.all_reduce, counts)  # the fleet's: every rank plans the same placement
-        self._routed.clear()
-        if self._history.maxlen != rb.horizon:
-            self._history = collections.deque(self._history, maxlen=rb.horizon)
-        self._history.append(counts)  # (kept whether or not the ranks rearrange now)
+        self._history_append(self._fleet_counts(layers, moe_layers[0].experts.gate_up_proj.device), rb.horizon)
         before, before_rows = self.measured_since(), self.rows_since()
         if rb.below is not None and before and min(1 / v for v in before.values()) >= rb.below:
             return  # balanced enough: keep measuring from here
         load = sum(self._history).cpu().numpy()  # the last ``horizon`` windows' counts: one window is a sample
         if not load.sum():
             return
+        new_layers, predicted, kept = self._plan(load, layers)
+        moved, moved_bytes = self._move_weights(moe_layers, new_layers)
+        n_exp = old.n_experts
+        replicated = any(sum(len(x) for x in per) > n_exp for per in new_layers.values())
+        self.placement = Placement(self.world, n_exp, new_layers, replicated)
+        self._owner.clear()
+        self._rows_since.clear()
+        event = Rebalance(self.steps, time.perf_counter() - start, moved, moved_bytes, before, predicted,
+                          new_layers, before_rows, kept)
+        self.events.append(event)
+        if self.observer is not None:
+            self.observer().on_rebalance(event)
+
+    def _fleet_counts(self, layers: list[int], device) -> torch.Tensor:
+        """[L, E] the fleet's slots per logical expert since the last rearrangement (one all-reduce: every rank
+        plans the same placement); this rank's own counts start again."""
+        n_exp = self.placement.n_experts
+        counts = torch.stack([self._routed.get(layer, torch.zeros(n_exp, dtype=torch.long, device=device)).double()
+                              for layer in layers])  # [L, E]
+        self._collective(dist.all_reduce, counts)
+        self._routed.clear()
+        return counts
+
+    def _history_append(self, counts: torch.Tensor, horizon: int) -> None:
+        """Keep the last ``horizon`` windows' counts (kept whether or not the ranks rearrange now)."""
+        if self._history.maxlen != horizon:
+            self._history = collections.deque(self._history, maxlen=horizon)
+        self._history.append(counts)
+
+    def _plan(self, load: np.ndarray, layers: list[int]) -> tuple[dict, dict, int]:
+        """(new placement per layer, its predicted busiest / mean rank on ``load`` [L, E], layers kept): a layer keeps
+        its placement unless the plan gains more than ``min_gain`` on the same counts."""
+        rb, old = self.rebalancer, self.placement
         slots = rb.slots or max(len(x) for per in old.layers.values() for x in per)
-        new_layers, predicted = {}, {}
-        kept = 0
+        new_layers, predicted, kept = {}, {}, 0
         for i, layer in enumerate(layers):
-            per = plan_layer(load[i], w, slots)
-            new_layers[layer] = tuple(tuple(x) for x in per)
-            predicted[layer] = float(stats.max_over_mean_rows(stats.rank_loads(load[i], per)))
-            current = float(stats.max_over_mean_rows(stats.rank_loads(load[i], old.layers[layer])))
-            # a gain the counts cannot tell from noise, or a layer with no load (NaN: not defined): no moves
-            if not current > predicted[layer] + rb.min_gain:
-                new_layers[layer], predicted[layer] = tuple(tuple(x) for x in old.layers[layer]), current
-                kept += 1
+            per, predicted[layer], keep = plan_or_keep(load[i], self.world, slots, old.layers[layer], rb.min_gain)
+            new_layers[layer] = tuple(x for x in old.layers[layer]) if keep else tuple(tuple(x) for x in per)
+            kept += keep
+        return new_layers, predicted, kept
+
+    def _move_weights(self, moe_layers, new_layers: dict) -> tuple[int, int]:
+        """Send each expert placed on a rank that did not hold it from its lowest previous holder
+        (``batch_isend_irecv``) and copy it into the receiver's expert tensors. Returns (copies placed, bytes this
+        rank received)."""
+        old = self.placement
         ops, received = [], []
         moved = 0
         for m in moe_layers:
             layer = m.layer_index
-            for r in range(w):
+            params = (m.experts.gate_up_proj, m.experts.down_proj)
+            for r in range(self.world):
                 for e in new_layers[layer][r]:
                     if e in old.layers[layer][r]:
                         continue
                     moved += 1
                     src = min(old.ranks_of(layer, e))
-                    params = (m.experts.gate_up_proj, m.experts.down_proj)
                     if self.rank == src:
                         ops += [dist.P2POp(dist.isend, self._on_comm(p[e].contiguous()), r) for p in params]
                     elif self.rank == r:
@@ -330,15 +358,7 @@ class ExpertParallel:
             for p, b in zip(params, bufs):
                 p.data[e].copy_(b)
                 moved_bytes += b.numel() * b.element_size()
-        replicated = any(sum(len(x) for x in per) > n_exp for per in new_layers.values())
-        self.placement = Placement(w, n_exp, new_layers, replicated)
-        self._owner.clear()
-        self._rows_since.clear()
-        event = Rebalance(self.steps, time.perf_counter() - start, moved, moved_bytes, before, predicted,
-                          new_layers, before_rows, kept)
-        self.events.append(event)
-        if self.observer is not None:
-            self.observer().on_rebalance(event)
+        return moved, moved_bytes
 
     def _on_comm(self, t):
         """``t`` where the backend takes it (itself when it is there already)."""
@@ -432,11 +452,11 @@ class ExpertParallel:
             obs = self.observer()
             obs.on_all_to_all(AllToAllRecord(layer, "dispatch", dispatch_s, tuple(n * row_bytes for n in sends),
                                              tuple(n * row_bytes for n in recv_counts), wait, tuple(rows),
-                                             tuple(rank_rows)))
+                                             tuple(rank_rows), self.steps))
             obs.on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
                                              tuple(n * hidden * x.element_size() for n in recv_counts),
                                              tuple(n * hidden * x.element_size() for n in sends),
-                                             (0.0,) * w))
+                                             (0.0,) * w, step=self.steps))
         self.combines += 1
         if failure is not None:
             raise failure

@@ -70,6 +70,19 @@ def plan_layer(load: np.ndarray, ranks: int, slots: int, coactivation: np.ndarra
     return [sorted(x) for x in per_rank]
 
 
+def plan_or_keep(load: np.ndarray, ranks: int, slots: int, current, min_gain: float
+                 ) -> tuple[list[list[int]], float, bool]:
+    """EPLB in the loop's rule for one layer (``parallel.eplb``): (the placement, its busiest / mean rank on ``load``,
+    kept). The plan replaces ``current`` (each rank's experts) only when its busiest / mean rank on the same counts
+    is more than ``min_gain`` below the current one's; a layer with no load (NaN) keeps its placement."""
+    per = plan_layer(load, ranks, slots)
+    predicted = float(stats.max_over_mean_rows(stats.rank_loads(load, per)))
+    now = float(stats.max_over_mean_rows(stats.rank_loads(load, current)))
+    if not now > predicted + min_gain:  # a gain the counts cannot tell from noise: no moves
+        return [sorted(x) for x in current], now, True
+    return per, predicted, False
+
+
 @dataclass
 class Plan:
     ranks: int

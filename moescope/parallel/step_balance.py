@@ -49,7 +49,8 @@ import numpy as np
 
 from moescope.errors import BadInput
 from moescope.parallel import eplb_policy
-from moescope.parallel.planner import plan_layer
+from moescope.parallel.eplb import MIN_GAIN
+from moescope.parallel.planner import plan_or_keep
 
 PLACEMENTS = ("linear", "round_robin", "eplb", "plan")
 MAX_EP = 64
@@ -189,6 +190,13 @@ def _fold(loads: np.ndarray, kind: str, n: int) -> np.ndarray:
     return loads.reshape(s, n_layers, m, n).sum(-2)
 
 
+def per_rank(layout: Layout, row: int) -> list[list[int]]:
+    """Each rank's experts in one layer (row) of ``layout`` (empty slots left out)."""
+    phy = layout.phy2log[row]
+    per = len(phy) // layout.ep
+    return [[int(e) for e in phy[r * per:(r + 1) * per] if e >= 0] for r in range(layout.ep)]
+
+
 def max_mean(loads: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """([..., L] busiest rank, [..., L] mean rank) of ``loads`` [..., L, N]."""
     return loads.max(-1), loads.mean(-1)
@@ -313,13 +321,16 @@ class StepBalance:
         keep_values: keep every step's ratios (offline, for exact quantiles; unbounded).
         in_use_source: () -> ``Layout`` or None, the placement the engine runs now (read once per summary).
         budget: multiply-adds per summary (``WORK_BUDGET``); the steps judged are as many of the sample as it pays.
+        plan_min_gain: the ``plan`` entry moves a layer only for a gain over this, as the runtime's EPLB in the loop
+            (``parallel.eplb.Rebalancer.min_gain``).
         warm: [L, E] a load EPLB and the plan start from (instead of vLLM's initial map): offline, the steps before
             the ones judged, so that a short trace judges EPLB's steady state, out of sample.
     """
 
     def __init__(self, moe_layers, n_experts: int, *, buckets, ep_sizes=None, placements=PLACEMENTS, redundant=None,
                  schedule: Schedule = Schedule(), groups: int = 1, nodes: int = 1, per_layer: bool = False,
-                 keep_values: bool = False, in_use_source=None, budget: int = WORK_BUDGET, warm=None) -> None:
+                 keep_values: bool = False, in_use_source=None, budget: int = WORK_BUDGET, warm=None,
+                 plan_min_gain: float = MIN_GAIN) -> None:
         self.layers = tuple(moe_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.n_experts, self.schedule = n_experts, schedule
@@ -327,6 +338,7 @@ class StepBalance:
         self.per_layer, self.keep_values = per_layer, keep_values
         self.in_use_source = in_use_source
         self.budget = budget
+        self.plan_min_gain = plan_min_gain
         self.buckets = tuple(float(b) for b in buckets)
         bad = [p for p in placements if p not in PLACEMENTS]
         if bad:
@@ -368,6 +380,12 @@ class StepBalance:
         """EPLB's map before its first rearrangement (vLLM's ``initial``; the planner's entry starts from it too)."""
         phy = np.tile(eplb_policy.initial(self.n_experts, r), (len(self.layers), 1))
         return Layout(placement, n, r, phy)
+
+    def start_from(self, placement: str, ep: int, redundant: int, phy2log: np.ndarray) -> None:
+        """The entry's placement until its first rearrangement is ``phy2log`` [L, P] (an engine's starting
+        placement, as the runtime's EPLB in the loop starts from its own)."""
+        acc = self._acc[(placement, ep, redundant)]
+        acc.layout, acc.dealt = Layout(placement, ep, redundant, np.asarray(phy2log, dtype=np.int64)), None
 
     def _new(self, layout: Layout | None) -> _Acc:
         k = len(self.stats)
@@ -536,9 +554,10 @@ class StepBalance:
                 phy = eplb_policy.rebalance(load, self.n_experts + lay.redundant, self.groups, self.nodes, lay.ep,
                                             old=lay.phy2log)
                 acc.layout, acc.dealt = Layout("eplb", lay.ep, lay.redundant, phy), None
-            elif lay.placement == "plan":
+            elif lay.placement == "plan":  # as the runtime's EPLB in the loop: a layer moves for a gain only
                 slots = (self.n_experts + lay.redundant) // lay.ep
-                per_layer = [plan_layer(load[i], lay.ep, slots) for i in range(len(self.layers))]
+                per_layer = [plan_or_keep(load[i], lay.ep, slots, per_rank(lay, i), self.plan_min_gain)[0]
+                             for i in range(len(self.layers))]
                 phy = from_ranks("plan", per_layer, self.n_experts).phy2log
                 acc.layout, acc.dealt = Layout("plan", lay.ep, lay.redundant, phy), None
 
