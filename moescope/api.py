@@ -16,6 +16,7 @@ from moescope import efficiency
 from moescope.analysis import baseline as bl
 from moescope.capture.engine_contract import EngineContract, missing_features
 from moescope.capture.observer import FanOut, Observer
+from moescope.capture.switch import CaptureSwitch
 from moescope.config import Config, Metrics
 from moescope.errors import BadInput
 from moescope.traces import otlp
@@ -40,7 +41,8 @@ class Instrumentation:
             ``window_s``, ``expert_series_budget``, ``export_routing`` (``moescope.config.Metrics``) and
             ``observers``. Not together with ``config``.
     Attributes:
-        metrics: the ``MetricsObserver`` (its counters are what the exporter serves).
+        metrics: the ``MetricsObserver`` (its snapshot is what the exporter serves).
+        capture: the ``CaptureSwitch`` (``capture.set(False)``: no moescope work per step until it is set again).
         adapter: the model's ``EngineContract`` adapter (``as_engine``).
         exporter: the metrics HTTP server, or None. recorder: the ``TraceRecorder``, or None.
         routing_log: the ``RoutingLog``, or None. cache: the ``ExpertCache``, or None. canary: the
@@ -62,6 +64,7 @@ class Instrumentation:
         self.model = model
         self.notices: list[str] = []
         self.exporter = self.recorder = self.routing_log = self.cache = self.canary = self.adapter = None
+        self.capture = None
         self._stack = ExitStack()
         try:
             self._wire(model, config)
@@ -70,7 +73,9 @@ class Instrumentation:
             raise
 
     def _wire(self, model, config: Config) -> None:
-        from moescope.metrics.state import MetricsObserver  # start-up: torch (metrics.state), only when _wire() runs
+        # start-up: torch (metrics.state), only when _wire() runs
+        from moescope.metrics.evaluator import Evaluator
+        from moescope.metrics.state import MetricsObserver
 
         self.adapter = engine = as_engine(model)
         wants = missing_features(engine, config)
@@ -90,7 +95,7 @@ class Instrumentation:
             observers.append(self._recorder(m.model_name or info.name, config))
         extra = {} if m.expert_series_budget is None else {"expert_series_budget": m.expert_series_budget}
         self.metrics = MetricsObserver(info, rank=m.rank, window_s=m.window_s, export_routing=m.export_routing,
-                                       hot_reference=m.hot_reference, **extra)
+                                       hot_reference=m.hot_reference, flush_interval_s=m.interval_s, **extra)
         self.metrics.reads_flush = not engine.flushes_when_idle  # no engine says when it is idle: reads flush
         if m.peak_bandwidth is not None or m.peak_flops is not None:  # settings over the environment and table
             self.metrics.peak = efficiency.resolve_peak(info.device, bandwidth=m.peak_bandwidth, flops=m.peak_flops)
@@ -106,16 +111,34 @@ class Instrumentation:
 
             self.exporter = Exporter(self.metrics, port=m.port, addr=m.addr).start()
             self._stack.callback(self.exporter.stop)
+        # The kill switch: read once now (a process started with capture off never captures), then by the evaluator
+        self.capture = CaptureSwitch(getattr(engine, "pause", engine.detach), self._resume, control=m.capture_control)
+        self.capture.listeners.append(self._switched)
         engine.attach(self.observer)
         self._stack.callback(engine.detach)
+        self.capture.poll()
         if m.baseline is not None:
             self.metrics.baseline = bl.coerce(m.baseline)  # a file, a Profile or {layer: load}
         # read at scrape time: a placement or cache set up after instrument() counts too
         self.metrics.placement_source = engine.placement
         self.metrics.cache_capacity_source = engine.cache_capacity
+        # the one evaluator: folds, judges, learns and publishes once per interval, off the engine's thread; stopped
+        # and run a last time by the observer's shutdown
+        self.metrics.evaluator = Evaluator(self.metrics, m.interval_s, self.capture).start()
         parts = engine.setup(config, self._stack)  # faults, router path, mitigations, cache, canary
         self.cache, self.canary = parts.cache, parts.canary
         self.notices += parts.notices
+
+    def _resume(self) -> None:
+        """Capture back on: the observers drop the first step (it may have begun while off), then the engine reports
+        again."""
+        self.observer.resync()
+        getattr(self.adapter, "resume", self.adapter.attach)(self.observer)
+
+    def _switched(self, on: bool) -> None:
+        self.metrics.capture_enabled = on
+        self.metrics.capture_switches = self.capture.switches
+        self.metrics.wake()  # the gauge moves at the next evaluation, now
 
     def _recorder(self, name: str, config: Config):
         t, tracer = config.traces, None

@@ -50,7 +50,8 @@ class Metrics:
     the source of the ``moescope_baseline_*`` series.
     ``peak_bandwidth`` / ``peak_flops``: the device's peak bytes/s and FLOP/s S-MBU and S-MFU divide by (None:
     ``MOESCOPE_PEAK_BANDWIDTH`` / ``MOESCOPE_PEAK_FLOPS``, else ``moescope.efficiency``'s table by the GPU's
-    name; on CPU unknown unless given)."""
+    name; on CPU unknown unless given).
+    ``interval_s``: the evaluation interval; ``capture_control``: the capture switch's control file."""
 
     port: int | None = None
     addr: str = "127.0.0.1"
@@ -63,8 +64,16 @@ class Metrics:
     baseline: str | Path | Profile | Mapping[int, Sequence[float]] | None = None
     peak_bandwidth: float | None = None
     peak_flops: float | None = None
+    # How often the one evaluator folds, judges, learns and publishes the snapshot every reader serves
+    # (``metrics.evaluator``): the exposition is at most this old.
+    interval_s: float = 1.0
+    # The capture switch's control file (``moescope.capture.switch``; None: $MOESCOPE_CAPTURE_CONTROL, else the
+    # user's): ``moescope capture off`` turns capture off in every process that polls it.
+    capture_control: str | Path | None = None
 
     def __post_init__(self) -> None:
+        if not 0 < self.interval_s <= 60:
+            raise ConfigError(f"metrics interval must be in (0, 60] s, got {self.interval_s}")
         for name in ("peak_bandwidth", "peak_flops"):
             v = getattr(self, name)
             if v is not None and not (isinstance(v, (int, float)) and 0 < v < float("inf")):

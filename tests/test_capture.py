@@ -403,12 +403,13 @@ def test_in_flight_requests_stay_bounded_for_days_of_requests():
         done = (f"r{i}-0",) if i % 2 else ()
         finished += len(done)
         stats_ = tuple(LayerStats(layer, 10, counts[:, j].sum(0), 0, 0, 1.0, 1.0) for j, layer in enumerate(layers))
-        st._on_stats(StepStats(1, stats_, E, 2, DrawCounts(keys, counts, done)))
-        assert len(st.inflight) <= 50
+        st.on_stats(StepStats(1, stats_, E, 2, DrawCounts(keys, counts, done)))
+        st.flush()
+        assert len(st.counts.inflight) <= 50
         assert len(st.routing_window._draw_bins) <= DRAW_BINS + 1
-    assert st.draws_dropped == 4 * 3000 - finished - len(st.inflight)
+    assert st.counts.draws_dropped == 4 * 3000 - finished - len(st.counts.inflight)
     parsed = parse(Exporter(st, port=0).exposition().decode())
-    assert by_label(parsed, "moescope_capture_dropped_total", "queue")["draws"] == st.draws_dropped
+    assert by_label(parsed, "moescope_capture_dropped_total", "queue")["draws"] == st.counts.draws_dropped
     win = st.routing_window
     assert win.n_draws == sum(b.n for b in win._draw_bins) > 0
 
@@ -416,10 +417,9 @@ def test_in_flight_requests_stay_bounded_for_days_of_requests():
 def test_forwards_that_cannot_be_mapped_to_requests_are_one_draw_each():
     """No segments (an instrumented HF model) or rows that do not match them: each forward is a draw of its
     own, complete at once; a model driven without steps is split into forwards where a layer repeats."""
-    import types
-
     import numpy as np
 
+    from moescope.capture.records import StepRecord
     from moescope.capture.routing_probe import RoutingProbe
     from moescope.runtime.router import route
 
@@ -431,7 +431,7 @@ def test_forwards_that_cannot_be_mapped_to_requests_are_one_draw_each():
         probe.on_routing(1, decs[2 * i])
         probe.on_routing(2, decs[2 * i + 1])
         segments = () if i == 0 else ((f"a{i}", 0, 2), (f"b{i}", 0, 3)) if i == 1 else (("c", 0, 4),)
-        probe.on_step(types.SimpleNamespace(segments=segments))
+        probe.on_step(StepRecord(i, "prefill", 0.0, 0.0, 5, segments))
     probe.flush()
     d = seen[-1].draws
     assert d.keys == (None, "a1", "b1", None)  # the third forward has 5 rows, its segment 4: unmapped
@@ -460,6 +460,7 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
         Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=12), 6), realtime=False)
         no_placement = parse(inst.exporter.exposition().decode())
         inst.metrics.placement_source = lambda: placement  # what ExpertParallel on the layers would give
+        inst.metrics.flush()  # (read once per evaluation, as every source is)
         parsed = parse(inst.exporter.exposition().decode())
         window = inst.metrics.window()
     cache.close()
@@ -480,6 +481,7 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
     rep = validate({layer: ((0, 1, 2), (2, 3, 4, 5)) for layer in tiny_cfg.moe_layers}, tiny_cfg.n_experts, 2,
                    True, tiny_cfg.moe_layers)
     inst.metrics.placement_source = lambda: rep
+    inst.metrics.flush()
     g = inst.metrics.layer_gauges()
     per_layer, _ = inst.metrics.rank_loads(g)
     for j, layer in enumerate(g.layers):
@@ -506,10 +508,11 @@ def test_baseline_series_and_the_hot_reference_come_from_the_loaded_profile(tiny
     assert not by_label(parsed, "moescope_expert_hot_factor_ratio", "layer", "expert")  # the window is the baseline
 
 
-def test_a_scrape_reads_the_engines_last_flush_and_never_summarises_routing_itself(tiny_cfg):
-    """Scrapes read, never write: the routing summary (device work on CUDA) runs on the engine's thread, every
-    flush interval while it steps and once when it goes idle; an HTTP scrape serves that. Reference: the
-    exported counters against the slots the engine's steps routed, counted from the decisions themselves."""
+def test_a_scrape_reads_the_evaluators_last_snapshot_and_never_summarises_routing_itself(tiny_cfg):
+    """Scrapes read, never write: the routing summary (device work on CUDA) runs on the evaluator's thread alone
+    (never the engine's, never the HTTP thread), once per interval and when the engine goes idle; a scrape serves
+    the last snapshot. Reference: the exported counters against the slots the engine's steps routed, counted from
+    the decisions themselves."""
     import threading
     import urllib.request
 
@@ -531,9 +534,9 @@ def test_a_scrape_reads_the_engines_last_flush_and_never_summarises_routing_itse
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(RoutingProbe, "summarise", spy)
-        with moescope.instrument(model, moescope.Config(metrics=moescope.config.Metrics(port=0),
+        # a 60 s interval: no periodic evaluation within the test, only the one the engine's idleness asks for
+        with moescope.instrument(model, moescope.Config(metrics=moescope.config.Metrics(port=0, interval_s=60),
                                                         observers=(Count(),))) as inst:
-            inst.metrics.probe.interval_s = 3600  # no interval flush within the test: only the idle one
             engine = Engine(model, max_batch=4)
             for r in traffic.generate(traffic.TrafficConfig(seed=5, output_tokens_median=4), 3):
                 engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
@@ -547,17 +550,18 @@ def test_a_scrape_reads_the_engines_last_flush_and_never_summarises_routing_itse
                 return {int(layer): sum(v for (la, _), v in got.items() if la == layer) for layer, _ in got}
 
             before = scraped()
-            assert sum(before.values()) < sum(routed.values())  # the steps since the last flush wait
-            engine.idle()  # the engine goes idle: it summarises on its own thread
+            assert sum(before.values()) == 0 < sum(routed.values())  # a scrape summarised nothing
+            evaluator = inst.metrics.evaluator._thread.ident
+            engine.idle()  # the engine goes idle: the evaluator summarises, and the next read waits for it
             after = scraped()
     assert after == routed
-    assert threads == {threading.get_ident()}  # the engine's (this) thread only, never the HTTP thread
+    assert threads == {evaluator}  # the evaluator's thread only: never this (the engine's) nor the HTTP thread
 
 
-def test_closing_ends_the_probes_summary_thread_and_keeps_every_count(tiny_cfg):
-    """summarise_in_background's worker ends with the instrumentation (a process that instruments and closes many
-    times keeps no thread behind), and what it left pending is summarised at close. Reference: the slots the
-    engine's forwards routed, counted from the decisions themselves."""
+def test_closing_ends_the_evaluator_and_keeps_every_count(tiny_cfg):
+    """The evaluator's thread ends with the instrumentation (a process that instruments and closes many times keeps
+    no thread behind), and what was pending is summarised at close. Reference: the slots the engine's forwards
+    routed, counted from the decisions themselves."""
     import threading
 
     model = MoETransformer(tiny_cfg).eval()
@@ -567,27 +571,31 @@ def test_closing_ends_the_probes_summary_thread_and_keeps_every_count(tiny_cfg):
         def on_routing(self, layer, decision):
             routed[layer] = routed.get(layer, 0) + int((decision.ids >= 0).sum())
 
-    before = {t for t in threading.enumerate() if t.name == "moescope-routing-probe"}
-    inst = moescope.instrument(model, observers=[Count()])
-    inst.metrics.probe.summarise_in_background()
-    inst.metrics.probe.interval_s = 3600  # nothing due within the test: close must summarise what is pending
-    Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=3, output_tokens_median=4), 3),
-                                   realtime=False)
-    worker = inst.metrics.probe._worker
+    before = {t for t in threading.enumerate() if t.name == "moescope-evaluator"}
+    inst = moescope.instrument(model, moescope.Config(metrics=moescope.config.Metrics(interval_s=60),
+                                                      observers=(Count(),)))
+    engine = Engine(model, max_batch=4)
+    for r in traffic.generate(traffic.TrafficConfig(seed=3, output_tokens_median=4), 3):
+        engine.submit(r.prompt, max_new_tokens=r.max_new_tokens)
+    while engine.has_work:  # never idle: nothing asks for an evaluation before close
+        engine.step()
+    worker = inst.metrics.evaluator._thread
     assert worker is not None and worker.is_alive()
     inst.close()
     assert not worker.is_alive()
-    assert {t for t in threading.enumerate() if t.name == "moescope-routing-probe"} == before
+    assert {t for t in threading.enumerate() if t.name == "moescope-evaluator"} == before
     got = {layer: int(c.sum()) for layer, c in inst.metrics.expert_tokens.items()}
     assert got == routed
 
 
 def test_every_bucket_reached_carries_an_exemplar_of_a_request_that_reached_it(tiny_cfg):
-    """Exemplars are attached at most once a second per bucket (MetricsObserver.observe): every bucket an
-    observation reached still shows one, naming a request whose value fell in that bucket. Reference: the buckets
-    and ids recomputed from the values given, against the OpenMetrics exposition."""
+    """Histograms are counted per evaluation from the records the engine handed over (metrics.histograms), each
+    bucket keeping the latest observation's request id: every bucket an observation reached shows one, naming a
+    request whose value fell in that bucket. Reference: the buckets and ids recomputed from the values given
+    (``bisect``), against the OpenMetrics exposition."""
     import bisect
 
+    from moescope.capture.records import RequestRecord
     from moescope.metrics.catalogue import BY_NAME
 
     model = MoETransformer(tiny_cfg).eval()
@@ -595,12 +603,12 @@ def test_every_bucket_reached_carries_an_exemplar_of_a_request_that_reached_it(t
     values = [0.0007, 0.0008, 0.003, 0.02, 0.021, 0.3, 7.0] * 20
     want: dict[str, set[str]] = {}
     with moescope.instrument(model, port=0) as inst:
-        with inst.metrics.lock:
-            for i, v in enumerate(values):
-                rid = f"r{i}"
-                inst.metrics.observe("moescope_token_latency_seconds", (), v, rid)
-                b = bisect.bisect_left(bounds, v)
-                want.setdefault(str(bounds[b]) if b < len(bounds) else "+Inf", set()).add(rid)
+        for i, v in enumerate(values):
+            rid = f"r{i}"
+            inst.metrics.on_request(RequestRecord(rid, "", "", (1,), (2,), 0.0, 0.0, 0.0, v, (v,), v, "length"))
+            b = bisect.bisect_left(bounds, v)
+            want.setdefault(str(bounds[b]) if b < len(bounds) else "+Inf", set()).add(rid)
+        inst.metrics.flush()
         text = inst.exporter.exposition(openmetrics=True).decode()
     got = {}
     for ln in text.splitlines():
@@ -612,3 +620,6 @@ def test_every_bucket_reached_carries_an_exemplar_of_a_request_that_reached_it(t
     counts = [float(ln.split()[-1]) for ln in text.splitlines()
               if ln.startswith("moescope_token_latency_seconds_count")]
     assert counts == [len(values)]  # every observation counted, exemplar or not
+    cum = {float(ln.split('le="')[1].split('"')[0]): float(ln.split()[1]) for ln in text.splitlines()
+           if ln.startswith("moescope_token_latency_seconds_bucket")}
+    assert all(cum[le] == sum(v <= le for v in values) for le in cum)  # prometheus_client's le: inclusive

@@ -7,10 +7,12 @@ import pytest
 from metrics_util import by_label, parse
 from moescope import sampling, thresholds
 from moescope.analysis import baseline as bl
+from moescope.capture.records import StepRecord
 from moescope.capture.routing_probe import LayerStats, StepStats
 from moescope.metrics import catalogue
 from moescope.metrics.exporter import Exporter
 from moescope.metrics.state import EXTREMES_K, MetricsObserver, ModelInfo
+from moescope.parallel.expert_parallel import AllToAllRecord
 from reference import naive_dead_experts, naive_jensen_shannon, naive_load_cv, naive_max_over_mean, naive_top_share
 
 E, LAYERS = 20, (1, 2, 4)
@@ -40,10 +42,12 @@ def _state(seed=0, budget=10**6, export_routing=True,
         recorded += [live.pop(r) for r in finished]
         layers = tuple(LayerStats(layer, 40, counts[:, i].sum(0), 2 * i, i % 2, 20.0, 7.5, 1e-4, 2e-3,
                                   {"load": 3} if layer == 2 else None) for i, layer in enumerate(LAYERS))
-        st._on_stats(StepStats(1, layers, E, 2, DrawCounts(tuple(rids), counts, finished)))
-    st.flips = {1: 0.25, 2: 0.0}
+        st.on_stats(StepStats(1, layers, E, 2, DrawCounts(tuple(rids), counts, finished)))
+        st.flush()  # one evaluation per second of routing, as the evaluator runs
+    st.on_canary({1: 0.25, 2: 0.0})
     if baseline:
         st.baseline = bl.coerce({1: [1.0] * E})
+    st.flush()
     st.recorded = np.stack(recorded)  # [R, L, E] finished requests, layers in LAYERS order
     return st
 
@@ -70,7 +74,7 @@ def _reference_text(st, openmetrics):
                     f.add_metric([*base, str(layer), str(e)], n)
             yield f
             f = fam("moescope_router_tokens_total")
-            for (layer, mode), n in sorted(st.router_tokens_by_mode.items()):
+            for (layer, mode), n in sorted(st.snapshot.router_tokens_by_mode.items()):
                 f.add_metric([*base, str(layer), mode], n)
             yield f
             judged = _judged(st, win)
@@ -175,13 +179,14 @@ def test_fast_writer_writes_what_prometheus_client_writes(openmetrics):
 
 def test_every_exported_name_is_in_the_catalogue_in_both_formats():
     st = _state()
-    st.hist("moescope_step_seconds", "decode").observe(0.01, {"request_id": "r1"})
+    st.on_step(StepRecord(0, "decode", 0.0, 0.01, 1, (("r1", 0, 1),)))
+    st.flush()
     for om in (False, True):
         text = Exporter(st, port=0).exposition(om).decode()
         names = {s.name for f in _families(text, om).values() for s in f.samples}
         assert names <= catalogue.exposed_sample_names(), names - catalogue.exposed_sample_names()
     assert text.endswith("# EOF\n") and text.count("# EOF") == 1
-    assert '# {request_id="r1"}' in text  # prometheus_client's Histogram keeps the exemplar
+    assert '# {request_id="r1"}' in text  # the step's exemplar: its first request
 
 
 def test_reduced_tier_keeps_the_hottest_and_coldest_experts_and_the_distribution():
@@ -208,7 +213,9 @@ def test_reduced_tier_keeps_the_hottest_and_coldest_experts_and_the_distribution
 
 def test_a_rank_that_routes_the_same_tokens_exports_no_routing():
     st = _state(export_routing=False)
-    st.hist("moescope_all_to_all_seconds", "dispatch").observe(0.001)
+    st.on_all_to_all(AllToAllRecord(layer=1, op="dispatch", seconds=0.001, sent_bytes=(0,), recv_bytes=(0,),
+                                    peer_wait_s=(0.0,), expert_rows=(), rank_rows=()))
+    st.flush()
     parsed = parse(Exporter(st, port=0).exposition().decode())
     names = {n for n, _ in parsed}
     routing = {m.name for m in catalogue.CATALOGUE if m.routing}

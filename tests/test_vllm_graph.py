@@ -214,9 +214,9 @@ def test_counts_survive_a_cuda_graph_replay():
 
 
 def test_the_summary_runs_off_the_engine_thread_and_counts_alike():
-    """The plugin's routing probe summarises on its own thread (``summarise_in_background``): with the summary
-    blocked (its listener waits on an event), the engine's steps still complete; once released, every count
-    arrives, with no flush asked for (vLLM never reports going idle: the worker summarises the last steps)."""
+    """The routing summary runs on the instrumentation's evaluator thread: with the summary blocked (its listener
+    waits on an event), the engine's steps still complete; once released, every count arrives, with no flush asked
+    for (vLLM never reports going idle: the evaluator summarises the last steps at its next interval)."""
     import threading
 
     from helpers import wait_until
@@ -224,9 +224,8 @@ def test_the_summary_runs_off_the_engine_thread_and_counts_alike():
     model, buf = _bound_model("cpu")
     batches = _batches(N, "cpu")
     adapter = VLLMAdapter(model)
-    with moescope.instrument(adapter, port=0, model_name="graph") as inst:
+    with moescope.instrument(adapter, port=0, model_name="graph", interval_s=0.05) as inst:
         probe = inst.metrics.probe
-        probe.summarise_in_background()
         entered, release = threading.Event(), threading.Event()
         listener = probe._listener
 
@@ -236,7 +235,6 @@ def test_the_summary_runs_off_the_engine_thread_and_counts_alike():
             listener(stats)
 
         probe._listener = blocked
-        probe.interval_s = 0.0  # every step asks for a summary
         with torch.no_grad():
             for step, x in enumerate(batches):
                 rid, out = _scheduler_output(step, x.shape[0])
@@ -244,11 +242,11 @@ def test_the_summary_runs_off_the_engine_thread_and_counts_alike():
                 model(x)
                 adapter.end_step(out, [rid])
                 if step == 0:
-                    assert entered.wait(30)  # the worker is inside a summary from the first step on...
+                    assert entered.wait(30)  # the evaluator is inside a summary from the first step on...
         assert not release.is_set()  # ...and every step completed while it was held there
         release.set()
         parsed = wait_until(lambda: parse(inst.exporter.exposition().decode()), timeout=30,
-                            what="every step summarised by the worker",
+                            what="every step summarised by the evaluator",
                             until=lambda p: sum_by_label(p, "moescope_router_tokens_total", "layer",
                                                          model="graph") == {str(i): float(N * ROWS)
                                                                             for i in range(LAYERS)})

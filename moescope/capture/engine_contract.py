@@ -104,6 +104,10 @@ class EngineContract(Protocol):
       the expert-parallel placement its MoE layers dispatch by (or None), and ``cache_capacity()``,
       {MoE layer: resident experts / experts} of an expert cache (or {}).
 
+    - **The capture switch** (``moescope.capture.switch``) detaches and attaches the engine again; an engine whose
+      hooks cannot be removed while it runs (vLLM's compiled forward) may define ``pause()`` and
+      ``resume(observer)`` instead, which the switch then calls (not part of the Protocol: optional).
+
     ``model_info``, ``attach`` and ``detach`` are what every engine must write; subclassing ``EngineContract`` gives the
     rest (no features, no idle flush, no placement, no cache).
     """

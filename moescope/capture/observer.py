@@ -58,6 +58,10 @@ class Observer:
         """The engine has no work now (waiting for requests, or its run ended), on its own thread: summarise
         what would otherwise wait for the next step. Once per idle period."""
 
+    def resync(self) -> None:
+        """Capture was turned back on (``moescope.capture.switch``), not a hook the engine calls: drop what a forward
+        that began while capture was off left (the next step whole), so no step is counted in part."""
+
     def shutdown(self) -> None:
         """Flush and release resources; called once when the engine is closed."""
 
@@ -141,6 +145,13 @@ class FanOut(Observer):
 
     def on_idle(self) -> None:
         self._each("on_idle")
+
+    def resync(self) -> None:
+        for o in self._observers:
+            try:
+                o.resync()
+            except Exception:
+                self._failed(type(o).__name__, "resync")
 
     def shutdown(self) -> None:
         self._each("shutdown")

@@ -253,6 +253,14 @@ class RoutingProbe(Observer):
         self._stopping = threading.Event()
         self._serial = contextlib.nullcontext()  # with a worker: one flush at a time, in order
         self.errors = 0  # the worker's flushes that raised (counted, logged once)
+        # With an evaluator (``metrics.state``): it calls ``flush`` once per interval on its own thread, and
+        # ``on_step`` only calls ``on_due`` (to wake it) when ``max_pending`` steps wait; past ``hard_limit`` steps
+        # (the evaluator stalled) the pending routing is dropped and counted (``dropped_steps``), never waited for.
+        self.on_due: Callable[[], None] | None = None
+        self.hard_limit = 16 * max_pending
+        self.dropped_steps = 0
+        self._resync = False
+        self._seen_at_look = -1  # (``flush(settled=True)`` without steps: the pending count at the last look)
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         with self._lock:
@@ -262,18 +270,44 @@ class RoutingProbe(Observer):
         with self._lock:
             self._times[layer] = (router_s, experts_s)
 
-    def on_step(self, step: Any) -> None:
+    def on_step(self, step: Any) -> bool:
+        """The step ended: its routing is what was routed since the last step. False: the step was dropped
+        (``resync``) and must not be counted elsewhere either."""
         with self._lock:
-            self._bounds.append((len(self._pending), tuple(getattr(step, "segments", ()) or ()),
-                                 getattr(step, "phase", None) or UNKNOWN_MODE))
-            self._step_index.append(int(getattr(step, "index", -1)))
+            if self._resync:  # capture was turned back on: this step may have begun while it was off
+                self._resync = False
+                del self._pending[self._bounds[-1][0] if self._bounds else 0:]
+                self._times = {}
+                return False
+            self._bounds.append((len(self._pending), step.segments or (), step.phase or UNKNOWN_MODE))
+            self._step_index.append(step.index)
             self._stepped = True
-        self._steps += 1
-        if self._steps >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
+            self._steps += 1
+            n = self._steps
+            if n >= self.hard_limit:
+                self._drop()
+        if self.on_due is not None:  # an evaluator summarises: wake it when much waits, nothing more here
+            if n == self.max_pending:
+                self.on_due()
+            return True
+        if n >= self.max_pending or self._clock() - self._last_flush >= self.interval_s:
             if self._worker is not None:
                 self._due.set()  # the worker summarises: the engine's step goes on at once
             else:
                 self.flush()
+        return True
+
+    def _drop(self) -> None:
+        """The evaluator stalled: drop what is pending (the caller holds the lock), counted."""
+        self.dropped_steps += self._steps
+        self._pending, self._bounds, self._step_index, self._finished, self._times = [], [], [], [], {}
+        self._steps = 0
+
+    def resync(self) -> None:
+        """Drop the routing of the next step and the step itself (capture turned back on mid-forward: a partial
+        forward would be counted as a whole one); everything already summarised or pending stays."""
+        with self._lock:
+            self._resync = True
 
     def summarise_in_background(self) -> None:
         """From now on the periodic summary runs on a thread of the probe's own, never on the engine's: ``on_step``
@@ -319,14 +353,24 @@ class RoutingProbe(Observer):
         with self._lock:
             self._finished.append(request_id)
 
-    def flush(self, final: bool = False) -> None:
+    def flush(self, final: bool = False, settled: bool = False) -> None:
+        """Summarise what is pending and hand it to the listener. Once steps are reported, only finished steps (a
+        forward in flight stays pending); before any (a model driven without an engine) everything, except with
+        ``settled`` (a periodic flush from another thread, the evaluator's, which may land inside a forward): then
+        only once nothing was routed since the previous such look. ``final``: everything."""
         with self._serial:
-            self._flush(final)
+            self._flush(final, settled)
 
-    def _flush(self, final: bool) -> None:
+    def _flush(self, final: bool, settled: bool = False) -> None:
         with self._lock:
-            cut = len(self._pending) if final or not self._stepped else \
-                (self._bounds[-1][0] if self._bounds else 0)
+            n = len(self._pending)
+            if final:
+                cut = n
+            elif self._stepped:
+                cut = self._bounds[-1][0] if self._bounds else 0
+            else:
+                cut = n if not settled or n == self._seen_at_look else 0
+                self._seen_at_look = n - cut
             pending, self._pending = self._pending[:cut], self._pending[cut:]
             bounds, self._bounds = self._bounds, []
             index, self._step_index = self._step_index, []

@@ -108,6 +108,7 @@ class TokenTraceCapture(Observer):
         self._missed: dict[int, tuple[int, ...]] = {}
         self._a2a: dict[int, float] = {}
         self._peer_wait: dict[int, list[float]] = {}
+        self._resync = False
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         self._pending.append((layer, decision))
@@ -126,7 +127,15 @@ class TokenTraceCapture(Observer):
             for i, w in enumerate(record.peer_wait_s):
                 waits[i] += w
 
+    def resync(self) -> None:
+        """Capture turned back on: the next step may have begun while it was off; it is not traced."""
+        self._resync = True
+
     def on_step(self, step: Any) -> None:
+        if self._resync:
+            self._resync = False
+            self._pending, self._times, self._missed, self._a2a, self._peer_wait = [], {}, {}, {}, {}
+            return
         if not self._pending:  # a step no hook saw (static/graph decode): nothing to trace
             return
         trace = StepTrace(step, tuple(self._pending), self._times, self._missed, self._a2a, self._peer_wait,

@@ -72,6 +72,9 @@ class TraceRecorder(Observer):
     def on_request(self, record) -> None:  # noqa: F811
         self.queue.on_request(record)
 
+    def resync(self) -> None:
+        self.capture.resync()
+
     def shutdown(self) -> None:
         """Drain the queue, write and commit what is left, close the store."""
         self.queue.shutdown()

@@ -161,7 +161,7 @@ def _wrap_execute_model(cls) -> None:
 
     def execute_model(self, scheduler_output, *args, **kwargs):
         worker = None if kwargs.get("dummy_run") else _worker(self)
-        if worker is None:
+        if worker is None or worker.adapter.paused:  # (paused: the capture switch has capture off)
             return original(self, scheduler_output, *args, **kwargs)
         worker.before(self, scheduler_output)
         t0 = time.perf_counter()
@@ -351,14 +351,11 @@ def _start(runner):
         return None
     worker = Worker(adapter, inst)
     on_exit(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
-    # vLLM's step carries none of moescope's summarising: the routing probe summarises on its own thread (and an
-    # idle server's last steps too: vLLM never reports going idle)
-    inst.metrics.probe.summarise_in_background()
+    # vLLM's step carries none of moescope's summarising: the instrumentation's evaluator summarises on its own
+    # thread, once per interval (an idle server's last steps too: vLLM never reports going idle)
     inst.metrics.cost_source = lambda: worker.cost_s
-    probe = inst.metrics.probe
     inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {
-        **({"vllm_step": worker.errors} if worker.errors else {}),
-        **({"routing_probe": probe.errors} if probe.errors else {})})
+        **({"vllm_step": worker.errors} if worker.errors else {})})
     inst.metrics.dropped_source = _with(inst.metrics.dropped_source, lambda: {"vllm_steps": adapter.dropped})
     log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),
              adapter.n_experts, adapter.top_k, served, dp_rank,

@@ -176,8 +176,15 @@ class VLLMAdapter(EngineContract):
         self._rows = 0  # real (unpadded) rows of the forward in flight (the scheduler's tokens)
         self._step = 0
         self._t0 = 0.0
-        self._live: dict[str, _Live] = {}  # engine request id -> the request (its client id among the rest)
-        self._computed: dict[str, int] = {}  # engine request id -> its tokens forwarded so far (the scheduler's)
+        # On the relay's thread: engine request id -> the request (its client id among the rest), and its tokens
+        # forwarded so far (the scheduler's)
+        self._live: dict[str, _Live] = {}
+        self._computed: dict[str, int] = {}
+        # On the engine's thread: each request's prompt length (bounded by the requests in flight), and the previous
+        # step's scheduler output (where a request that just finished stood)
+        self._prompt_len: dict[str, int] = {}
+        self._previous = None
+        self.paused = False  # the capture switch: the plugin's step wrapper calls vLLM's own execute_model alone
         self._buffer = None  # moescope.vllm.capture's step buffer, once attached
         self._relay: _Relay | None = None  # the observer's hooks, on a thread of their own (attach)
         self._dropped_before = 0
@@ -217,6 +224,22 @@ class VLLMAdapter(EngineContract):
         self.observer = None
         self._buffer = None
 
+    def pause(self) -> None:
+        """The capture switch turned capture off: the plugin's step wrapper calls vLLM's ``execute_model`` alone (no
+        begin or end of step, nothing queued). The forward's one copy per MoE layer into the step buffer stays: it
+        is compiled into vLLM's graph, which cannot drop it without a recompile."""
+        self.paused = True
+
+    def resume(self, observer) -> None:
+        """Capture back on: requests in flight are not followed (their start was not seen: no trace row, their
+        tokens counted from now on), then steps are reported again."""
+        if self._relay is not None:
+            self._relay.put("forget", None, 0)
+        self._prompt_len.clear()  # (the engine's thread makes no step call while paused)
+        self._previous = None
+        self.observer = observer
+        self.paused = False
+
     def drain(self, timeout: float = 30.0) -> bool:
         """Wait until every step and request queued so far reached the observer (tests; shutdown drains anyway)."""
         return self._relay.drain(timeout) if self._relay is not None else True
@@ -231,14 +254,23 @@ class VLLMAdapter(EngineContract):
         observer = self.observer
         if observer is None:
             return
+        if kind == "forget":
+            self._live.clear()
+            self._computed.clear()
+            return
         if kind == "step":
-            ids, step = payload
+            ids, *rest = payload
+            step = self._step_record(*rest)
             if ids is not None:
                 for i, layer in self._slots:
                     observer.on_routing(layer, self._decision(ids[:, i], step.n_tokens))
             observer.on_step(step)
         else:
-            observer.on_request(self._record(*payload))
+            finished, tokens, now = payload
+            for engine_id in finished:
+                record = self._finish(engine_id, tokens, now)
+                if record is not None:
+                    observer.on_request(record)
 
     def _decision(self, ids: torch.Tensor, n: int) -> RoutingDecision:
         consts = self._consts.get(n)
@@ -257,36 +289,80 @@ class VLLMAdapter(EngineContract):
     # -- steps and requests (called by the plugin around a model runner's execute_model) -----------------------
     # Everything here comes from the scheduler's output, the one input both of vLLM's model runners (V1 and Model
     # Runner V2) take; of the runner only the batch's row order and a finished request's output tokens are read
-    # (``moescope.vllm.plugin``'s runner views).
+    # (``moescope.vllm.plugin``'s runner views). The engine's thread does a constant amount of Python per step: it
+    # reads what vLLM frees after the step (a finished request's tokens, the batch's row order: a C-level list copy)
+    # and queues the step; which request owns which rows (a loop over the batch) is worked out on the relay's thread,
+    # in step order, from the scheduler's output (a new object each step, never changed after it is scheduled).
     def begin_step(self, scheduler_output, output_tokens=None) -> None:
-        """Before the forward: finish the requests the scheduler says are done (``output_tokens(engine_id, n)``
-        reads their generated token ids from the runner, whose state still holds them), note new ones and where
-        every scheduled request stands."""
-        now = time.perf_counter()
-        for engine_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
-            self._finish(engine_id, output_tokens, now)
-        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
-            params = getattr(new, "sampling_params", None)
-            self._live[new.req_id] = _Live(client_id(new.req_id), list(new.prompt_token_ids or ()),
-                                           getattr(params, "max_tokens", None), now)
-            self._computed[new.req_id] = int(getattr(new, "num_computed_tokens", 0) or 0)
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is not None:
-            for engine_id, n in zip(cached.req_ids, cached.num_computed_tokens):
-                self._computed[engine_id] = int(n)
+        """Before the forward: read the generated tokens of the requests the scheduler says are done
+        (``output_tokens(engine_id, n)`` reads them from the runner, whose state still holds them and frees them in
+        this step), note new requests' prompt lengths; per finished or new request, never per step."""
+        self._t0 = time.perf_counter()
         self._rows = int(scheduler_output.total_num_scheduled_tokens)
-        self._t0 = now
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            self._prompt_len[new.req_id] = len(new.prompt_token_ids or ())
+        finished = getattr(scheduler_output, "finished_req_ids", ()) or ()
+        if finished and self._relay is not None:
+            self._relay.put("finish", (tuple(finished), self._tokens_of(finished, output_tokens), self._t0), 0)
+        else:
+            for engine_id in finished:
+                self._prompt_len.pop(engine_id, None)
+        self._previous = scheduler_output
+
+    def _fed(self, engine_id: str) -> int:
+        """Tokens a request that finished in the previous step was fed in all (prompt + generated - 1), from that
+        step's scheduler output: its position before the step plus the tokens the step scheduled for it."""
+        prev = self._previous
+        n = prev.num_scheduled_tokens.get(engine_id, 0) if prev is not None else 0
+        if not n:
+            return 0
+        for new in getattr(prev, "scheduled_new_reqs", ()) or ():
+            if new.req_id == engine_id:
+                return int(getattr(new, "num_computed_tokens", 0) or 0) + n
+        cached = getattr(prev, "scheduled_cached_reqs", None)
+        if cached is not None and engine_id in cached.req_ids:
+            return int(cached.num_computed_tokens[list(cached.req_ids).index(engine_id)]) + n
+        return 0
+
+    def _tokens_of(self, finished, output_tokens) -> dict:
+        """Each finished request's generated tokens, read now: as many as it generated (its tokens fed minus its
+        prompt, plus the last one, never fed back)."""
+        out = {}
+        for engine_id in finished:
+            n_prompt = self._prompt_len.pop(engine_id, None)
+            if output_tokens is None or n_prompt is None:
+                continue
+            fed = self._fed(engine_id)
+            n_out = max(0, fed - n_prompt + 1) if fed >= n_prompt else 0
+            if n_out:
+                out[engine_id] = list(output_tokens(engine_id, n_out) or ())
+        return out
 
     def end_step(self, scheduler_output, req_order) -> None:
-        """After the forward: the step's routing to the observer, then which requests owned which rows
-        (``req_order``: the runner's batch order)."""
+        """After the forward: the step's routing ids (one device copy, no sync) and the batch's row order
+        (``req_order``), queued with the scheduler's output for the relay."""
         rows, self._rows = self._rows, 0
-        if not rows:
+        if not rows or self._relay is None:
             return
         now = time.perf_counter()
         # the step's routing: the real rows of the step buffer (padding excluded), one copy for all layers, enqueued
         # on the ids' own device after the forward that wrote them (no host sync); the next forward overwrites them
         ids = self._buffer.step_ids(rows) if self._buffer is not None and self._slots else None
+        self._relay.put("step", (ids, scheduler_output, list(req_order), rows, self._t0, now),
+                        0 if ids is None else ids.numel() * ids.element_size())
+
+    # -- on the relay's thread, in step order ------------------------------------------------------------------
+    def _step_record(self, scheduler_output, req_order, rows: int, t0: float, now: float) -> StepRecord:
+        """Note new requests and where every scheduled one stands, then which requests owned which rows."""
+        for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+            params = getattr(new, "sampling_params", None)
+            self._live[new.req_id] = _Live(client_id(new.req_id), list(new.prompt_token_ids or ()),
+                                           getattr(params, "max_tokens", None), t0)
+            self._computed[new.req_id] = int(getattr(new, "num_computed_tokens", 0) or 0)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        if cached is not None:
+            for engine_id, n in zip(cached.req_ids, cached.num_computed_tokens):
+                self._computed[engine_id] = int(n)
         scheduled = scheduler_output.num_scheduled_tokens
         segments, prefill = [], False
         for engine_id in req_order:
@@ -302,23 +378,20 @@ class VLLMAdapter(EngineContract):
             if live is not None and first + n >= n_prompt:  # this forward made one of its tokens
                 live.token_times.append(now)
             segments.append((live.request_id if live is not None else client_id(engine_id), first, n))
-        step = StepRecord(index=self._step, phase="prefill" if prefill else "decode", started=self._t0,
-                          seconds=now - self._t0, n_tokens=rows, segments=tuple(segments))
+        step = StepRecord(index=self._step, phase="prefill" if prefill else "decode", started=t0, seconds=now - t0,
+                          n_tokens=rows, segments=tuple(segments))
         self._step += 1
-        if self._relay is not None:
-            self._relay.put("step", (ids, step), 0 if ids is None else ids.numel() * ids.element_size())
+        return step
 
-    def _finish(self, engine_id: str, output_tokens, now: float) -> None:
-        """A finished request: its generated tokens read now (the runner frees them after this step), its record
-        built and delivered on the relay's thread (decoding text is no work for vLLM's step)."""
+    def _finish(self, engine_id: str, tokens: dict, now: float) -> RequestRecord | None:
+        """A finished request's record (None: one this adapter never saw start)."""
         live = self._live.pop(engine_id, None)
         fed = self._computed.pop(engine_id, 0)
-        if live is None or self._relay is None:
-            return
+        if live is None:
+            return None
         # Tokens fed = prompt + generated - 1 (the last generated token is never fed back).
         n_out = max(0, fed - len(live.prompt_ids) + 1) if fed >= len(live.prompt_ids) else 0
-        out = list(output_tokens(engine_id, n_out) or ()) if output_tokens is not None and n_out else []
-        self._relay.put("request", (live, out, n_out, now), 0)
+        return self._record(live, tokens.get(engine_id, [])[:n_out] if n_out else [], n_out, now)
 
     def _record(self, live: _Live, out: list, n_out: int, now: float) -> RequestRecord:
         times = live.token_times[:max(len(out), n_out)]
