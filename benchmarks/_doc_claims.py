@@ -281,7 +281,8 @@ def problems(root: Path = ROOT, pages: list[Path] | None = None) -> list[str]:
         parents: list[tuple[int, list[Source]]] = []  # (indent, sources) of the list items enclosing the next
         for block in blocks(text):
             figs = figures(page, block)
-            own, errors = _sources("\n".join(line for _, line in block), root)
+            # (a marker in `code` is an example of one, not a source)
+            own, errors = _sources(re.sub(r"`[^`]*`", " ", "\n".join(line for _, line in block)), root)
             sources = own
             first = next((line for _, line in block if not line.lstrip().startswith("#")), "")
             if re.match(r"\s*(?:[-*+]|\d+\.)\s", first):  # a list item: its own, its parents' and the intro's
