@@ -76,6 +76,24 @@ USES: tuple[Use, ...] = (
     Use("vllm.config.scheduler", "SchedulerConfig", attrs=("max_num_batched_tokens",), why="buffer rows"),
     Use("vllm.config.model", "ModelConfig", attrs=("hf_text_config",), methods=(("get_total_num_hidden_layers", ()),),
         why="buffer slots; the attention shape (bytes and FLOPs per step)"),
+    # [eplb] vLLM's own EPLB, read (moescope/vllm/eplb_state.py); Model Runner V2 has ``eplb_state`` from 0.32 only
+    # (read with getattr, not pinned here: 0.31's MRv2 has no EPLB)
+    Use("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", attrs=("eplb_state",), why="the V1 runner's EplbState"),
+    Use("vllm.distributed.eplb.eplb_state", "EplbState", attrs=("model_states", "expert_rearrangement_step"),
+        why="the models' EPLB maps; the host counter reset before each rearrangement"),
+    Use("vllm.distributed.eplb.eplb_state", "EplbModelState",
+        attrs=("physical_to_logical_map", "logical_replica_count", "rebalanced", "model"),
+        why="the placement (physical slot -> logical expert), replicas, async EPLB's commit flag"),
+    Use("vllm.model_executor.models.interfaces", "MixtureOfExperts",
+        attrs=("num_local_physical_experts", "num_physical_experts", "num_logical_experts", "num_expert_groups"),
+        why="physical slots per EP rank (the map's ranks)"),
+    Use("vllm.config.parallel", "EPLBConfig", attrs=("window_size", "step_interval", "num_redundant_experts"),
+        why="the --eplb-config fields plan-placement and diagnose print (moescope/ep_verdict.py)"),
+    Use("vllm.distributed.eplb.policy.default", "DefaultEplbPolicy",
+        methods=(("rebalance_experts", ("weight", "num_replicas", "num_groups", "num_nodes", "num_ranks",
+                                        "old_global_expert_indices")),
+                 ("balanced_packing", ("weight", "num_packs")), ("replicate_experts", ("weight", "num_phy"))),
+        why="ported to numpy: parallel/eplb_policy.py (tests/test_eplb_policy.py compares the two)"),
 )
 
 
