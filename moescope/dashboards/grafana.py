@@ -357,7 +357,41 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
            f"{{{SEL}}}[$__rate_interval])))", "rank {{rank}} s"),
         _q(prometheus, f"sum by (rank) (increase(moescope_eplb_moved_experts_total{{{SEL}}}[1m]))",
            "rank {{rank}} moved/min")], "none", 0, 32))
-    return dash
+    return expert_parallel(dash, prometheus, timeseries, ds, 40)
+
+
+def step_quantile(q: float, sel: str = SEL, layer: str = "worst") -> str:
+    """The q quantile of the per-step busiest / mean rank (``moescope_ep_step_max_over_mean_ratio``) by EP size and
+    placement, over the panel's range step."""
+    return (f"histogram_quantile({q}, sum by (le, ep, placement, redundant) (rate("
+            f'moescope_ep_step_max_over_mean_ratio_bucket{{{sel}, layer="{layer}"}}[$__rate_interval])))')
+
+
+def expert_parallel(dash, prometheus, timeseries, ds, y: int):
+    """The "would EP and EPLB help?" row (issue [eplb]; docs/metrics.md, "Step-level rank load"): per EP size and
+    placement, the busiest / mean rank per step predicted from the steps' routing (worst layer, p50 and p99), the
+    straggler factor against the average-load figure that hides it, and the placement in use (the runtime's or
+    vLLM's EPLB): its straggler, its rearrangements' before / after and the slots each rank computes."""
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Would EP help? Busiest / mean rank per step, worst "
+                               "layer, p99 and p50, by EP size and placement", [
+        _q(prometheus, step_quantile(0.99), "EP {{ep}} {{placement}} R={{redundant}} p99"),
+        _q(prometheus, step_quantile(0.5), "EP {{ep}} {{placement}} R={{redundant}} p50")], "none", 0, y))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Straggler factor (sum of busiest / sum of mean rank over "
+                               "steps) vs the average-load figure", [
+        _q(prometheus, f"max by (ep, placement, redundant) (moescope_ep_straggler_ratio{{{SEL}}})",
+           "EP {{ep}} {{placement}} R={{redundant}} straggler"),
+        _q(prometheus, f"max by (ep, placement, redundant) (moescope_ep_average_max_over_mean_ratio{{{SEL}}})",
+           "EP {{ep}} {{placement}} R={{redundant}} average")], "none", 12, y))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Placement in use: straggler factor, and at its last "
+                               "rearrangement (before / predicted / after)", [
+        _q(prometheus, f'max by (ep, redundant) (moescope_ep_straggler_ratio{{{SEL}, placement="in_use"}})',
+           "in use, EP {{ep}} R={{redundant}}"),
+        _q(prometheus, f"max by (when) (moescope_ep_rearrangement_straggler_ratio{{{SEL}}})", "{{when}}")],
+        "none", 0, y + 8))
+    return dash.with_panel(_ts(timeseries, prometheus, ds, "Placement in use: slots each rank computes per second "
+                               "(the routing's, every step)", [
+        _q(prometheus, f"sum by (peer) (rate(moescope_ep_rank_slots_total{{{SEL}}}[$__rate_interval]))",
+           "rank {{peer}}")], "none", 12, y + 8))
 
 
 def memory(t: Thresholds = DEFAULT):
