@@ -80,6 +80,17 @@ class Verdict:
             out.append(f"Not worth a rearrangement's cost: EPLB's straggler is {why} {s.placement}'s; it {saves}")
         return out
 
+    def short(self) -> str:
+        """One line (``moescope top``): the static placement's per-step p50 / p99 and straggler, EPLB's, the verdict."""
+        s, e = self.static, self.eplb
+        head = (f"EP {self.ep} {s.placement}: step max/mean p50/p99 {s.p50:.2f}/{s.p99:.2f}, straggler "
+                f"{_pm(s.straggler, s.stderr)} (average {s.average:.2f})")
+        if e is None:
+            return head
+        word = "enable EPLB" if self.worth else "EPLB not worth a rearrangement"
+        return (f"{head}; EPLB R={e.redundant}/{self.interval} steps: {e.p50:.2f}/{e.p99:.2f}, straggler "
+                f"{_pm(e.straggler, e.stderr)}: {word}")
+
     def as_dict(self) -> dict:
         d = asdict(self)
         d["lines"] = self.lines()

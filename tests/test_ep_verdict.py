@@ -94,3 +94,28 @@ def test_diagnose_finding_judges_the_windows_steps_out_of_sample():
     assert ev["static"]["p50"] == pytest.approx(np.median([max(naive_max_over_mean(
         naive_rank_loads(c[i], per_rank)) for i in range(2)) for c in counts]))
     assert math.isfinite(ev["eplb"]["straggler"]) and ev["step_s"] == pytest.approx(0.01)
+
+
+def test_tops_line_is_the_verdict_of_the_exported_series():
+    """`moescope top` reads the exposition (the histogram's buckets, the straggler gauges): its line is the
+    verdict of the exporter's own snapshot (the same quantiles, the same bar)."""
+    from moescope.metrics import catalogue, step_balance_families
+    from moescope.metrics.exposition import FamilyWriter
+    from moescope.parallel import step_balance as sb
+    from moescope.tui import top_data
+    from moescope.tui.ep_view import ep_line
+
+    rng = np.random.default_rng(2)
+    b = sb.StepBalance((1, 2), 16, buckets=catalogue.STEP_BALANCE_BUCKETS, ep_sizes=(4, 8),
+                       schedule=sb.Schedule(window=20, every=40))
+    for _ in range(30):
+        c = rng.integers(0, 4, size=(8, 2, 16)).astype(np.float32)
+        c[:, :, rng.integers(0, 16)] += 25  # a hot expert per summary
+        b.observe_counts(c, 32, c.sum(0) * 4)
+    snap = b.snapshot()
+    text = step_balance_families.text(snap, FamilyWriter("m", "0"), False, full=True)
+    line = ep_line(top_data.parse_exposition(text), top_data._quantile)
+    figs = [ep_verdict.Figures(e.placement, e.ep, e.redundant, e.quantile(0.5), e.quantile(0.99), e.straggler,
+                               e.stderr, e.average, int(e.count[0])) for e in snap.entries]
+    want = ep_verdict.verdict(figs, 8, 20, 40)
+    assert line == want.short() and line.startswith("EP 8 linear")

@@ -362,9 +362,10 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
 
 def step_quantile(q: float, sel: str = SEL, layer: str = "worst") -> str:
     """The q quantile of the per-step busiest / mean rank (``moescope_ep_step_max_over_mean_ratio``) by EP size and
-    placement, over the panel's range step."""
-    return (f"histogram_quantile({q}, sum by (le, ep, placement, redundant) (rate("
-            f'moescope_ep_step_max_over_mean_ratio_bucket{{{sel}, layer="{layer}"}}[$__rate_interval])))')
+    placement, over the panel's range step; at least 1 (a ratio to the mean: histogram_quantile interpolates the
+    lowest bucket, le 1, from 0)."""
+    return (f"clamp_min(histogram_quantile({q}, sum by (le, ep, placement, redundant) (rate("
+            f'moescope_ep_step_max_over_mean_ratio_bucket{{{sel}, layer="{layer}"}}[$__rate_interval]))), 1)')
 
 
 def expert_parallel(dash, prometheus, timeseries, ds, y: int):

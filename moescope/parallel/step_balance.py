@@ -255,9 +255,9 @@ def histogram_quantile(q: float, counts: np.ndarray, buckets) -> float:
     if b >= len(buckets):
         return float(buckets[-1])
     lo = buckets[b - 1] if b > 0 else 0.0
-    lo = max(lo, 1.0) if b == 0 else lo  # (a ratio of busiest to mean is never under 1)
     below = cum[b - 1] if b > 0 else 0.0
-    return float(lo + (buckets[b] - lo) * ((rank - below) / counts[b] if counts[b] else 1.0))
+    q_value = lo + (buckets[b] - lo) * ((rank - below) / counts[b] if counts[b] else 1.0)
+    return float(max(1.0, q_value))  # (a ratio to the mean is never under 1: the lowest bucket interpolates from 0)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,8 @@ def details_text(frame: Frame, layer: int | None, width: int | None = 80) -> Tex
     out.append("\n")
     if frame.efficiency:
         out.append(frame.efficiency + "\n")
+    if frame.ep:
+        out.append(frame.ep + "\n")
     if frame.a2a_p99:
         out.append("a2a p99 " + " ".join(f"r{k}:{v * 1e3:.1f}ms" for k, v in frame.a2a_p99.items()) + "  ")
     if frame.alert_error:

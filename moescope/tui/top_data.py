@@ -19,6 +19,7 @@ from moescope import judge, prom_http
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 from moescope.tui.efficiency_view import efficiency_line
+from moescope.tui.ep_view import ep_line
 from moescope.tui.routing_view import History, LayerRouting, layer_routing
 
 Samples = dict[tuple[str, frozenset], float]
@@ -135,6 +136,7 @@ class Frame:
     alerts: list[str] | None = None  # None: no Alertmanager configured
     alert_error: str | None = None
     efficiency: str = ""  # experts touched per step, bytes per token, S-MBU (moescope.tui.efficiency_view)
+    ep: str = ""  # would EP and EPLB help: the step-level verdict (moescope.tui.ep_view)
 
 
 def _fmt(v: float | None, kind: str) -> str:
@@ -356,7 +358,8 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     a2a = _hist_delta(cur, None, "moescope_all_to_all_seconds", ("rank",))
     a2a_p99 = {rank[0]: q for rank, hb in sorted(a2a.items()) if (q := _quantile(hb, 0.99)) is not None}
     return Frame(at or time.time(), model, endpoints, tiles, routing, tier, window, n_exp, columns,
-                 judged_note(routing, t), a2a_p99, cache_low, efficiency=efficiency_line(cur, prev, n_exp))
+                 judged_note(routing, t), a2a_p99, cache_low, efficiency=efficiency_line(cur, prev, n_exp),
+                 ep=ep_line(cur, _quantile))
 
 
 def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[int, np.ndarray]):
