@@ -40,16 +40,18 @@ def balanced_packing(weight: np.ndarray, num_packs: int) -> tuple[np.ndarray, np
     rank = np.full((num_layers, num_groups), -1, dtype=np.int64)
     pack_weight = np.zeros((num_layers, num_packs), dtype=np.float64)
     pack_items = np.zeros((num_layers, num_packs), dtype=np.int64)
-    for layer in range(num_layers):
-        w_row, n_row = pack_weight[layer], pack_items[layer]
-        for g in order[layer]:
-            p = int(np.argmin(w_row))  # a full pack weighs inf
-            pack[layer, g] = p
-            rank[layer, g] = n_row[p]
-            w_row[p] += weight[layer, g]
-            n_row[p] += 1
-            if n_row[p] == per_pack:
-                w_row[p] = np.inf
+    rows = np.arange(num_layers)
+    # vLLM loops layer by layer; the layers are independent, so the j-th heaviest item of every layer is placed at
+    # once (argmin per row picks the first lightest pack, as vLLM's per-layer argmin): the same packing
+    for j in range(num_groups):
+        g = order[:, j]
+        p = np.argmin(pack_weight, axis=1)  # a full pack weighs inf
+        pack[rows, g] = p
+        rank[rows, g] = pack_items[rows, p]
+        pack_weight[rows, p] += weight[rows, g]
+        pack_items[rows, p] += 1
+        full = pack_items[rows, p] == per_pack
+        pack_weight[rows[full], p[full]] = np.inf
     return pack, rank
 
 

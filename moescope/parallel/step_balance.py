@@ -59,6 +59,11 @@ EVENTS_KEPT = 64  # in-use rearrangements kept (one line each)
 # Multiply-adds per summary: ~1-3 ms of float32 matmul on one core of this project's machines. At DeepSeek-V3's shape
 # (58 x 256, default placements: 3.7M per step) that judges 8 of a summary's 64 sampled steps; at 8 experts all 64.
 WORK_BUDGET = 32_000_000
+# moescope's planner (``planner.plan_layer``) is a Python loop over replicas x ranks: at 58 layers x (256 + 64) replicas
+# on 64 ranks about a second per rearrangement on this project's machines (vLLM's policy: ~0.05 s a size). By default
+# the ``plan`` entry is kept to EP sizes up to 16 (a rearrangement of all default entries then ~0.3 s, every
+# ``Schedule.every`` steps); name larger sizes with ``ep_sizes`` and ``plan_max_ep``.
+PLAN_MAX_EP = 16
 
 
 @dataclass(frozen=True)
@@ -323,6 +328,7 @@ class StepBalance:
         budget: multiply-adds per summary (``WORK_BUDGET``); the steps judged are as many of the sample as it pays.
         plan_min_gain: the ``plan`` entry moves a layer only for a gain over this, as the runtime's EPLB in the loop
             (``parallel.eplb.Rebalancer.min_gain``).
+        plan_max_ep: the ``plan`` entry at EP sizes up to this only (``PLAN_MAX_EP``).
         warm: [L, E] a load EPLB and the plan start from (instead of vLLM's initial map): offline, the steps before
             the ones judged, so that a short trace judges EPLB's steady state, out of sample.
     """
@@ -330,7 +336,7 @@ class StepBalance:
     def __init__(self, moe_layers, n_experts: int, *, buckets, ep_sizes=None, placements=PLACEMENTS, redundant=None,
                  schedule: Schedule = Schedule(), groups: int = 1, nodes: int = 1, per_layer: bool = False,
                  keep_values: bool = False, in_use_source=None, budget: int = WORK_BUDGET, warm=None,
-                 plan_min_gain: float = MIN_GAIN) -> None:
+                 plan_min_gain: float = MIN_GAIN, plan_max_ep: int = PLAN_MAX_EP) -> None:
         self.layers = tuple(moe_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.n_experts, self.schedule = n_experts, schedule
@@ -357,7 +363,7 @@ class StepBalance:
                     self._add(static_layout(p, n_experts, n, n_layers))
                     continue
                 r = n if redundant is None else redundant if isinstance(redundant, int) else redundant.get(n)
-                if r is None or (n_experts + r) % n:
+                if r is None or (n_experts + r) % n or (p == "plan" and n > plan_max_ep):
                     continue
                 self._add(self._initial(p, n, r))
         self._window: collections.deque = collections.deque()  # (steps, [L, E] counts), oldest first
