@@ -226,19 +226,19 @@ def _stragglers(rows: list[dict], every: int) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = ["| shape | ranks | run | rank steps | per-step rows equal | max deviation (slots) | straggler measured / "
-             "predicted / simulated (steps) | simulated placements = runtime's |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | ranks | run | rank steps (step-layers) | rows measured vs predicted | straggler measured / "
+             "predicted / simulated (steps) | simulated placements = runtime's |", "|---|---|---|---|---|---|---|"]
     for name, s in report["shapes"].items():
         what = f"{s['n_experts']} experts top-{s['top_k']}, {s['moe_layers']} MoE layers"
         for run, r in s["runs"].items():
             sim = r.get("straggler_simulated")
             eq = r.get("simulated_placements_equal")
-            equal = "all" if r["exact"] else "no"
-            lines.append(f"| {name}: {what} | {s['world']} | {run} | {r['steps']} | "
-                         f"{equal} ({len(r['rows'])} step-layers) | {r['max_abs_deviation']:g} | "
+            rows = ("equal, every one" if r["exact"] else
+                    f"within {s['world']} slots per replicated expert held: "
+                    f"{'yes' if r['within_dealing_bound'] else 'NO'} (max {r['max_abs_deviation']:g})")
+            lines.append(f"| {name}: {what} | {s['world']} | {run} | {r['steps']} ({len(r['rows'])}) | {rows} | "
                          f"{r['straggler_measured']} / {r['straggler_predicted']} / {sim if sim is not None else '-'} "
-                         f"({r['straggler_steps']}) | "
-                         f"{'-' if not eq else f'{sum(eq)} of {len(eq)}'} |")
+                         f"({r['straggler_steps']}) | {'-' if not eq else f'{sum(eq)} of {len(eq)}'} |")
     return "\n".join(lines) + "\n"
 
 
