@@ -1,27 +1,22 @@
-"""What observability costs serving, measured as users run it: the engine serving a workload bare, with
-``moescope.instrument()`` (metrics), and with ``moescope.instrument(observers=[TraceRecorder(...)])`` (metrics +
-per-token traces into a real SQLite store), side by side in interleaved rounds in one process.
+"""What observability costs serving, measured as users run it: the engine serving a workload with capture off and on,
+in one process, with moescope's kill switch (``Instrumentation.capture``): metrics (``moescope.instrument()``), and
+metrics + per-token traces into a real SQLite store (``Traces``).
 
-Two measures, both printed:
-- end to end: the serving wall time of ``Engine.run`` over the same workload (requests queued at once, greedy,
-  the same tokens every round) per variant; ratio = the median over rounds of instrumented / bare in the same
-  round (variants run back to back, their order alternating, so a machine that slows down for a while slows
-  both sides of a pair). ``cpu`` is the same for the process's CPU time (all threads, the drain included):
-  on a VM whose neighbours steal time it is the steadier figure. The trace writer's
-  thread works while the engine serves, so its competition for the cores and the GIL is in this figure; its
-  drain after the run is reported apart (``drain_s``), and so are the requests it stored and any it dropped.
-- hook share: the engine thread's own time in the hooks of one step (every ``on_routing`` and
-  ``on_layer_time`` of a forward, then ``on_step``), replayed in a tight loop, as a share of the bare step. It
-  leaves out the routing probe's summary, which runs on the engine thread once per interval (0.25 s).
-- GC share: the time Python's cyclic garbage collector ran while the engine served (``gc.callbacks``), as a
-  share of the serving time. The routing probe holds each step's decisions (tensors: GC-tracked objects) until
-  its summary; held across collections, they are promoted to the oldest generation, whose collections walk
-  every object of the process (torch's included: tens of ms each). The bare engine frees its decisions at once.
+Per variant, one instrumentation is set up once; then rounds alternate capture off (the engine reports to no
+moescope observer: the bare engine) and on, their order alternating, the same workload (requests queued at once,
+greedy, the same tokens) each time. The ratio of a round is on / off; the figures are the median and the quartiles
+of the per-round ratios (``benchmarks/_verdict.py`` judges a goal met only where the upper quartile is within it).
+One process, one model, one set of warm caches: nothing but capture differs between the two sides of a round.
 
-Workloads: tiny-demo at 1 and 16 concurrent requests (16 = 16 tokens per decode step), and
-deepseek-v3-shape at 16 (58 MoE layers x 256 experts; ``--quick`` skips it).
+Also per variant: the CPU time ratio (every thread of the process: the evaluator and the trace writer included),
+the share of serving time Python's cyclic GC ran (``gc.callbacks``), and, for traces, what the store kept. With
+capture on, what moescope does runs on the engine's thread (the hooks: O(1) each, tests/test_step_work.py), on the
+evaluator's (once per interval), and on the trace writer's; the ratio is all of it, as users pay it.
 
-    python benchmarks/overhead.py [--rounds 9] [--quick] [--device cuda] [--out benchmarks/results/overhead.json]
+Workloads (issue [lean]): tiny-demo and deepseek-v3-shape (58 MoE layers x 256 experts), 16 requests x 96 output
+tokens each at 16 concurrent requests; tiny-demo also at 1 request at a time.
+
+    python benchmarks/overhead.py [--rounds 21] [--quick] [--device cuda] [--out benchmarks/results/overhead.json]
 """
 
 from __future__ import annotations
@@ -34,41 +29,26 @@ import time
 from pathlib import Path
 
 import _results
+from _verdict import judge
 
 import torch
 
 import moescope
-from moescope.capture.observer import NOOP, Observer
+from moescope.config import Config, Metrics, Traces
 from moescope.runtime import loader, traffic
-from moescope.runtime.engine import Engine, StepRecord
-from moescope.runtime.model import Segment
-from moescope.traces.recorder import TraceRecorder
+from moescope.runtime.engine import Engine
 
-VARIANTS = ("bare", "metrics", "metrics+traces")
+VARIANTS = ("metrics", "metrics+traces")
 
 
-class _Calls(Observer):
-    """Keeps one forward's hook calls, to replay them against a variant's observer."""
-
-    def __init__(self) -> None:
-        self.calls = []
-
-    def on_routing(self, layer, decision):
-        self.calls.append(("on_routing", layer, decision))
-
-    def on_layer_time(self, layer, router_s, experts_s):
-        self.calls.append(("on_layer_time", layer, router_s, experts_s))
+def _requests(n: int, tokens: int):
+    """``n`` requests of exactly ``tokens`` output tokens each (the issue's 16 x 96)."""
+    cfg = traffic.TrafficConfig(seed=0, output_tokens_median=tokens, output_tokens_range=(tokens, tokens))
+    return traffic.generate(cfg, n)
 
 
-def _serve(model, reqs, variant: str, store: Path, max_batch: int) -> dict:
-    """One serving run of ``reqs`` under ``variant``; the instrumentation is set up and closed around it, as a
-    user's process would (set-up and close are not in the serving time)."""
-    observers = []
-    recorder = None
-    if variant == "metrics+traces":
-        recorder = TraceRecorder(store, model=model.cfg.name)
-        observers.append(recorder)
-    inst = moescope.instrument(model, observers=observers) if variant != "bare" else None
+def _serve(model, reqs, max_batch: int) -> dict:
+    """One serving run (``Engine.run``, all requests queued at once): wall and CPU seconds, GC time."""
     engine = Engine(model, max_batch=max_batch)
     collected = {"s": 0.0, "full": 0, "start": 0.0}
 
@@ -84,105 +64,81 @@ def _serve(model, reqs, variant: str, store: Path, max_batch: int) -> dict:
     try:
         records = engine.run(reqs, realtime=False)
     finally:
-        seconds = time.perf_counter() - t
+        seconds, cpu = time.perf_counter() - t, time.process_time() - cpu
         gc.callbacks.remove(on_gc)
-    t = time.perf_counter()
-    if inst is not None:
-        inst.close()  # the writer drains its queue and commits here
-    drain = time.perf_counter() - t
-    cpu = time.process_time() - cpu  # every thread of the process, the drain included
-    model.observer = NOOP
-    out = {"seconds": seconds, "cpu_s": cpu, "tokens": sum(r.n_output for r in records), "drain_s": drain,
-           "gc_s": collected["s"], "gc_full": collected["full"]}
+    return {"seconds": seconds, "cpu_s": cpu, "tokens": sum(r.n_output for r in records), "gc_s": collected["s"],
+            "gc_full": collected["full"]}
+
+
+def _quartiles(xs: list[float]) -> list[float]:
+    return statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+
+
+def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store: Path) -> dict:
+    """Rounds of (capture off, capture on) in alternating order on one instrumentation."""
+    config = Config(metrics=Metrics(), traces=Traces(str(store)) if variant == "metrics+traces" else None)
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    with moescope.instrument(model, config) as inst:
+        for r in range(rounds + 1):  # round 0 warms both sides up
+            for on in ((False, True) if r % 2 == 0 else (True, False)):
+                inst.capture.set(on)
+                res = _serve(model, reqs, concurrency)
+                if r:
+                    runs[on].append(res)
+        inst.capture.set(True)
+        recorder = inst.recorder
+    ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[True], runs[False])]
+    cpu = [a["cpu_s"] / b["cpu_s"] for a, b in zip(runs[True], runs[False])]
+    q1, med, q3 = _quartiles(ratios)
+    out = {"ratio": med, "ratios": ratios, "q1": q1, "q3": q3, "cpu_ratio": statistics.median(cpu),
+           "off_s": statistics.median(x["seconds"] for x in runs[False]),
+           "on_s": statistics.median(x["seconds"] for x in runs[True]),
+           # over all rounds: full collections are rare events (one every few rounds), a median hides them
+           "gc_share_off": sum(x["gc_s"] for x in runs[False]) / sum(x["seconds"] for x in runs[False]),
+           "gc_share_on": sum(x["gc_s"] for x in runs[True]) / sum(x["seconds"] for x in runs[True]),
+           "gc_full_collections_on": sum(x["gc_full"] for x in runs[True]),
+           "tokens": runs[True][0]["tokens"]}
     if recorder is not None:
         out.update(stored=recorder.written, dropped=recorder.dropped, errors=recorder.errors)
     return out
 
 
-def _hook_cost(model, variant: str, store: Path, n_tokens: int, n: int = 300) -> float:
-    """Seconds per step in the variant's hooks on the engine thread (no writer work counted: the queue is
-    only filled, and its consumer stays behind the same lock the real one does)."""
-    calls = _Calls()
-    model.observer = calls
-    with torch.inference_mode():
-        model(torch.randint(0, 256, (n_tokens,), device=model.device), [Segment(1) for _ in range(n_tokens)])  # decode
-    model.observer = NOOP
-    recorder = TraceRecorder(store, model=model.cfg.name, queue_size=n + 8) if variant == "metrics+traces" else None
-    inst = moescope.instrument(model, observers=[recorder] if recorder else [])
-    obs = inst.observer
-    bound = [(getattr(obs, c[0]), c[1:]) for c in calls.calls]
-    step = StepRecord(0, "decode", 0.0, 0.001, n_tokens, tuple((f"r{i}", 0, 1) for i in range(n_tokens)))
-    t = time.perf_counter()
-    for _ in range(n):
-        for fn, args in bound:
-            fn(*args)
-        obs.on_step(step)
-    seconds = (time.perf_counter() - t) / n
-    inst.close()
-    model.observer = NOOP
-    return seconds
-
-
-def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: int, tmp: Path) -> dict:
-    reqs = traffic.generate(traffic.TrafficConfig(seed=0, output_tokens_median=24), n_requests)
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    extra: dict[str, list[dict]] = {v: [] for v in VARIANTS}
-    for r in _results.track(range(rounds + 1), f"overhead: {name} at {concurrency}, a warm-up and {rounds} rounds"):
-        # round 0 warms up (and builds the store)
-        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-            res = _serve(model, reqs, v, tmp / f"{name}-{concurrency}-{r}-{v}.sqlite", concurrency)
-            if r:
-                times[v].append(res["seconds"])
-                extra[v].append(res)
-    bare = statistics.median(times["bare"])
-    bare_cpu = [e["cpu_s"] for e in extra["bare"]]
-    tokens = extra["bare"][0]["tokens"]
-    step_s = bare / max(1, tokens / concurrency)  # a decode step's time, roughly
-    row = {"model": name, "concurrency": concurrency, "requests": n_requests, "output_tokens": tokens,
-           "rounds": rounds, "bare_s": bare,
-           "bare_gc_share": sum(e["gc_s"] for e in extra["bare"]) / sum(times["bare"])}
-    for v in VARIANTS[1:]:
-        med = statistics.median(times[v])
-        hook = statistics.median(_hook_cost(model, v, tmp / f"hook-{name}-{v}.sqlite", concurrency) for _ in range(3))
-        paired = [t / b for t, b in zip(times[v], times["bare"])]  # each round against its own bare run
-        cpu = [e["cpu_s"] / b for e, b in zip(extra[v], bare_cpu)]
-        row[v] = {"serving_s": med, "ratio": statistics.median(paired), "ratios": paired,
-                  "ratio_of_medians": med / bare, "cpu_ratio": statistics.median(cpu),
-                  "hook_s": hook, "hook_share_of_step": hook / step_s,
-                  "drain_s": statistics.median(e["drain_s"] for e in extra[v]),
-                  # over all rounds: full collections are rare events (one every few rounds), a median hides them
-                  "gc_share": sum(e["gc_s"] for e in extra[v]) / sum(times[v]),
-                  "gc_full_collections": sum(e["gc_full"] for e in extra[v])}
-        if v == "metrics+traces":
-            row[v].update(stored=extra[v][-1]["stored"], dropped=max(e["dropped"] for e in extra[v]),
-                          errors=max(e["errors"] for e in extra[v]))
-    return row
+GOALS = {"metrics": 1.01, "metrics+traces": 1.03}  # issue [lean], at 16 concurrent requests
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = _results.parser(__doc__, quick="tiny-demo only, 1 round (CI keeps the script working)", rounds=9)
+    ap = _results.parser(__doc__, quick="tiny-demo only, 4 requests x 16 tokens, 1 round (CI keeps the script working)",
+                         rounds=21)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/device_checks.sh: cuda)")
     args = _results.parse(ap, argv, lambda a: "overhead" if a.device == "cpu" else f"overhead-{a.device}")
-    rounds, out = args.rounds, args.out
-    workloads = [("tiny-demo", 1, 4 if args.quick else 8), ("tiny-demo", 16, 16 if args.quick else 48)]
-    if not args.quick:
-        workloads.append(("deepseek-v3-shape", 16, 16))
+    if args.quick:
+        workloads = [("tiny-demo", 4, 4, 16)]
+    else:
+        workloads = [("tiny-demo", 16, 16, 96), ("deepseek-v3-shape", 16, 16, 96), ("tiny-demo", 1, 8, 96)]
     models = {name: loader.build_model(name, device=args.device) for name in {w[0] for w in workloads}}
     report = {"torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
-              "rounds": rounds, "workloads": []}
-    print(f"observability cost, end to end (Engine.run; medians of {rounds} interleaved rounds; torch "
+              "rounds": args.rounds, "goals": GOALS, "workloads": []}
+    print(f"capture's cost, capture on / off in one process (Engine.run; {args.rounds} rounds; torch "
           f"{torch.__version__}, {torch.get_num_threads()} threads)")
-    print(f"{'model':>18} {'conc':>4} {'bare s':>7} | {'metrics':>7} {'cpu':>6} {'hook':>6} | {'+traces':>7} "
-          f"{'cpu':>6} {'hook':>6} {'drain s':>7} {'stored':>6} {'dropped':>7}")
+    print(f"{'model':>18} {'conc':>4} {'reqs':>4} {'off s':>7} | {'variant':>15} {'median':>7} {'IQR':>13} "
+          f"{'cpu':>6} {'gc on':>6} {'goal':>5}")
     with tempfile.TemporaryDirectory(prefix="moescope-overhead-") as tmp:
-        for name, conc, n_req in workloads:
-            row = run_workload(name, models[name], conc, n_req, rounds, Path(tmp))
+        for name, conc, n_req, tokens in workloads:
+            reqs = _requests(n_req, tokens)
+            row = {"model": name, "concurrency": conc, "requests": n_req, "output_tokens": tokens}
+            for variant in VARIANTS:
+                label = f"overhead: {name} at {conc}, {variant}, {args.rounds} rounds of off and on"
+                with _results.progress(label, 1):
+                    v = run_variant(models[name], reqs, variant, conc, args.rounds,
+                                    Path(tmp) / f"{name}-{conc}-{variant}.sqlite")
+                row[variant] = v
+                met = judge(v["ratios"], GOALS[variant]) if conc == 16 else None
+                print(f"{name:>18} {conc:>4} {n_req:>4} {v['off_s']:>7.3f} | {variant:>15} {v['ratio']:>6.3f}x "
+                      f"{v['q1']:>6.3f}-{v['q3']:<6.3f} {v['cpu_ratio']:>5.3f}x {v['gc_share_on']:>6.2%} "
+                      f"{'-' if conc != 16 else {True: 'met', False: 'missed', None: 'n/r'}[met]:>5}")
+                print("    per-round ratios: " + " ".join(f"{x:.3f}" for x in v["ratios"]))
             report["workloads"].append(row)
-            m, t = row["metrics"], row["metrics+traces"]
-            print(f"{name:>18} {conc:>4} {row['bare_s']:>7.3f} | {m['ratio']:>6.3f}x {m['cpu_ratio']:>5.3f}x "
-                  f"{m['hook_share_of_step']:>6.2%} | {t['ratio']:>6.3f}x {t['cpu_ratio']:>5.3f}x "
-                  f"{t['hook_share_of_step']:>6.2%} {t['drain_s']:>7.3f} {t['stored']:>6} {t['dropped']:>7}")
-    _results.save(report, out)
+    _results.save(report, args.out)
     return 0
 
 

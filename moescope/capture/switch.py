@@ -80,7 +80,7 @@ class CaptureSwitch:
             (self._resume if on else self._pause)()
             self._on = on
             self.switches += 1
-        log.warning("moescope: capture turned %s", "on" if on else "off")
+        log.info("moescope: capture turned %s", "on" if on else "off")
         for fn in self.listeners:
             fn(on)
         return True

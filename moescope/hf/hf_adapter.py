@@ -87,6 +87,69 @@ def find_moe_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, 
     return found
 
 
+class DeferredDecision:
+    """A ``RoutingDecision`` of one HF MoE block's forward, resolved where it is read (the evaluator's thread, the
+    trace writer's), never in the forward: the hooks keep references to the router's outputs (tensors the forward
+    does not change afterwards) and the forward runs no moescope tensor operation. Reading any field resolves it
+    once (``_decision``): top-k of the softmax where the router gave logits only (4.x linear gates: the ids the block
+    computes), entropy and margin of the router's scores, non-finite logits."""
+
+    __slots__ = ("_layer", "_logits", "_ids", "_weights", "_resolved")
+    rerouted = None
+
+    def __init__(self, layer: _Layer, logits, ids, weights) -> None:
+        self._layer, self._logits, self._ids, self._weights = layer, logits, ids, weights
+        self._resolved: RoutingDecision | None = None
+
+    def resolve(self) -> RoutingDecision:
+        d = self._resolved
+        if d is None:  # (two threads resolving at once compute the same decision)
+            with torch.inference_mode():  # read-only statistics: no autograd graph, whatever the forward ran under
+                d = self._resolved = _decision(self._layer, self._logits, self._ids, self._weights)
+            self._logits = self._ids = self._weights = None
+        return d
+
+    @property
+    def n_experts(self) -> int:
+        return self._layer.n_experts
+
+    def __getattr__(self, name: str):  # ids, weights, kept, entropy, margin, nonfinite, dropped, active_ids, scored
+        return getattr(self.resolve(), name)
+
+
+def _decision(layer: _Layer, logits, ids, weights) -> RoutingDecision:
+    """The decision of one block's forward from the router's outputs the hooks kept (see ``DeferredDecision``)."""
+    if isinstance(logits, tuple):  # (the gate's input, its weight): a gate that returns no logits
+        x, w = logits
+        logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), w.float())
+    if logits is not None:
+        logits = logits.reshape(-1, layer.n_experts)
+    if ids is not None:
+        ids = ids.reshape(-1, ids.shape[-1])
+        weights = None if weights is None else weights.reshape(ids.shape)
+    probs = torch.softmax(logits.float(), dim=-1) if logits is not None else None
+    if ids is None:  # 4.x linear gates: top-k of the softmax = top-k of the logits
+        top_p, ids = torch.topk(probs, layer.top_k, dim=-1)
+        weights = top_p / top_p.sum(-1, keepdim=True)
+    ids = ids.long()
+    if weights is None:
+        weights = torch.full(ids.shape, 1.0 / ids.shape[1], device=ids.device)
+    n = ids.shape[0]
+    if probs is not None and probs.shape[0] == n:
+        # the runtime's definitions (docs/metrics.md): entropy of the router's scores normalised to sum 1,
+        # margin of the two best scores; sigmoid routers score with the sigmoid, the others the softmax
+        scores = probs if layer.scoring == "softmax" else torch.sigmoid(logits.float())
+        entropy, margin = entropy_margin(scores, layer.scoring)
+        nonfinite = (~torch.isfinite(logits)).sum()
+    else:  # no logits to judge certainty by: report NaN (unknown), never a made-up number
+        entropy = margin = torch.full((n,), float("nan"), device=ids.device)
+        nonfinite = torch.zeros((), dtype=torch.int64, device=ids.device)
+    return RoutingDecision(ids=ids, weights=weights.float(), kept=torch.ones_like(ids, dtype=torch.bool),
+                           entropy=entropy, margin=margin, nonfinite=nonfinite,
+                           dropped=torch.zeros((), dtype=torch.int64, device=ids.device),
+                           n_experts=layer.n_experts, active_ids=ids)
+
+
 class HFAdapter(EngineContract):
     """A HF MoE model under the engine contract (``moescope.capture.engine_contract.EngineContract``):
     ``attach(observer)`` hooks it, ``detach()`` removes every hook. Its caller drives the model forward by forward, so
@@ -155,16 +218,15 @@ class HFAdapter(EngineContract):
             tensors = [t for t in outs if isinstance(t, torch.Tensor)]
             logits = next((t for t in tensors if t.is_floating_point() and t.shape[-1] == layer.n_experts), None)
             if logits is None and args and isinstance(getattr(module, "weight", None), torch.Tensor):
-                # A gate that returns only (ids, weights) (DeepSeek-V3 on 4.x): recompute its logits from
-                # its input, for entropy and non-finite counts; the ids stay the gate's own.
-                x = args[0]
-                logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), module.weight.float())
-            layer.logits = None if logits is None else logits.reshape(-1, layer.n_experts)
+                # A gate that returns only (ids, weights) (DeepSeek-V3 on 4.x): its logits are recomputed from its
+                # input where the decision is read (entropy, non-finite counts); the ids stay the gate's own.
+                layer.logits = (args[0], module.weight)
+            else:
+                layer.logits = logits
             ids = next((t for t in tensors if not t.is_floating_point() and t.dim() >= 1), None)
             if ids is not None and not layer.true_ids:
-                layer.ids = ids.reshape(-1, ids.shape[-1])
-                w = next((t for t in tensors if t.is_floating_point() and t.shape == ids.shape), None)
-                layer.weights = None if w is None else w.reshape(layer.ids.shape)
+                layer.ids = ids
+                layer.weights = next((t for t in tensors if t.is_floating_point() and t.shape == ids.shape), None)
         return hook
 
     @staticmethod
@@ -181,41 +243,13 @@ class HFAdapter(EngineContract):
 
     def _block_hook(self, layer: _Layer):
         def hook(module, args, out):
-            try:
-                decision = self._decision(layer)
-            finally:
-                layer.logits = layer.ids = layer.weights = None
-                layer.true_ids = False
-            if decision is not None and self.observer is not None:
-                self.observer.on_routing(layer.index, decision)
+            logits, ids, weights = layer.logits, layer.ids, layer.weights
+            layer.logits = layer.ids = layer.weights = None
+            layer.true_ids = False
+            if (ids is not None or logits is not None) and self.observer is not None:
+                # references only: the statistics are computed where the decision is read, off the forward
+                self.observer.on_routing(layer.index, DeferredDecision(layer, logits, ids, weights))
         return hook
-
-    @staticmethod
-    def _decision(layer: _Layer) -> RoutingDecision | None:
-        logits, ids, weights = layer.logits, layer.ids, layer.weights
-        if ids is None and logits is None:
-            return None
-        probs = torch.softmax(logits.float(), dim=-1) if logits is not None else None
-        if ids is None:  # 4.x linear gates: top-k of the softmax = top-k of the logits
-            top_p, ids = torch.topk(probs, layer.top_k, dim=-1)
-            weights = top_p / top_p.sum(-1, keepdim=True)
-        ids = ids.long()
-        if weights is None:
-            weights = torch.full(ids.shape, 1.0 / ids.shape[1], device=ids.device)
-        n = ids.shape[0]
-        if probs is not None and probs.shape[0] == n:
-            # the runtime's definitions (docs/metrics.md): entropy of the router's scores normalised to sum 1,
-            # margin of the two best scores; sigmoid routers score with the sigmoid, the others the softmax
-            scores = probs if layer.scoring == "softmax" else torch.sigmoid(logits.float())
-            entropy, margin = entropy_margin(scores, layer.scoring)
-            nonfinite = (~torch.isfinite(logits)).sum()
-        else:  # no logits to judge certainty by: report NaN (unknown), never a made-up number
-            entropy = margin = torch.full((n,), float("nan"), device=ids.device)
-            nonfinite = torch.zeros((), dtype=torch.int64, device=ids.device)
-        return RoutingDecision(ids=ids, weights=weights.float(), kept=torch.ones_like(ids, dtype=torch.bool),
-                               entropy=entropy, margin=margin, nonfinite=nonfinite,
-                               dropped=torch.zeros((), dtype=torch.int64, device=ids.device),
-                               n_experts=layer.n_experts, active_ids=ids)
 
     def _start(self, module, args, kwargs) -> None:
         self._t0 = time.perf_counter()

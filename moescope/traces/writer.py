@@ -40,9 +40,38 @@ ALWAYS_KEEP = ("nonfinite", "dropped", "cache_miss", "slow")
 
 @dataclass
 class _Step:
-    arrays: TraceArrays  # [T, L] routing records (ids, weights, entropy, margin, miss) as bytes
-    json: str  # the step's entry of a request's ``steps`` column (phase, timings, t, rss, peer waits)
+    arrays: TraceArrays | None  # [T, L] routing records (ids, weights, entropy, margin, miss) as bytes; None: not
+    # packed (no request in it was sampled in, and nothing in it flags one)
+    entry: dict  # the step's entry of a request's ``steps`` column (phase, timings, t, rss, peer waits)
     refs: int  # requests still to be sliced out of it
+    _json: str | None = None
+
+    @property
+    def json(self) -> str:
+        if self._json is None:  # made once, for the first request written with this step
+            self._json = json.dumps(self.entry)
+        return self._json
+
+
+def _routing(slices) -> dict[str, np.ndarray]:
+    """A request's routing, [T, L] per column, from its slices of packed steps, in order."""
+    first = slices[0][0].arrays
+    rows = first.records(np.concatenate([st.arrays.raw[o:o + n] for st, o, n in slices]))  # [T, L]
+    return {name: np.ascontiguousarray(rows[name]) for name in ("ids", "weights", "entropy", "margin", "miss")}
+
+
+def _routing_flags(slices, arrays) -> list[str]:
+    """Flags from a request's routing: non-finite scores, dropped slots, expert-cache misses."""
+    if not slices:
+        return []
+    flags = []
+    if all(st.arrays.scored for st, _, _ in slices) and not np.isfinite(arrays["entropy"]).all():
+        flags.append("nonfinite")
+    if (arrays["ids"] == slices[0][0].arrays.n_experts).any():
+        flags.append("dropped")
+    if arrays["miss"].any():
+        flags.append("cache_miss")
+    return flags
 
 
 def _compact(a: np.ndarray) -> np.ndarray:
@@ -72,6 +101,7 @@ class TraceWriter(Observer):
         self.written = self.sampled_out = self.errors = 0
         self.unrouted = 0  # requests stored without routing: some of their forwards were not seen
         self._rng = random.Random(seed)
+        self._sampled: dict[str, bool] = {}  # requests in flight: sampled in at their first step (bounded as _live)
         self._steps: dict[int, _Step] = {}
         self._live: dict[str, list[tuple[int, int, int]]] = {}
         self._recent_tpot: deque[float] = deque(maxlen=200)
@@ -90,7 +120,11 @@ class TraceWriter(Observer):
         self._pending.append((trace, self._rss(trace.t)))
         offset = 0
         for rid, _, n in trace.step.segments:
-            self._live.setdefault(rid, []).append((trace.step.index, offset, n))
+            parts = self._live.get(rid)
+            if parts is None:  # first sight: sampled now, so that only kept requests' steps are packed
+                parts = self._live[rid] = []
+                self._sampled[rid] = store_mod.keep_requested(rid) or self._rng.random() < self.sample
+            parts.append((trace.step.index, offset, n))
             offset += n
 
     def on_request(self, rec) -> None:
@@ -141,15 +175,20 @@ class TraceWriter(Observer):
             log.exception("trace writer failed on " + what, *args)
 
     def _pack_pending(self) -> None:
+        """Pack the routing of the steps a kept request may need: those with a request sampled in, and those whose
+        routing flags a request whatever its sample (non-finite logits, dropped slots, cache misses: a step-level
+        check, scalars only). The rest keep their timings only: a request none of whose steps were packed is
+        stored, if something else keeps it (slow, truncated), without routing."""
         pending = self._pending
         self._pending = []
-        for i, ((trace, rss), a) in enumerate(zip(pending, pack([tr for tr, _ in pending]))):
+        needed = [tr for tr, _ in pending if self._needs_routing(tr)]
+        packed = dict(zip((id(tr) for tr in needed), pack(needed)))
+        for i, (trace, rss) in enumerate(pending):
             if i % 16 == 15:
                 time.sleep(0)  # yield the GIL to the engine now and then (see tick)
             step = trace.step
-            if a is None:
-                continue
-            if trace.missed:
+            a = packed.get(id(trace))
+            if a is not None and trace.missed:
                 rows = a.records()  # a copy: write the misses back into the batch's bytes
                 for j, layer in enumerate(a.layers):
                     if layer in trace.missed:
@@ -157,50 +196,49 @@ class TraceWriter(Observer):
                         rows["miss"][:, j] = (hit * (1 << np.arange(hit.shape[1]))).sum(-1).astype(np.uint8)
                 a.raw[...] = rows.view(np.uint8).reshape(a.raw.shape)
             times, a2a = trace.layer_seconds, trace.a2a_seconds
+            layers = a.layers if a is not None else tuple(layer for layer, _ in trace.decisions)
             entry = {"phase": step.phase, "seconds": step.seconds, "index": step.index, "run": self.run_id,
-                     "layer_s": {str(layer): [*times.get(layer, (None, None)), a2a.get(layer)] for layer in a.layers},
+                     "layer_s": {str(layer): [*times.get(layer, (None, None)), a2a.get(layer)] for layer in layers},
                      "t": round(trace.t, 4), "rss": rss, "kv": getattr(step, "kv_tokens", None)}
-            if not a.scored:  # the engine gave no router scores: NaN entropy/margin mean unknown, not non-finite
+            if a is not None and not a.scored:  # no router scores: NaN entropy/margin mean unknown, not non-finite
                 entry["scored"] = False
             if trace.peer_wait:
                 entry["peer_wait"] = {str(k): [round(w, 6) for w in v] for k, v in trace.peer_wait.items()}
-            self._steps[step.index] = _Step(a, json.dumps(entry), len(step.segments))
+            self._steps[step.index] = _Step(a, entry, len(step.segments))
+
+    def _needs_routing(self, trace: StepTrace) -> bool:
+        if any(self._sampled.get(rid, True) for rid, _, _ in trace.step.segments):
+            return True
+        if trace.missed:
+            return True
+        # host tensors on CPU (a 0-d read); on CUDA a copy on this (the writer's) thread, never the engine's
+        return any(d.scored and int(d.nonfinite) or int(d.dropped) for _, d in trace.decisions)
 
     def _request(self, rec, base_tpot: float | None) -> None:
         """The row of one finished request (or nothing, when sampled out)."""
         parts = self._live.pop(rec.request_id, [])
+        sampled = self._sampled.pop(rec.request_id, None)
         slices = [(self._steps[s], o, n) for s, o, n in parts if s in self._steps]
         for s, _, _ in parts:
             self._release(s)
-        if slices and sum(n for _, _, n in slices) != store_mod.routed_rows(len(rec.prompt_tokens), rec.n_output,
-                                                                            rec.finish_reason):
+        packed = [sl for sl in slices if sl[0].arrays is not None]
+        whole = bool(slices) and len(packed) == len(slices)
+        if whole and sum(n for _, _, n in slices) != store_mod.routed_rows(len(rec.prompt_tokens), rec.n_output,
+                                                                          rec.finish_reason):
             # Some of its forwards reached no hook (a step event dropped by the full queue, or a static/CUDA-graph
             # decode step): store the request whole, without a routing that would not line up with its tokens.
-            slices = []
+            whole = False
             self.unrouted += 1
-        flags, arrays = [], None
-        if slices:
-            first = slices[0][0].arrays
-            rows = first.records(np.concatenate([st.arrays.raw[o:o + n] for st, o, n in slices]))  # [T, L]
-            arrays = {name: np.ascontiguousarray(rows[name]) for name in ("ids", "weights", "entropy", "margin",
-                                                                           "miss")}
-            if all(st.arrays.scored for st, _, _ in slices) and not np.isfinite(arrays["entropy"]).all():
-                flags.append("nonfinite")
-            if (arrays["ids"] == first.n_experts).any():
-                flags.append("dropped")
-            if arrays["miss"].any():
-                flags.append("cache_miss")
-        tpot = rec.token_latencies_s[1:]
-        if tpot and base_tpot is not None and max(tpot) > 3 * base_tpot:
-            flags.append("slow")
-        self._recent_tpot.extend(tpot)
-        if rec.truncated_prompt:
-            flags.append("truncated")
-        if not (any(f in ALWAYS_KEEP for f in flags) or store_mod.keep_requested(rec.request_id)
-                or self._rng.random() < self.sample):
+        arrays = _routing(packed) if packed else None  # (where it was not sampled in: the steps packed for others)
+        flags = _routing_flags(packed, arrays) + self._host_flags(rec, base_tpot)
+        if sampled is None:  # never seen in a step: sampled now
+            sampled = store_mod.keep_requested(rec.request_id) or self._rng.random() < self.sample
+        if not (sampled or any(f in ALWAYS_KEEP for f in flags)):
             self.sampled_out += 1
             self._not_kept.append((rec.request_id, rec.arrival + rec.total_s + self.clock_offset, self.sample))
             return
+        if not whole:
+            slices, arrays = [], None
         row: dict[str, Any] = {
             "request_id": rec.request_id, "started": rec.arrival + self.clock_offset, "model": self.model,
             "rank": self.rank, "domain": rec.domain, "tenant": rec.tenant, "prompt": rec.prompt,
@@ -219,6 +257,18 @@ class TraceWriter(Observer):
                 "step": _compact(np.repeat(np.arange(len(slices)), [n for _, _, n in slices])).tobytes(),
                 "steps": "[" + ",".join(st.json for st, _, _ in slices) + "]"})
         self._rows.append(row)
+
+    def _host_flags(self, rec, base_tpot: float | None) -> list[str]:
+        """Flags from the request's timings and prompt: slow (an output token over 3x the recent median time per
+        output token), truncated."""
+        flags = []
+        tpot = rec.token_latencies_s[1:]
+        if tpot and base_tpot is not None and max(tpot) > 3 * base_tpot:
+            flags.append("slow")
+        self._recent_tpot.extend(tpot)
+        if rec.truncated_prompt:
+            flags.append("truncated")
+        return flags
 
     def shutdown(self) -> None:
         self.tick()
