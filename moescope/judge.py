@@ -23,11 +23,12 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 import numpy as np
 
 from moescope import sampling, stats
-from moescope.thresholds import DEFAULT, Thresholds
+from moescope.thresholds import DEFAULT, WARN_FRACTION, Bars, Thresholds
 
 
 def _finite(x) -> bool:
@@ -77,8 +78,10 @@ def verdict(*, excess_cv: float | None, baseline_cv: float | None, top_share: fl
             hot_factors: dict[int, float] | None = None, dead_unexpected: float | None = None,
             rank_max_over_mean: float | None = None, hot_reference: str = "fair", reference: str | None = None,
             reference_cv: float | None = None, reference_top: float | None = None,
-            t: Thresholds = DEFAULT) -> Verdict:
-    """One layer's verdicts from its judged quantities (None or NaN: not judged, never over a bar).
+            bars: Mapping[str, float] | None = None, t: Thresholds = DEFAULT) -> Verdict:
+    """One layer's verdicts from its judged quantities (None or NaN: not judged, never over a bar), each compared
+    with its bar (``bars``: judgement -> the layer's bar, as ``Thresholds.bars`` gives it and the exporter exports
+    it; a judgement without a bar is not judged; default: ``Thresholds.bars`` of this layer's reference).
     ``hot_reference``: what the hot factors are against ("learning": the exporter is still learning the layer's
     reference, so its hot experts are named but do not page). ``reference``: what imbalance, collapse and dead are
     judged against (default: "baseline" where ``baseline_cv`` is given, else ``hot_reference``);
@@ -89,17 +92,89 @@ def verdict(*, excess_cv: float | None, baseline_cv: float | None, top_share: fl
     ref_cv = reference_cv if _finite(reference_cv) else base if kind == "baseline" else \
         (0.0 if kind == "fair" else None)
     ref_top = reference_top if _finite(reference_top) else None
-    drifted = t.drifted(drift_jsd, drift_noise)
-    over = _finite(excess_cv) and excess_cv > t.imbalance_bar_of(kind, ref_cv)
-    collapsed = _finite(top_share) and top_share > t.collapse_bar(kind, ref_top)
+    if bars is None:
+        bars = t.bars([kind], [_nan(ref_cv)], [_nan(ref_top)], [_nan(drift_noise)]).layer(0)
+
+    def over(value, judgement: str) -> bool:  # NaN (no value, or no bar) compares false: not judged
+        return _finite(value) and value > bars.get(judgement, math.nan)
+
+    drifted = over(drift_jsd, "drift")
+    imbalanced = over(excess_cv, "imbalance")
+    collapsed = over(top_share, "collapse")
     uneven = kind in ("baseline", "learned") and (
         (ref_cv is not None and ref_cv > t.imbalance_cv) or (ref_top is not None and ref_top > t.collapse_top_share))
-    hot = tuple(e for e, f in sorted((hot_factors or {}).items(), key=lambda x: (-x[1], x[0]))
-                if _finite(f) and f > t.hot_factor)
-    return Verdict(collapsed=bool(collapsed), imbalanced=over and not drifted, over_bar=over, drifted=drifted,
-                   hot=() if hot_reference == "learning" else hot, hot_shown=() if collapsed else hot, over_hot=hot,
-                   dead=_finite(dead_unexpected) and dead_unexpected > 0,
-                   rank_overloaded=t.rank_overloaded(rank_max_over_mean), reference=kind, uneven=bool(uneven))
+    hot = tuple(e for e, f in sorted((hot_factors or {}).items(), key=lambda x: (-x[1], x[0])) if over(f, "hot"))
+    return Verdict(collapsed=collapsed, imbalanced=imbalanced and not drifted, over_bar=imbalanced,
+                   drifted=drifted, hot=() if hot_reference == "learning" else hot,
+                   hot_shown=() if collapsed else hot, over_hot=hot, dead=over(dead_unexpected, "dead"),
+                   rank_overloaded=over(rank_max_over_mean, "rank_load"), reference=kind, uneven=bool(uneven))
+
+
+def _nan(x: float | None) -> float:
+    return math.nan if x is None else x
+
+
+def level(value: float | None, bar: float | None, *, floor: bool = False) -> str:
+    """ok | warn | bad | none for ``value`` against ``bar`` (the views' colours: ``bad`` past the bar, ``warn``
+    from ``WARN_FRACTION`` of it; ``floor``: lower is worse; no value or NaN: none; no bar (None, NaN): ok)."""
+    if not _finite(value):
+        return "none"
+    if bar is None or not math.isfinite(bar):
+        return "ok"
+    if floor:
+        return "bad" if value < bar else "warn" if value < bar + (1 - bar) * (1 - WARN_FRACTION) else "ok"
+    return "bad" if value > bar else "warn" if value > WARN_FRACTION * bar else "ok"
+
+
+def worst(*levels: str) -> str:
+    order = ("none", "ok", "warn", "bad")
+    return max(levels, key=order.index, default="none")
+
+
+def layer_level(v: Verdict, *, excess_cv: float | None, top_share: float | None, bars: Mapping[str, float],
+                dead_counted: bool) -> str:
+    """A layer's colour from its verdict: the imbalance bar passed is ``bad`` only where the rule fires (a
+    drifted layer's imbalance is the drift's: ``warn``); the collapse bar; judged dead experts ``warn``; a paged
+    hot expert ``bad``, one named while learning ``warn``; drift and rank load ``bad``. ``dead_counted``: the
+    layer's zero-slot experts are known (else its dead level is none)."""
+    cv_level = level(excess_cv, bars.get("imbalance"))
+    if cv_level == "bad" and not v.imbalanced:
+        cv_level = "warn"
+    dead_level = "warn" if v.dead else "ok" if dead_counted else "none"
+    return worst(cv_level, level(top_share, bars.get("collapse")), dead_level,
+                 "bad" if v.hot else "warn" if v.over_hot else "none",
+                 "bad" if v.drifted or v.rank_overloaded else "none")
+
+
+AGAINST = {"baseline": "baseline", "learned": "learned", "fair": "fair share"}
+
+
+def layer_words(v: Verdict, *, layer: int, excess_cv: float | None, top_share: float | None,
+                bars: Mapping[str, float], drift_jsd: float | None = None, rank_max_over_mean: float | None = None,
+                dead_unexpected: float | None = None, hot: Sequence[tuple[int, float, str]] = (),
+                busiest: int | None = None, uneven: str = "") -> str:
+    """What is wrong with a layer, in words ('' when nothing is), from its verdict and the bars it was judged by:
+    ``hot``: (expert, factor, reference) of its experts over the hot bar, hottest first; ``busiest``: the expert
+    a collapse is onto (None: unknown); ``uneven``: ``Verdict.uneven_words`` (said only when nothing else is)."""
+    words = []
+    if v.collapsed:
+        words.append(f"collapsed{f' onto e{busiest}' if busiest is not None else ''} ({top_share:.0%} of tokens)")
+    elif v.imbalanced:
+        words.append(f"imbalanced (excess cv {excess_cv:.2f}>{bars['imbalance']:.2f} "
+                     f"{AGAINST.get(v.reference, v.reference)})")
+    if v.hot_shown:  # collapse inhibits the hot alert (Alertmanager), as it does here
+        # "learning": against 1/E while the exporter learns the layer's reference (named here, not paged)
+        words.append("hot " + " ".join(f"L{layer} E{e} {f:.1f}x {'fair' if ref == 'learning' else ref}"
+                                       for e, f, ref in hot[:2]) + ("" if v.hot else " (learning: not paged)"))
+    if v.drifted:
+        words.append(f"drifted ({drift_jsd:.3f} bits > {bars['drift']:.3f})")
+    if v.rank_overloaded:
+        words.append(f"rank max/mean {rank_max_over_mean:.2f}")
+    if v.dead:
+        words.append(f"{int(dead_unexpected)} dead")
+    if uneven and not words:
+        words.append(uneven)
+    return ", ".join(words)
 
 
 @dataclass
@@ -119,7 +194,7 @@ class Judgement:
     max_over_mean: np.ndarray  # [L] moescope_expert_load_max_over_mean_ratio
     has_baseline: np.ndarray  # [L] bool: the reference is the baseline for this layer
     baseline_cv: np.ndarray | None  # [L] moescope_baseline_load_cv_ratio (None: no baseline at all)
-    bar: np.ndarray  # [L] Thresholds.imbalance_bar
+    bars: Bars  # every layer's bars (Thresholds.bars: the exported moescope_judgement_bar series)
     hot_factor: np.ndarray  # [L, E] moescope_expert_hot_factor_ratio (NaN: not significantly above)
     hot_sd: np.ndarray  # [L, E] the share's noise sd (cluster-robust)
     ref_share: np.ndarray  # [L, E] the hot reference share
@@ -133,8 +208,18 @@ class Judgement:
     top_share: np.ndarray  # [L] moescope_expert_load_top_share_ratio: busiest expert's slots / routed tokens
     reference_cv: np.ndarray | None = None  # [L] moescope_reference_load_cv_ratio (NaN: no reference)
     reference_top: np.ndarray | None = None  # [L] moescope_reference_top_share_ratio (NaN: no reference)
-    collapse_bar: np.ndarray | None = None  # [L] Thresholds.collapse_bar of each layer's reference
     t: Thresholds = DEFAULT
+
+    @property
+    def bar(self) -> np.ndarray:
+        """[L] the imbalance bar of each layer (inf: none, the reference is still being learned)."""
+        b = self.bars.bar["imbalance"]
+        return np.where(np.isnan(b), np.inf, b)
+
+    @property
+    def collapse_bar(self) -> np.ndarray:
+        """[L] the collapse bar of each layer's reference."""
+        return self.bars.bar["collapse"]
 
     def verdict(self, i: int) -> Verdict:
         """Layer ``i``'s (the row, not the layer id) verdicts."""
@@ -148,7 +233,7 @@ class Judgement:
             hot_factors={int(e): float(row[e]) for e in np.nonzero(np.isfinite(row))[0]},
             dead_unexpected=float(self.dead[i]), hot_reference=self.hot_reference[i],
             reference=self.hot_reference[i], reference_cv=_at(self.reference_cv, i),
-            reference_top=_at(self.reference_top, i), t=self.t)
+            reference_top=_at(self.reference_top, i), bars=self.bars.layer(i), t=self.t)
 
     def uneven_words(self, i: int) -> str:
         """Layer ``i``'s "uneven by design/traffic: ..." ('' where its reference is not uneven)."""
@@ -326,10 +411,9 @@ def judge_window(counts, draws: sampling.Draws, layers, top_k: int = 1, baseline
         draws=draws.draws.copy(), tokens=tokens, cv=cv, noise_cv=noise, excess_cv=excess,
         max_over_mean=stats.max_over_mean_rows(counts), has_baseline=has,
         baseline_cv=base_cv if has_base else None,
-        bar=np.array([t.imbalance_bar_of(str(k), c) for k, c in zip(kinds, ref_cv.tolist())]),
+        bars=t.bars([str(k) for k in kinds], ref_cv, ref_top, noise_bits),
         hot_factor=factor, hot_sd=sd, ref_share=hot_ref, hot_reference=[str(k) for k in kinds], dead=dead,
         dead_holding=holding, dead_mask=dead_mask, jsd=jsd, reference_cv=ref_cv, reference_top=ref_top,
-        collapse_bar=np.array([t.collapse_bar(str(k), c) for k, c in zip(kinds, ref_top.tolist())]),
         drift_noise=noise_bits, top_share=stats.top_share_rows(counts, tokens), t=t)
 
 
@@ -372,10 +456,10 @@ def cache_thrash(hits, lookups, capacity_ratio, t: Thresholds = DEFAULT
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """MoEExpertCacheHitRateLow, per layer: ``hits`` [L] and ``lookups`` [L] over the same interval, the layer's
     cache holding ``capacity_ratio`` [L] of its experts. Returns the hit rate [L], its floor [L]
-    (``Thresholds.cache_floor``: under half a random resident set's hit rate) and whether the cache thrashes [L]
+    (its ``Thresholds.bars`` cache bar: under half a random resident set's hit rate) and whether the cache thrashes [L]
     (the rate under the floor). A layer without lookups or with an unknown (NaN) capacity is not judged: its rate
     or floor NaN, never thrashing. ``top`` calls it on the exporter's counters, ``diagnose`` on a store's miss bits."""
     hits, lookups, capacity = (np.asarray(x, dtype=np.float64) for x in (hits, lookups, capacity_ratio))
     rate = np.where(lookups > 0, hits / np.where(lookups > 0, lookups, 1.0), np.nan)
-    floor = t.cache_floor(capacity)
+    floor = t.bars([""] * len(capacity), capacity=capacity).bar["cache"]  # (the exported cache bars)
     return rate, floor, np.isfinite(rate) & np.isfinite(floor) & (rate < floor)

@@ -55,6 +55,15 @@ def max_over_mean_rows(load) -> np.ndarray:
         return np.where(mean > 0, load.max(-1) / np.where(mean > 0, mean, 1.0), np.nan)
 
 
+def relative_load_rows(load) -> np.ndarray:
+    """Each expert's load over its row's mean load, ``load`` [..., E] (1 = its fair share of the row); NaN for a
+    row without load (module docstring: no mean to be relative to)."""
+    load = np.asarray(load, dtype=np.float64)
+    mean = load.mean(-1, keepdims=True) if load.shape[-1] else np.zeros((*load.shape[:-1], 1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(mean > 0, load / np.where(mean > 0, mean, 1.0), np.nan)
+
+
 def top_share_rows(load, tokens) -> np.ndarray:
     """Share of the routed tokens that the busiest expert took, per row of ``load`` [..., E] with ``tokens`` [...]
     routed: k/E when balanced, 1.0 when every token chose it (a collapse). Per token, not per slot: with top-k one

@@ -24,11 +24,51 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
 
 from moescope import sampling
 
 # Views colour a value "warn" from this fraction of the way to its bar (dashboards' yellow, top's warn).
 WARN_FRACTION = 2 / 3
+
+# -- the judgements whose bars are series (``Thresholds.bars``) -------------------------------------------------
+# Per layer: moescope_judgement_bar{judgement, layer, reference} (the reference label on the judgements judged
+# against the layer's reference), and moescope_judgement_clear_bar where a firing page holds until a clear bar.
+LAYER_JUDGEMENTS = ("imbalance", "collapse", "hot", "dead", "drift", "rank_load", "flips", "drops", "cache")
+CLEARED = ("imbalance", "collapse", "hot", "dead", "drift", "rank_load", "flips")
+REFERENCED = ("imbalance", "collapse", "hot", "dead", "drift")
+# Per model (no layer label): activation floor, all-to-all p99, expert fetch p99, a slow rank's share of the wait
+# and its wait per dispatch, process memory capacity
+MODEL_JUDGEMENTS = ("activation", "all_to_all", "fetch", "slow_rank_share", "slow_rank_wait", "memory")
+JUDGED_KINDS = ("baseline", "learned", "fair")  # the references imbalance and dead experts are judged against
+KINDS = (*JUDGED_KINDS, "learning")  # "learning": no reference yet (collapse only over its ceiling, hot not paged)
+
+
+@dataclass(frozen=True)
+class Bars:
+    """Every bar of L layers and of the model (``Thresholds.bars``). NaN: the layer has no such bar (not
+    judged)."""
+
+    bar: dict[str, np.ndarray]  # judgement -> [L] the value over which the judgement fires (under: cache floor)
+    clear: dict[str, np.ndarray]  # judgement -> [L] the value a firing page holds over (``CLEARED``)
+    reference: tuple[str, ...]  # [L] each layer's reference kind (the ``reference`` label)
+    model: dict[str, float]  # judgement -> the model's bar (``MODEL_JUDGEMENTS``; activation where known)
+
+    def layer(self, i: int) -> dict[str, float]:
+        """Row ``i``'s bars by judgement."""
+        return {name: float(v[i]) for name, v in self.bar.items()}
+
+    def rows(self, layers: Sequence, clear: bool = False) -> list[tuple[tuple[str, ...], float]]:
+        """The exported series: ((judgement, layer, reference), value) for every finite bar (``clear``: the clear
+        bars), the labels that do not apply left out: (judgement, layer) where no reference judges the bar,
+        (judgement,) for the model's bars. ``layers``: [L] ids."""
+        values = self.clear if clear else self.bar
+        out = [((name, str(layer), kind) if name in REFERENCED else (name, str(layer)), x)
+               for name, v in values.items() for layer, kind, x in zip(layers, self.reference, v.tolist())
+               if math.isfinite(x)]
+        return out if clear else out + [((name,), x) for name, x in self.model.items()]
 
 
 @dataclass(frozen=True)
@@ -179,10 +219,17 @@ class Thresholds:
         """The hit rate below which a cache holding ``capacity_ratio`` of the experts thrashes."""
         return self.cache_floor_of_capacity * capacity_ratio
 
+    def drift_bar(self, noise_bits: float | None) -> float:
+        """The JS divergence from the baseline over which a layer drifted: what sampling noise gives, plus
+        ``drift_bits`` (NaN without a noise estimate: not judged)."""
+        if noise_bits is None or not math.isfinite(noise_bits):
+            return math.nan
+        return noise_bits + self.drift_bits
+
     def drifted(self, jsd_bits: float | None, noise_bits: float | None) -> bool:
-        if jsd_bits is None or noise_bits is None or not (math.isfinite(jsd_bits) and math.isfinite(noise_bits)):
-            return False
-        return jsd_bits - noise_bits > self.drift_bits
+        """Whether a divergence is over its ``drift_bar`` (the rule's comparison, not its own subtraction)."""
+        bar = self.drift_bar(noise_bits)
+        return jsd_bits is not None and math.isfinite(jsd_bits) and math.isfinite(bar) and jsd_bits > bar
 
     def flip_min_compared(self) -> int:
         """The identical-prefix positions ``diagnose`` needs before it judges determinism."""
@@ -289,6 +336,64 @@ class Thresholds:
         times it saves per interval exceed one rearrangement's (``eplb_cost_steps``)."""
         return self.eplb_beyond_noise(static, static_se, eplb, eplb_se) and \
             self.eplb_gain_steps(static, eplb, interval_steps) > self.eplb_cost_steps(step_s)
+
+    # -- every bar as a series (issue [one-bar]) -----------------------------------------------------------------
+    def bars(self, kinds: Sequence[str], reference_cv=None, reference_top=None, drift_noise=None, capacity=None,
+             expected_activation: float | None = None) -> Bars:
+        """Every bar and clear bar of L layers and of the model, computed once: the exporter exports them
+        (``moescope_judgement_bar`` / ``moescope_judgement_clear_bar``), the alert rules compare their quantities
+        with those series, and every view (``top``, ``diagnose``, ``report``, the demo's summary) judges with the
+        values this returns. Per layer, never per expert.
+
+        Args:
+            kinds: [L] each layer's reference kind: "baseline", "learned", "fair", "learning" (no reference yet),
+                or "" (no routing judged in this window: only the bars that need no reference).
+            reference_cv: [L] the reference's structural (excess) CV; reference_top: [L] its top share.
+            drift_noise: [L] the JS divergence sampling noise alone gives against the baseline (bits).
+            capacity: [L] experts the layer's expert cache holds / experts (NaN: no cache).
+            expected_activation: the model config's activation ratio (None: no activation bar).
+        Returns:
+            ``Bars``: NaN where a layer has no bar (not judged: imbalance and dead while learning, drift without
+            a noise estimate, the cache floor without a cache).
+        """
+        n = len(kinds)
+
+        def col(x) -> list[float | None]:
+            return [None] * n if x is None else [float(v) for v in np.asarray(x, dtype=np.float64).tolist()]
+
+        ref_cv, ref_top, noise, cap = col(reference_cv), col(reference_top), col(drift_noise), col(capacity)
+        rows = [self._layer_bars(k, c, tp, d, x) for k, c, tp, d, x in zip(kinds, ref_cv, ref_top, noise, cap)]
+        bar = {name: np.array([r[0][name] for r in rows], dtype=np.float64).reshape(n) for name in LAYER_JUDGEMENTS}
+        clear = {name: np.array([r[1][name] for r in rows], dtype=np.float64).reshape(n) for name in CLEARED}
+        model = {"all_to_all": self.all_to_all_p99_s, "fetch": self.fetch_p99_s,
+                 "slow_rank_share": self.slow_rank_share, "slow_rank_wait": self.slow_rank_wait_s,
+                 "memory": float(self.memory_capacity_bytes)}
+        if expected_activation is not None and math.isfinite(expected_activation):
+            model["activation"] = self.activation_floor * expected_activation
+        return Bars(bar, clear, tuple(kinds), model)
+
+    def _layer_bars(self, kind: str, ref_cv, ref_top, noise, capacity) -> tuple[dict, dict]:
+        """One layer's (bars, clear bars) by judgement (``bars``)."""
+        nan = math.nan
+        routed = kind in KINDS
+        judged = kind in JUDGED_KINDS  # imbalance and dead wait for a reference
+        imbalance = self.imbalance_bar_of(kind, ref_cv) if judged else math.inf
+        collapse = self.collapse_bar(kind, ref_top) if routed else nan
+        drift = self.drift_bar(noise)
+        bar = {"imbalance": imbalance if math.isfinite(imbalance) else nan, "collapse": collapse,
+               "hot": self.hot_factor if routed else nan,
+               # the count of zero-slot experts whose reference predicts at least dead_min_expected_slots: any
+               "dead": 0.0 if judged else nan, "drift": drift,
+               "rank_load": self.rank_max_over_mean, "flips": self.flip_ratio, "drops": self.drop_ratio,
+               "cache": self.cache_floor(capacity) if capacity is not None and math.isfinite(capacity) else nan}
+        clear = {"imbalance": self.imbalance_clear(imbalance, ref_cv) if math.isfinite(imbalance) else nan,
+                 "collapse": self.collapse_clear(collapse, kind, ref_top) if routed else nan,
+                 "hot": self.clear_bar(self.hot_factor) if routed else nan,
+                 # held while zero-slot experts predicted at least dead_clear_expected_slots (the holding count)
+                 "dead": 0.0 if judged else nan,
+                 "drift": noise + self.clear_bar(self.drift_bits, 0.0) if math.isfinite(drift) else nan,
+                 "rank_load": self.clear_bar(self.rank_max_over_mean), "flips": self.clear_bar(self.flip_ratio, 0.0)}
+        return bar, clear
 
 
 def expected_activation(dense_params: int, expert_params: int, n_moe_layers: int, top_k: int,

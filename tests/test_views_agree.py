@@ -20,6 +20,7 @@ import pytest
 import yaml
 from servers import require
 
+from moescope import judge
 from moescope.analysis import diagnose
 from moescope.analysis.baseline import LayerProfile, Profile
 from moescope.cli import summary
@@ -93,9 +94,21 @@ def _cases():
     return cases
 
 
-def _series(j) -> dict[tuple[str, tuple], float]:
-    """What the exporter exports for the judgement ``j``: {(name, ((label, value), ...)): value}."""
+def _bars(bars, layers) -> dict[tuple[str, tuple], float]:
+    """The bar and clear-bar series the exporter exports for ``bars`` (``Thresholds.bars``: what it calls), as
+    ``_series`` keys them."""
     out = {}
+    for name, clear in (("moescope_judgement_bar", False), ("moescope_judgement_clear_bar", True)):
+        for labels, v in bars.rows(layers, clear):
+            if len(labels) > 1:  # the layers' (the model's bars are no view's here)
+                out[(name, tuple(zip(("judgement", "layer", "reference"), labels)))] = v
+    return out
+
+
+def _series(j) -> dict[tuple[str, tuple], float]:
+    """What the exporter exports for the judgement ``j``: {(name, ((label, value), ...)): value}, its bars
+    included."""
+    out = _bars(j.bars, j.layers)
     for i, layer in enumerate(j.layers):
         lab = (("layer", str(layer)),)
         out[("moescope_expert_load_excess_cv_ratio", lab)] = float(j.excess_cv[i])
@@ -112,6 +125,9 @@ def _series(j) -> dict[tuple[str, tuple], float]:
         if j.jsd is not None and math.isfinite(j.jsd[i]):
             out[("moescope_routing_drift_jsd_bits", lab)] = float(j.jsd[i])
             out[("moescope_routing_drift_noise_bits", lab)] = float(j.drift_noise[i])
+        out[("moescope_window_slots_per_expert", lab)] = float(j.counts[i].sum() / E)
+        for e in {*np.argsort(-j.counts[i], kind="stable")[:8].tolist(), *np.argsort(j.counts[i], kind="stable")[:8]}:
+            out[("moescope_expert_window_slots", lab + (("expert", str(e)),))] = float(j.counts[i, e])
         for e in np.nonzero(np.isfinite(j.hot_factor[i]))[0]:
             out[("moescope_expert_hot_factor_ratio", lab + (("expert", str(e)), ("reference", j.hot_reference[i])))] \
                 = float(j.hot_factor[i, e])
@@ -126,14 +142,40 @@ def _exposition(series: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _top_frame(cur: str, prev: str | None = None, dt: float = 60.0):
+    return frame(parse_exposition(cur), parse_exposition(prev) if prev else None, dt, {"exposition": "ok"})
+
+
 def _top_fires(cur: str, prev: str | None = None, dt: float = 60.0) -> set:
-    f = frame(parse_exposition(cur), parse_exposition(prev) if prev else None, dt, {"exposition": "ok"})
+    f = _top_frame(cur, prev, dt)
     out = set()
     for layer, r in f.routing.items():
         for name in r.fires:
             alert, _, expert = name.partition(":")
             out.add((alert, str(layer), expert))
     return out | {("MoEExpertCacheHitRateLow", str(layer), "") for layer in f.cache_low}
+
+
+def _assert_top_says_what_judge_says(j, f, name: str) -> None:
+    """Layer by layer, top's verdict (over the exported series and bars) is judge's verdict of the same window: the
+    same Verdict, the same words and colour (``judge.layer_words`` / ``layer_level`` over the judgement's own
+    arrays), the same bars; a view that judged by a formula of its own would differ somewhere in the cases."""
+    for i, layer in enumerate(j.layers):
+        r, v = f.routing[layer], j.verdict(i)
+        hot = tuple((int(e), float(j.hot_factor[i, e]), j.hot_reference[i]) for e in v.over_hot)
+        bars = j.bars.layer(i)
+        assert r.fires == tuple(v.fires()) and r.reference == v.reference, (name, layer)
+        assert r.hot_factors == hot, (name, layer)
+        assert {k: x for k, x in r.bars.items() if math.isfinite(x)} == \
+            {k: x for k, x in bars.items() if math.isfinite(x)}, (name, layer)
+        busiest = int(np.lexsort((np.arange(E), -j.counts[i]))[0]) if j.counts[i].sum() else None
+        words = judge.layer_words(v, layer=layer, excess_cv=float(j.excess_cv[i]), top_share=float(j.top_share[i]),
+                                  bars=bars, drift_jsd=None if j.jsd is None else float(j.jsd[i]),
+                                  dead_unexpected=float(j.dead[i]), hot=hot, busiest=busiest,
+                                  uneven=j.uneven_words(i))
+        assert r.verdict == words, (name, layer, r.verdict, words)
+        assert r.level == judge.layer_level(v, excess_cv=float(j.excess_cv[i]), top_share=float(j.top_share[i]),
+                                            bars=bars, dead_counted=False), (name, layer)
 
 
 def _judge_fires(j) -> set:
@@ -187,21 +229,25 @@ def _promtool_test(name: str, inputs: list[dict], fires: set) -> dict:
 def _cache_case():
     """Counters over a minute for top (two polls) and over 20 minutes for promtool; capacity per layer."""
     rates = {1: (5, 100, 0.25), 2: (20, 100, 0.25), 3: (30, 100, 0.75)}  # hits, lookups per minute, capacity
-    series, values = {}, {}
+    series = {k: v for k, v in _bars(DEFAULT.bars([""] * 3, capacity=[rates[la][2] for la in LAYERS]), LAYERS).items()
+              if ("judgement", "cache") in k[1]}
+    values = {}
     for layer, (h, n, cap) in rates.items():
         lab = (("layer", str(layer)),)
         series[("moescope_expert_cache_capacity_ratio", lab)] = cap
         for name, per_min in (("moescope_expert_cache_hits_total", h), ("moescope_expert_cache_lookups_total", n)):
             series[(name, lab)] = per_min * 11.0  # the poll at 11 minutes; the previous at 10
             values[(name, lab)] = f"0+{per_min}x{STEPS}"
-    prev = {k: (v - rates[int(k[1][0][1])][0 if "hits" in k[0] else 1] if k[0].endswith("_total") else v)
+    prev = {k: (v - rates[int(dict(k[1])["layer"])][0 if "hits" in k[0] else 1] if k[0].endswith("_total") else v)
             for k, v in series.items()}
     return series, prev, values
 
 
 def _rank_case():
-    return {("moescope_rank_load_max_over_mean_ratio", (("layer", str(layer)),)): v
-            for layer, v in ((1, 1.2), (2, DEFAULT.rank_max_over_mean + 0.2), (3, DEFAULT.rank_max_over_mean))}
+    bars = {k: v for k, v in _bars(DEFAULT.bars([""] * 3), LAYERS).items() if ("judgement", "rank_load") in k[1]}
+    return {**bars, **{("moescope_rank_load_max_over_mean_ratio", (("layer", str(layer)),)): v
+                       for layer, v in ((1, 1.2), (2, DEFAULT.rank_max_over_mean + 0.2),
+                                        (3, DEFAULT.rank_max_over_mean))}}
 
 
 def test_views_and_rules_fire_the_same_alerts(tmp_path):
@@ -214,6 +260,7 @@ def test_views_and_rules_fire_the_same_alerts(tmp_path):
         fires = _judge_fires(j)
         series = _series(j)
         assert _top_fires(_exposition(series)) == fires, name
+        _assert_top_says_what_judge_says(j, _top_frame(_exposition(series)), name)
         # the summary says nothing of drift, and leaves out a collapsed layer's hot experts (as Alertmanager's
         # inhibition does: a collapse is the extreme of both)
         collapsed = {la for a, la, _ in fires if a == "MoEExpertCollapse"}
@@ -251,15 +298,36 @@ def test_views_and_rules_fire_the_same_alerts(tmp_path):
 @pytest.mark.parametrize("excess,kind,ref,fires", [
     (1.05, "fair", 0.0, True), (0.95, "fair", 0.0, False), (0.5, "baseline", 0.2, True), (0.35, "baseline", 0.2, False),
     (0.5, "learned", 0.2, True), (0.35, "learned", 0.2, False), (float("nan"), "baseline", 0.2, False),
-    (3.0, "learned", 2.5, False), (4.0, "learned", 2.5, True), (5.0, None, None, False)])
-def test_top_reads_the_imbalance_bar_from_the_reference_series(excess, kind, ref, fires):
-    """The imbalance bar top applies comes from moescope_reference_load_cv_ratio and its ``reference`` label
-    through ``Thresholds.imbalance_bar_of`` (none exported: the layer is still learning, nothing judged)."""
-    series = {("moescope_expert_load_excess_cv_ratio", (("layer", "1"),)): excess}
-    if kind is not None:
-        series[("moescope_reference_load_cv_ratio", (("layer", "1"), ("reference", kind)))] = ref
+    (3.0, "learned", 2.5, False), (4.0, "learned", 2.5, True), (5.0, "learning", None, False)])
+def test_top_reads_the_imbalance_bar_from_the_bar_series(excess, kind, ref, fires):
+    """The imbalance bar top applies is the exported moescope_judgement_bar{judgement="imbalance"} (none exported
+    while the layer learns its reference: nothing judged), and that bar is the documented one: 1.5 x the
+    reference's structural CV + 0.1, 1 against the fair share (docs/alerts.md; written out here)."""
+    t = DEFAULT
+    bars = _bars(t.bars([kind], [math.nan if ref is None else ref]), [1])
+    exported = {dict(k[1])["judgement"]: v for k, v in bars.items() if k[0] == "moescope_judgement_bar"}
+    naive = {"fair": t.imbalance_cv, "learning": None}.get(
+        kind, None if ref is None else t.imbalance_baseline_factor * ref + t.imbalance_baseline_margin)
+    assert exported.get("imbalance") == (pytest.approx(naive) if naive is not None else None)
+    series = {("moescope_expert_load_excess_cv_ratio", (("layer", "1"),)): excess, **bars}
     assert (("MoEExpertLoadImbalance", "1", "") in _top_fires(_exposition(series))) == fires
-    assert (excess > DEFAULT.imbalance_bar_of(kind or "learning", ref)) == fires
+    assert (naive is not None and excess > naive) == fires
+
+
+def test_an_empty_layer_has_no_relative_load_in_any_view():
+    """A layer without load has no mean to be relative to: top's bands and named experts say NaN, as
+    ``stats`` does (max/mean, top share), never 0.0 (a load at 0x its fair share reads as "dead")."""
+    from moescope import stats
+    from moescope.tui.routing_view import fold, named
+
+    empty = np.zeros(8)
+    assert math.isnan(stats.max_over_mean_rows(empty)) and math.isnan(stats.top_share_rows(empty, 0))
+    assert all(math.isnan(b.rel_max) and math.isnan(b.rel_sum) for b in fold(empty, 4))
+    hot, cold = named(empty)
+    assert all(math.isnan(r) for _, r in (*hot, *cold))
+    loaded = np.array([4.0, 0, 0, 0, 2, 2, 0, 0])  # the mean is 1: relative load is the count
+    assert [b.rel_max for b in fold(loaded, 4)] == [4.0, 0.0, 2.0, 0.0]
+    assert [b.rel_sum for b in fold(loaded, 4)] == [2.0, 0.0, 2.0, 0.0]
 
 
 def _learned_cases():
@@ -301,6 +369,7 @@ def test_views_and_rules_agree_against_a_learned_reference(tmp_path):
         fires = _judge_fires(j)
         series = _series(j)
         assert _top_fires(_exposition(series)) == fires, name
+        _assert_top_says_what_judge_says(j, _top_frame(_exposition(series)), name)
         seen[name] = fires
         tests.append(_promtool_test(name, _input_series(series), fires))
     assert seen["uneven from the start (narrow traffic)"] == set()

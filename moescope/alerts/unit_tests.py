@@ -23,9 +23,11 @@ def _test(s: AlertSpec, suite: Suite, c: Case) -> dict:
                                  "exp_alerts": expected}]}
 
 
-def tests_document(t: Thresholds = DEFAULT) -> dict:
+def tests_document(t: Thresholds = DEFAULT, b: Thresholds | None = None) -> dict:
+    """The promtool tests of every alert: the cases' quantities placed by ``t``, their bar series written by ``b``
+    (default ``t``: the generated file)."""
     tests = []
-    by_name = suites(t)
+    by_name = suites(t, b)
     for s in specs(t):
         if s.name == "Watchdog":
             tests.append({"name": "Watchdog always fires", "interval": "1m", "input_series": [],

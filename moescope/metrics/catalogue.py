@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moescope.thresholds import DEFAULT, Thresholds
+
 COMMON_LABELS = ("model", "rank")
 
 # Histogram buckets (seconds). Fine at the low end: a CPU decode step is milliseconds, a GPU one is less.
@@ -71,6 +73,35 @@ def _routing(spec: MetricSpec) -> MetricSpec:
 
 def _h(name, help_, buckets, *labels):
     return MetricSpec(name, "histogram", help_, tuple(labels), buckets)
+
+
+def _bar_help(t: Thresholds) -> str:
+    """moescope_judgement_bar's help: each judgement's bar and its derivation, with the thresholds' numbers."""
+    return (
+        "The bar each judged quantity is compared with (thresholds.Thresholds.bars; the alert rules read this "
+        "series, never a number of their own), per layer (never per expert) and, with no layer, per model. "
+        f"imbalance: the excess load CV's bar, {t.imbalance_baseline_factor:g} x the structural CV of the layer's "
+        f"reference (baseline or learned) + {t.imbalance_baseline_margin:g}, {t.imbalance_cv:g} against the fair "
+        "share, absent while the reference is learned; collapse: the top share's, half of the way from the "
+        f"reference's top share to 1 and at least {t.collapse_top_share:g} (a learned reference counts as at most "
+        f"{t.collapse_top_share:g}; {t.collapse_ceiling:g} while learning); hot: the hot factor's, {t.hot_factor:g}; "
+        f"dead: 0 zero-slot experts whose reference predicts at least {t.dead_min_expected_slots:g} effective slots; "
+        f"drift: the JS divergence sampling noise gives against the baseline + {t.drift_bits:g} bits; rank_load: "
+        f"the busiest / mean rank's, {t.rank_max_over_mean:g}; flips: the canary flip ratio's, {t.flip_ratio:g}; "
+        f"drops: dropped slots per routed token, {t.drop_ratio:g}; cache: the hit rate's floor, "
+        f"{t.cache_floor_of_capacity:g} x the share of experts the cache holds. Per model: activation: the "
+        f"activation ratio's floor, {t.activation_floor:g} x the config's; all_to_all and fetch: the p99 seconds, "
+        f"{t.all_to_all_p99_s:g} and {t.fetch_p99_s:g}; slow_rank_share: {t.slow_rank_share:g} of the ranks' "
+        f"wait; slow_rank_wait: {t.slow_rank_wait_s:g} s per dispatch; memory: the capacity in bytes. The "
+        "reference label: the reference kind the layer is judged against (baseline, learned, fair, learning).")
+
+
+_BAR_HELP = _bar_help(DEFAULT)
+_CLEAR_HELP = (
+    "Where a firing page of the judgement clears (thresholds.Thresholds.bars): a quarter of the way back from its "
+    "bar to the value with nothing changed (the reference's CV or top share; 1 for hot and rank_load; the noise "
+    "for drift; 0 for flips); dead: 0 zero-slot experts predicted at least "
+    f"{DEFAULT.dead_clear_expected_slots:g} effective slots (moescope_dead_experts_holding).")
 
 
 CATALOGUE: tuple[MetricSpec, ...] = (
@@ -147,6 +178,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
            "against the saved baseline.", "layer"),
     )),
     _g("moescope_window_seconds", "Length of the window the ratio gauges are computed over."),
+    # every bar as a series (thresholds.Thresholds.bars): what the alert rules compare their quantities with
+    _g("moescope_judgement_bar", _BAR_HELP, "judgement", "layer", "reference"),
+    _g("moescope_judgement_clear_bar", _CLEAR_HELP, "judgement", "layer", "reference"),
     _g("moescope_expert_series_per_expert", "1 when the full tier (per-(layer, expert) counters) is exported, 0 "
        "when the cardinality budget left the reduced tier (hottest/coldest experts, load distribution)."),
     # expert cache

@@ -64,7 +64,8 @@ class FamilyWriter:
         return f"# HELP {name} {escape_help(spec.help)}\n# TYPE {name} {kind}\n"
 
     def family(self, spec: MetricSpec, rows: Iterable[tuple[tuple[str, ...], float]], openmetrics: bool) -> str:
-        """A counter or gauge family; ``rows``: (label values besides model and rank, value)."""
+        """A counter or gauge family; ``rows``: (label values besides model and rank, in the spec's order, value);
+        a row with fewer values leaves the spec's trailing labels out (a bar of the model has no layer)."""
         lines = [self.prefix(spec.name, spec, values) + fmt(v) + "\n" for values, v in rows]
         return self.header(spec, openmetrics) + "".join(lines) if lines else ""
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 
-from moescope.thresholds import DEFAULT, WARN_FRACTION
+from moescope import judge
+from moescope.thresholds import DEFAULT
 
 # The heatmaps' legend: a cell's load relative to the fair share 1/E. Characters step per doubling (1/8x ...
 # 32x); colours: idle blue, around fair green, 2x yellow, 4x+ red.
@@ -27,17 +28,5 @@ def finite(v: float | None) -> bool:
     return v is not None and math.isfinite(v)
 
 
-def level(value: float | None, bar: float | None, *, floor: bool = False) -> str:
-    """ok | warn | bad | none for ``value`` against ``bar`` (``floor``: lower is worse; NaN: not judged)."""
-    if not finite(value):
-        return "none"
-    if bar is None:
-        return "ok"
-    if floor:
-        return "bad" if value < bar else "warn" if value < bar + (1 - bar) * (1 - WARN_FRACTION) else "ok"
-    return "bad" if value > bar else "warn" if value > WARN_FRACTION * bar else "ok"
-
-
-def worst(*levels: str) -> str:
-    order = ("none", "ok", "warn", "bad")
-    return max(levels, key=order.index, default="none")
+level = judge.level  # the verdict's colours (``judge.level``: the same for every view)
+worst = judge.worst

@@ -7,18 +7,19 @@ tier carries, per layer, the judged series the alerts read (excess load CV and t
 unexpected dead experts, drift and its noise, the rank max/mean) and the window gauges (top share, max/mean,
 slots per expert), the window slots of the K hottest and coldest experts by id, and a histogram of experts by
 relative load; so every tier gets a verdict, named experts and a load profile, and the per-expert tier adds
-every expert by id. Verdicts are the rules' own (``layer_routing``: ``Thresholds`` methods, no bar here).
+every expert by id. Verdicts, words and levels are the rules' own (``layer_routing``: ``judge`` over the bars the
+exporter exports, ``moescope_judgement_bar``; no bar and no judgement here).
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from moescope import judge
+from moescope import judge, stats
 from moescope.thresholds import DEFAULT, Thresholds
 from moescope.tui import levels
 
@@ -40,7 +41,7 @@ class LayerRouting:
     level: str  # ok | warn | bad | none
     verdict: str  # what is wrong, in words ("" when nothing is)
     baseline_cv: float | None = None  # moescope_baseline_load_cv_ratio (None: no baseline)
-    bar: float | None = None  # the imbalance bar (Thresholds.imbalance_bar)
+    bar: float | None = None  # the imbalance bar (inf: none, the reference is still being learned)
     dead_unexpected: float | None = None  # the dead experts the rule judges (NaN: not judged)
     hot_factors: tuple[tuple[int, float, str], ...] = ()  # (expert, factor, reference) over the hot bar
     drift_over_noise: float | None = None  # drift JSD minus its noise (bits)
@@ -49,7 +50,10 @@ class LayerRouting:
     eplb: tuple[float, float] | None = None  # EPLB's last rearrangement: (predicted, measured since) max/mean
     reference: str = "fair"  # what imbalance, collapse and dead are judged against (judge.Verdict.reference)
     uneven: str = ""  # "uneven by design/traffic: ..." (its reference itself uneven: information, not paged)
-    collapse_bar: float | None = None  # Thresholds.collapse_bar of the layer's reference
+    collapse_bar: float | None = None  # the collapse bar of the layer's reference (moescope_judgement_bar)
+    bars: dict[str, float] = field(default_factory=dict)  # every bar the layer was judged by, by judgement
+    drift_jsd: float | None = None  # JS divergence from the baseline (bits; its bar: bars["drift"])
+    flips: float | None = None  # the canary's flip ratio (its bar: bars["flips"])
 
     @property
     def judged(self) -> bool:
@@ -80,27 +84,39 @@ class Band:
 
 
 def fold(counts: np.ndarray, n_bands: int) -> list[Band]:
-    """Fold E experts into at most ``n_bands`` contiguous bands of equal width (the last may be narrower)."""
+    """Fold E experts into at most ``n_bands`` contiguous bands of equal width (the last may be narrower). A band's
+    loads are against the layer's mean load (``stats.relative_load_rows``): NaN for a layer without load."""
     n = len(counts)
     per = -(-n // max(1, min(n_bands, n)))
-    mean = counts.sum() / n if n else 0.0
+    rel = stats.relative_load_rows(counts)
     out = []
     for lo in range(0, n, per):
-        c = counts[lo:lo + per]
+        c, r = counts[lo:lo + per], rel[lo:lo + per]
         hot = int(np.argmax(c))
-        out.append(Band(lo, lo + len(c), float(c[hot] / mean) if mean else 0.0,
-                        float(c.sum() / (mean * len(c))) if mean else 0.0, lo + hot, int((c == 0).sum())))
+        out.append(Band(lo, lo + len(c), float(r[hot]), float(r.mean()), lo + hot, int((c == 0).sum())))
     return out
 
 
 def named(counts: np.ndarray, n: int = NAMED) -> tuple[tuple, tuple]:
-    """The ``n`` hottest and coldest experts as (expert, load / mean load); ties broken by expert id."""
-    mean = counts.sum() / len(counts) if len(counts) else 0.0
-    rel = counts / mean if mean else np.zeros(len(counts))
+    """The ``n`` hottest and coldest experts as (expert, load / mean load: NaN without load); ties broken by
+    expert id."""
+    rel = stats.relative_load_rows(counts)
     ids = np.arange(len(counts))
     hot = tuple((int(e), float(rel[e])) for e in np.lexsort((ids, -counts))[:n])  # ties: lower id first
     cold = tuple((int(e), float(rel[e])) for e in np.lexsort((ids, counts))[:n])
     return hot, cold
+
+
+def _named_from(counts: np.ndarray | None, reported: dict[int, float] | None, per_expert: float | None):
+    """(hottest, coldest) of a layer: from its per-expert counts (per-expert tier), else from the window slots of
+    the experts the exporter names over its slots per expert (every tier)."""
+    if counts is not None and counts.sum() > 0:
+        return named(counts)
+    if reported and per_expert:
+        rel = {e: s / per_expert for e, s in reported.items()}
+        return (tuple(sorted(rel.items(), key=lambda x: (-x[1], x[0]))[:NAMED]),
+                tuple(sorted(rel.items(), key=lambda x: (x[1], x[0]))[:NAMED]))
+    return (), ()
 
 
 def profile(buckets: dict[float, float], hottest: float | None) -> np.ndarray | None:
@@ -118,77 +134,51 @@ def profile(buckets: dict[float, float], hottest: float | None) -> np.ndarray | 
     return np.array(out) if out else None
 
 
+def _opt(v: float | None) -> float | None:
+    return v if levels.finite(v) else None
+
+
 def layer_routing(layer: int, gauges: dict[str, float], n_experts: int | None, *,
                   counts: np.ndarray | None = None, reported: dict[int, float] | None = None,
                   buckets: dict[float, float] | None = None,
                   hot_factors: dict[int, tuple[float, str]] | None = None, reference: str | None = None,
-                  t: Thresholds = DEFAULT) -> LayerRouting:
-    """One layer's routing, judged as the alert rules judge it (``Thresholds`` methods over the exporter's
-    judged series). ``gauges``: the window gauges by short name (``GAUGES``); ``counts``: per-expert slots
+                  bars: dict[str, float] | None = None, t: Thresholds = DEFAULT) -> LayerRouting:
+    """One layer's routing as the alert rules judge it: ``judge.verdict`` over the exporter's judged series and
+    the bars it exports (``bars``: judgement -> moescope_judgement_bar; a judgement without one is not judged;
+    None: ``Thresholds.bars`` of the layer's reference), its words and level ``judge.layer_words`` /
+    ``judge.layer_level``. ``gauges``: the window gauges by short name (``GAUGES``); ``counts``: per-expert slots
     (per-expert tier); ``reported``: {expert: window slots} of the hottest and coldest experts the exporter names
     (every tier); ``buckets``: its histogram of experts by relative load {le: cumulative experts};
     ``hot_factors``: {expert: (factor, reference)} of moescope_expert_hot_factor_ratio; ``reference``: the
-    ``reference`` label of the layer's reference series (None: none exported: the layer is still learning its
-    reference, or a baseline's older exporter)."""
+    ``reference`` label of the layer's bars (None: none exported: its reference kind is its hot factors')."""
     g = gauges.get
-    cv, excess, top, mom = g("cv"), g("excess_cv"), g("top_share"), g("max_over_mean")
-    per_expert = g("slots_per_expert")
-    dead = None if not levels.finite(g("dead")) else int(g("dead"))
-    if counts is not None and counts.sum() > 0:
-        hot, cold = named(counts)
-    elif reported and per_expert:
-        rel = {e: s / per_expert for e, s in reported.items()}
-        hot = tuple(sorted(rel.items(), key=lambda x: (-x[1], x[0]))[:NAMED])
-        cold = tuple(sorted(rel.items(), key=lambda x: (x[1], x[0]))[:NAMED])
-    else:
-        hot, cold = (), ()
-    base = g("baseline_cv")
-    ref_cv, ref_top = g("reference_cv"), g("reference_top")
-    hot_kind = next((ref for _, ref in (hot_factors or {}).values()), None)
-    kind = reference or ("baseline" if levels.finite(base) else hot_kind if hot_kind == "fair" else "learning")
-    bar = t.imbalance_bar_of(kind, ref_cv if levels.finite(ref_cv) else base if kind == "baseline" else None)
-    jsd, noise = g("drift_jsd"), g("drift_noise")
-    over_noise = jsd - noise if levels.finite(jsd) and levels.finite(noise) else None
-    unexpected = g("dead_unexpected")
-    rank = g("rank_max_over_mean")
-    predicted, measured = g("eplb_predicted"), g("eplb_measured")
-    eplb = (predicted, measured) if levels.finite(predicted) and levels.finite(measured) else None
-    v = judge.verdict(excess_cv=excess, baseline_cv=base, top_share=top, drift_jsd=jsd, drift_noise=noise,
-                      hot_factors={e: f for e, (f, _) in (hot_factors or {}).items()}, dead_unexpected=unexpected,
-                      rank_max_over_mean=rank, t=t, hot_reference=hot_kind or kind, reference=kind,
-                      reference_cv=ref_cv, reference_top=ref_top)
-    collapse_bar = t.collapse_bar(kind, ref_top)
+    excess, top, jsd, rank = g("excess_cv"), g("top_share"), g("drift_jsd"), g("rank_max_over_mean")
+    hot, cold = _named_from(counts, reported, g("slots_per_expert"))
+    kind = reference or next((ref for _, ref in (hot_factors or {}).values()), None) or "learning"
+    if bars is None:
+        bars = t.bars([kind], [g("reference_cv", math.nan)], [g("reference_top", math.nan)],
+                      [g("drift_noise", math.nan)]).layer(0)
+    v = judge.verdict(excess_cv=excess, baseline_cv=g("baseline_cv"), top_share=top, drift_jsd=jsd,
+                      drift_noise=g("drift_noise"), hot_factors={e: f for e, (f, _) in (hot_factors or {}).items()},
+                      dead_unexpected=g("dead_unexpected"), rank_max_over_mean=rank, hot_reference=kind,
+                      reference=kind, reference_cv=g("reference_cv"), reference_top=g("reference_top"), bars=bars,
+                      t=t)
     hots = tuple((e, hot_factors[e][0], hot_factors[e][1]) for e in v.over_hot)
-    cv_level = levels.level(excess, bar)  # bad exactly where the verdict's bar is passed
-    if cv_level == "bad" and not v.imbalanced:  # as the rule: a drifted layer's imbalance is the drift's
-        cv_level = "warn"
-    top_level = levels.level(top, collapse_bar)
-    dead_level = "warn" if v.dead else "none" if dead is None else "ok"
-    words = []
-    if v.collapsed:
-        words.append(f"collapsed{f' onto e{hot[0][0]}' if hot else ''} ({top:.0%} of tokens)")
-    elif v.imbalanced:
-        against = {"baseline": "baseline", "learned": "learned", "fair": "fair share"}.get(kind, kind)
-        words.append(f"imbalanced (excess cv {excess:.2f}>{bar:.2f} {against})")
-    if v.hot_shown:  # collapse inhibits the hot alert (Alertmanager), as it does here
-        # "learning": against 1/E while the exporter learns the layer's reference (named here, not paged)
-        words.append("hot " + " ".join(f"L{layer} E{e} {f:.1f}x {'fair' if ref == 'learning' else ref}"
-                                       for e, f, ref in hots[:2]) + ("" if v.hot else " (learning: not paged)"))
-    if v.drifted:
-        words.append(f"drifted ({over_noise:.3f} bits over noise)")
-    if v.rank_overloaded:
-        words.append(f"rank max/mean {rank:.2f}")
-    if v.dead:
-        words.append(f"{int(unexpected)} dead")
-    uneven = v.uneven_words(ref_cv, ref_top)
-    if uneven and not words:
-        words.append(uneven)
-    lvl = levels.worst(cv_level, top_level, dead_level, "bad" if v.hot else "warn" if hots else "none",
-                       "bad" if v.drifted or v.rank_overloaded else "none")
-    fires = tuple(v.fires())
-    return LayerRouting(layer, cv, excess, top, mom, dead, counts, profile(buckets or {}, mom), hot, cold, lvl,
-                        ", ".join(words), base if levels.finite(base) else None, bar, unexpected, hots, over_noise,
-                        rank, fires, eplb, kind, uneven, collapse_bar)
+    dead = None if not levels.finite(g("dead")) else int(g("dead"))
+    uneven = v.uneven_words(g("reference_cv"), g("reference_top"))
+    words = judge.layer_words(v, layer=layer, excess_cv=excess, top_share=top, bars=bars, drift_jsd=jsd,
+                              rank_max_over_mean=rank, dead_unexpected=g("dead_unexpected"), hot=hots,
+                              busiest=hot[0][0] if hot else None, uneven=uneven)
+    lvl = judge.layer_level(v, excess_cv=excess, top_share=top, bars=bars, dead_counted=dead is not None)
+    jsd_noise = (jsd, g("drift_noise"))
+    imbalance = bars.get("imbalance", math.nan)
+    eplb = (g("eplb_predicted"), g("eplb_measured"))
+    return LayerRouting(
+        layer, g("cv"), excess, top, g("max_over_mean"), dead, counts, profile(buckets or {}, g("max_over_mean")),
+        hot, cold, lvl, words, _opt(g("baseline_cv")), imbalance if math.isfinite(imbalance) else math.inf,
+        g("dead_unexpected"), hots, jsd_noise[0] - jsd_noise[1] if all(map(levels.finite, jsd_noise)) else None,
+        rank, tuple(v.fires()), eplb if all(map(levels.finite, eplb)) else None, kind, uneven,
+        _opt(bars.get("collapse")), dict(bars), _opt(jsd), _opt(g("flips")))
 
 
 class History:

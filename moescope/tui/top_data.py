@@ -55,8 +55,9 @@ def parse_exposition(text: str) -> Samples:
             lab = frozenset()
         elif "\\" in labels:
             lab = frozenset((k, _unescape(v)) for k, v in _LABEL.findall(labels))
-        else:  # no escapes: no value holds a quote, so '",' only ever ends a value
-            lab = frozenset(tuple(kv.split('="', 1)) for kv in labels.rstrip(",").rstrip('"').split('",'))
+        else:  # no escapes: no value holds a quote, so '",' only ever ends a value (one may be empty: "")
+            inner = labels.rstrip(",")
+            lab = frozenset(tuple(kv.split('="', 1)) for kv in inner[:-1].split('",'))
         out[(name, lab)] = float(rest[0])
     return out
 
@@ -187,9 +188,10 @@ GAUGES = {"cv": "moescope_expert_load_cv_ratio", "excess_cv": "moescope_expert_l
           "eplb_predicted": "moescope_eplb_predicted_max_over_mean_ratio",
           "eplb_measured": "moescope_eplb_measured_max_over_mean_ratio",
           "slots_per_expert": "moescope_window_slots_per_expert",
-          "reference_cv": "moescope_reference_load_cv_ratio", "reference_top": "moescope_reference_top_share_ratio"}
+          "reference_cv": "moescope_reference_load_cv_ratio", "reference_top": "moescope_reference_top_share_ratio",
+          "flips": "moescope_routing_flip_ratio"}
 HOT_SERIES = "moescope_expert_hot_factor_ratio"
-REFERENCE_SERIES = ("moescope_reference_load_cv_ratio", "moescope_reference_top_share_ratio")
+BAR_SERIES = "moescope_judgement_bar"
 
 
 def _merge(old: float | None, v: float) -> float:
@@ -201,21 +203,28 @@ def _merge(old: float | None, v: float) -> float:
 
 def _per_layer(cur: Samples):
     """Per layer: the window gauges by short name, the named experts' window slots {expert: slots}, the
-    relative-load histogram {le: cumulative experts}, the hot factors {expert: (factor, reference)} and the
-    reference kind the layer is judged against (the reference series' ``reference`` label)."""
+    relative-load histogram {le: cumulative experts}, the hot factors {expert: (factor, reference)}, the
+    reference kind the layer is judged against (its bars' ``reference`` label) and its bars {judgement: value}
+    (moescope_judgement_bar: what the rules compare with)."""
     names = {v: k for k, v in GAUGES.items()}
     gauges: dict[int, dict[str, float]] = defaultdict(dict)
     named: dict[int, dict[int, float]] = defaultdict(dict)
     buckets: dict[int, dict[float, float]] = defaultdict(dict)
     hot: dict[int, dict[int, tuple[float, str]]] = defaultdict(dict)
     kinds: dict[int, str] = {}
+    bars: dict[int, dict[str, float]] = defaultdict(dict)
     for (n, labels), v in cur.items():
+        if n == BAR_SERIES:
+            d = dict(labels)
+            if d.get("layer"):
+                bars[int(d["layer"])][d["judgement"]] = _merge(bars[int(d["layer"])].get(d["judgement"]), v)
+                if d.get("reference"):
+                    kinds[int(d["layer"])] = d["reference"]
+            continue
         short = names.get(n)
         if short is not None:
             layer = int(dict(labels)["layer"])
             gauges[layer][short] = _merge(gauges[layer].get(short), v)
-            if n in REFERENCE_SERIES:
-                kinds[layer] = dict(labels).get("reference", "fair")
         elif n == HOT_SERIES:
             d = dict(labels)
             e = int(d["expert"])
@@ -228,7 +237,17 @@ def _per_layer(cur: Samples):
         elif n == "moescope_expert_load_relative_bucket":
             d = dict(labels)
             buckets[int(d["layer"])][float(d["le"])] = v
-    return gauges, named, buckets, hot, kinds
+    return gauges, named, buckets, hot, kinds, bars
+
+
+def model_bars(cur: Samples) -> dict[str, float]:
+    """The model's bars (moescope_judgement_bar without a layer: activation, all-to-all and fetch p99, ...)."""
+    out: dict[str, float] = {}
+    for (n, labels), v in cur.items():
+        d = dict(labels) if n == BAR_SERIES else {}
+        if d and not d.get("layer"):
+            out[d["judgement"]] = _merge(out.get(d["judgement"]), v)
+    return out
 
 
 def judged_note(routing: dict[int, LayerRouting], t: Thresholds = DEFAULT) -> str:
@@ -252,10 +271,10 @@ def _judged_words(rs: list[LayerRouting], t: Thresholds) -> str:
     elif kinds.get("learned") == len(judged):
         words = "no baseline: judged against the reference learned from this deployment's first window"
     elif kinds.get("fair") == len(judged):
-        words = f"no baseline: against the fair share (as asked), imbalance above excess CV {t.imbalance_cv:g}"
+        words = f"no baseline: against the fair share (as asked), imbalance above excess CV {judged[0].bar:g}"
     elif kinds.get("learning") == len(judged):
         words = (f"no baseline: learning the reference from the first full window (imbalance and dead wait, "
-                 f"collapse only over {t.collapse_ceiling:g})")
+                 f"collapse only over {judged[0].collapse_bar or math.nan:g})")
     else:
         words = "imbalance against " + ", ".join(f"{k}: {n}/{len(judged)}" for k, n in sorted(kinds.items()))
     uneven = [r for r in judged if r.uneven]
@@ -271,7 +290,9 @@ def _rank_words(rs: list[LayerRouting], t: Thresholds) -> str:
     ranks = [(r.rank_max_over_mean, r.layer) for r in rs if levels.finite(r.rank_max_over_mean)]
     if ranks:
         v, layer = max(ranks)
-        words += f"; rank max/mean {v:.2f} (L{layer}{'>' if t.rank_overloaded(v) else '<='}{t.rank_max_over_mean:g})"
+        r = next(x for x in rs if x.layer == layer)
+        over = ">" if "MoERankLoadImbalance" in r.fires else "<="
+        words += f"; rank max/mean {v:.2f} (L{layer}{over}{r.bars.get('rank_load', math.nan):g})"
     eplb = [(r.eplb[1], r.eplb[0], r.layer) for r in rs if r.eplb is not None]
     if eplb:  # the worst layer since the last rearrangement: what it measures against what the planner predicted
         measured, predicted, layer = max(eplb)
@@ -301,70 +322,110 @@ def frame(cur: Samples, prev: Samples | None, dt: float, endpoints: dict[str, st
     ``expert_counts`` when the caller has them)."""
     models = {dict(labels).get("model") for (n, labels) in cur if n == "moescope_router_tokens_total"}
     model = sorted(m for m in models if m)[0] if any(models) else None
+    c = _Counted(cur, prev, dt)
+    capacity = _per_layer_values(cur, "moescope_expert_cache_capacity_ratio")
+    cache_low = cache_judgement(c.hits, c.lookups, capacity, t)
+    routing, tier, window, n_exp, columns = _routing(cur, t, history, expert_counts(cur) if totals is None else totals)
+    a2a = _hist_delta(cur, None, "moescope_all_to_all_seconds", ("rank",))
+    a2a_p99 = {rank[0]: q for rank, hb in sorted(a2a.items()) if (q := _quantile(hb, 0.99)) is not None}
+    return Frame(at or time.time(), model, endpoints, _tiles(cur, c, routing, cache_low, model_bars(cur)), routing,
+                 tier, window, n_exp, columns, judged_note(routing, t), a2a_p99, cache_low,
+                 efficiency=efficiency_line(cur, prev, n_exp), ep=ep_line(cur, _quantile))
 
-    def delta(name, by=()):
-        now = _sum(cur, name, by)
-        before = _sum(prev, name, by) if prev else {}
+
+class _Counted:
+    """The counters of one poll against the previous (``prev``; none: the whole history): the per-layer cache
+    lookups and hits, routed and dropped slots, and the first layer's token rate (None without a previous)."""
+
+    def __init__(self, cur: Samples, prev: Samples | None, dt: float) -> None:
+        self.cur, self.prev = cur, prev
+        tokens = _sum(cur, "moescope_router_tokens_total", ("layer",))
+        first = min(tokens, key=lambda k: int(k[0]))[0] if tokens else None
+        routed = self.delta("moescope_router_tokens_total", ("layer",))
+        self.token_rate = sum(n for k, n in routed.items() if k[0] == first) / dt if prev and dt > 0 else None
+        self.lookups = self.delta("moescope_expert_cache_lookups_total", ("layer",))
+        self.hits = self.delta("moescope_expert_cache_hits_total", ("layer",))
+        dropped = self.delta("moescope_tokens_dropped_total", ("layer",))
+        # dropped slots per routed token, per layer (the rule's ratio)
+        self.drop_ratio = {int(k[0]): dropped.get(k, 0.0) / n for k, n in routed.items() if n and k[0]}
+        self.nonfinite = sum(self.delta("moescope_router_nonfinite_logits_total").values())
+
+    def delta(self, name: str, by: tuple[str, ...] = ()) -> dict:
+        now = _sum(self.cur, name, by)
+        if not self.prev:
+            return now
+        before = _sum(self.prev, name, by)
         return {k: max(0.0, v - before.get(k, 0.0)) for k, v in now.items()}
 
-    rate = (lambda d: sum(d.values()) / dt) if prev and dt > 0 else (lambda d: None)
-    tokens = _sum(cur, "moescope_router_tokens_total", ("layer",))
-    first_layer = min(tokens, key=lambda k: int(k[0]))[0] if tokens else None
-    tok_rate = rate({k: v for k, v in delta("moescope_router_tokens_total", ("layer",)).items()
-                     if k[0] == first_layer})
-    lookups = (delta if prev else lambda n, by: _sum(cur, n, by))("moescope_expert_cache_lookups_total", ("layer",))
-    hits = (delta if prev else lambda n, by: _sum(cur, n, by))("moescope_expert_cache_hits_total", ("layer",))
-    n_look = sum(lookups.values())
-    hit_rate = sum(hits.values()) / n_look if n_look else None
-    capacity = _per_layer_values(cur, "moescope_expert_cache_capacity_ratio")
-    cache_low = cache_judgement(hits, lookups, capacity, t)
-    cache_floor = t.cache_floor(min(capacity.values())) if capacity else None
-    routed = delta("moescope_router_tokens_total") if prev else _sum(cur, "moescope_router_tokens_total")
-    dropped = delta("moescope_tokens_dropped_total") if prev else _sum(cur, "moescope_tokens_dropped_total")
-    drop_ratio = sum(dropped.values()) / sum(routed.values()) if sum(routed.values()) else None
-    nonfinite = sum((delta if prev else lambda n: _sum(cur, n))("moescope_router_nonfinite_logits_total").values())
-    fetch = _hist_delta(cur, prev, "moescope_expert_fetch_seconds")
+
+def _worst(pairs, floor: bool = False) -> tuple[float | None, str]:
+    """(value, level) of the worst of (value, bar) pairs by ``judge.level`` (the highest value over its bar; a
+    ``floor``: the lowest under it); (None, "none") for none."""
+    judged = [(v, bar) for v, bar in pairs if levels.finite(v)]
+    if not judged:
+        return None, "none"
+
+    def how_far(x):
+        v, bar = x
+        if not (levels.finite(bar) and bar > 0):
+            return -math.inf
+        return bar / max(v, 1e-12) if floor else v / bar
+
+    v, bar = max(judged, key=how_far)
+    return v, levels.level(v, bar, floor=floor)
+
+
+def _excess_tile(routing: dict[int, LayerRouting]) -> tuple[float | None, str | None, str]:
+    """The worst judged layer's excess CV over its bar: (value, "excess/bar" or "excess/learning", level)."""
+    worst = max((r for r in routing.values() if r.judged), key=lambda r: r.excess_cv / r.bar, default=None)
+    if worst is None:
+        return None, None, "none"
+    text = f"{worst.excess_cv:.2f}/" + (f"{worst.bar:.2f}" if math.isfinite(worst.bar) else "learning")
+    return worst.excess_cv, text, worst.level if worst.verdict.startswith("imbalanced") else \
+        levels.level(worst.excess_cv, worst.bar)
+
+
+def _tiles(cur: Samples, c: _Counted, routing: dict[int, LayerRouting], cache_low: dict,
+           bars: dict[str, float]) -> list[Tile]:
+    """The health tiles, each coloured by ``judge.level`` against the bar the rules compare with (the exporter's
+    moescope_judgement_bar; ``bars``: the model's)."""
+    rs = list(routing.values())
+
+    def layer_bar(layer, judgement):
+        return routing[layer].bars.get(judgement) if layer in routing else None
+
+    top, top_level = _worst((r.top_share, r.collapse_bar) for r in rs)
+    flips, flips_level = _worst((r.flips, r.bars.get("flips")) for r in rs)
+    drift = [r.drift_over_noise for r in rs if r.drift_over_noise is not None]
+    drops, drops_level = _worst((ratio, layer_bar(la, "drops")) for la, ratio in c.drop_ratio.items())
+    n_look = sum(c.lookups.values())
+    hit_rate = sum(c.hits.values()) / n_look if n_look else None
+    _, cache_level = _worst(((c.hits.get(k, 0.0) / n, layer_bar(int(k[0]), "cache")) for k, n in c.lookups.items()
+                             if n and k[0]), floor=True)
+    fetch = _hist_delta(cur, c.prev, "moescope_expert_fetch_seconds")
     fetch_p99 = _quantile(fetch.get((), {}), 0.99) if fetch else None
     rss = _max(cur, "moescope_process_resident_memory_bytes")
-    routing, tier, window, n_exp, columns = _routing(cur, t, history, expert_counts(cur) if totals is None else totals)
-    judged = [r for r in routing.values() if r.judged]
-    worst = max(judged, key=lambda r: r.excess_cv / r.bar, default=None)
-    tops = [r for r in routing.values() if levels.finite(r.top_share)]
-    busiest = max(tops, key=lambda r: r.top_share / (r.collapse_bar or t.collapse_top_share), default=None)
-    drift = [r.drift_over_noise for r in routing.values() if r.drift_over_noise is not None]
-    values = [  # (tile, value, text, level): every level a judgement of the rules' own
-        ("tokens/s", tok_rate, None, levels.level(tok_rate, None)),
-        ("excess CV", None if worst is None else worst.excess_cv,
-         None if worst is None else f"{worst.excess_cv:.2f}/" + (f"{worst.bar:.2f}" if math.isfinite(worst.bar)
-                                                                  else "learning"),
-         "none" if worst is None else worst.level if worst.verdict.startswith("imbalanced") else
-         levels.level(worst.excess_cv, worst.bar)),
-        ("top share", _max(cur, "moescope_expert_load_top_share_ratio"), None,
-         levels.level(_max(cur, "moescope_expert_load_top_share_ratio"), t.collapse_top_share) if busiest is None
-         else levels.level(busiest.top_share, busiest.collapse_bar)),
-        ("flips", _max(cur, "moescope_routing_flip_ratio"), None,
-         levels.level(_max(cur, "moescope_routing_flip_ratio"), t.flip_ratio)),
-        ("drift", max(drift) if drift else None, None, levels.level(max(drift) if drift else None, t.drift_bits)),
-        ("non-finite", float(nonfinite), None, levels.level(float(nonfinite), 0.0)),
-        ("dropped", drop_ratio, None, levels.level(drop_ratio, t.drop_ratio)),
-        ("cache hit", hit_rate, None, "bad" if cache_low else levels.level(hit_rate, cache_floor, floor=True)),
-        ("fetch p99", fetch_p99, None, levels.level(fetch_p99, t.fetch_p99_s)),
+    values = [  # (tile, value, text, level): every level a judgement of the rules' own, against their bars
+        ("tokens/s", c.token_rate, None, levels.level(c.token_rate, None)),
+        ("excess CV", *_excess_tile(routing)),
+        ("top share", top if top is not None else _max(cur, "moescope_expert_load_top_share_ratio"), None, top_level),
+        ("flips", flips, None, flips_level),
+        ("drift", max(drift) if drift else None, None, _worst((r.drift_jsd, r.bars.get("drift")) for r in rs)[1]),
+        ("non-finite", float(c.nonfinite), None, levels.level(float(c.nonfinite), 0.0)),
+        ("dropped", drops, None, drops_level),
+        ("cache hit", hit_rate, None, "bad" if cache_low else cache_level if hit_rate is not None else "none"),
+        ("fetch p99", fetch_p99, None, levels.level(fetch_p99, bars.get("fetch"))),
         ("RSS", rss, None, levels.level(rss, None)),
     ]
     kinds = {"tokens/s": "int", "top share": "pct", "flips": "pct", "non-finite": "int", "dropped": "pct",
              "cache hit": "pct", "fetch p99": "ms", "RSS": "bytes"}
-    tiles = [Tile(name, v, text if text is not None else _fmt(v, kinds.get(name, "num")), lvl)
-             for name, v, text, lvl in values]
-    a2a = _hist_delta(cur, None, "moescope_all_to_all_seconds", ("rank",))
-    a2a_p99 = {rank[0]: q for rank, hb in sorted(a2a.items()) if (q := _quantile(hb, 0.99)) is not None}
-    return Frame(at or time.time(), model, endpoints, tiles, routing, tier, window, n_exp, columns,
-                 judged_note(routing, t), a2a_p99, cache_low, efficiency=efficiency_line(cur, prev, n_exp),
-                 ep=ep_line(cur, _quantile))
+    return [Tile(name, v, text if text is not None else _fmt(v, kinds.get(name, "num")), lvl)
+            for name, v, text, lvl in values]
 
 
 def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[int, np.ndarray]):
     """Per layer routing from what this tier serves, and what the per-expert window covers."""
-    gauges, named, buckets, hot, kinds = _per_layer(cur)
+    gauges, named, buckets, hot, kinds, bars = _per_layer(cur)
     n_exp = max((len(c) for c in totals.values()), default=None)
     if n_exp is None and buckets:  # the histogram counts every expert of a layer
         n_exp = int(round(max(max(bk.values()) for bk in buckets.values())))
@@ -379,7 +440,8 @@ def _routing(cur: Samples, t: Thresholds, history: History | None, totals: dict[
         window = "the exporter's window"
     routing = {layer: layer_routing(layer, gauges.get(layer, {}), n_exp, counts=counts.get(layer),
                                     reported=named.get(layer), buckets=buckets.get(layer),
-                                    hot_factors=hot.get(layer), reference=kinds.get(layer), t=t)
+                                    hot_factors=hot.get(layer), reference=kinds.get(layer),
+                                    bars=bars.get(layer, {}), t=t)
                for layer in sorted(set(gauges) | set(totals) | set(named))}
     columns = {layer: history.columns(layer) for layer in totals} if history is not None else {}
     return routing, tier, window, n_exp, columns
