@@ -50,10 +50,24 @@ def _git(root: Path, *args: str, check: bool = True) -> str | None:
     return run.stdout
 
 
+_CAT: dict[Path, subprocess.Popen] = {}  # one `git cat-file --batch` per repository: thousands of blobs, one process
+
+
 @functools.lru_cache(maxsize=None)
-def _show(root: Path, rev: str, path: str) -> str | None:
-    """The text of ``path`` at ``rev`` (None where it does not exist there)."""
-    return _git(root, "show", f"{rev}:{path}", check=False)
+def _show(root: Path, rev: str, path: str) -> bytes | None:
+    """The bytes of ``path`` at ``rev`` (None where it does not exist there)."""
+    cat = _CAT.get(root)
+    if cat is None or cat.poll() is not None:
+        cat = _CAT[root] = subprocess.Popen(["git", "cat-file", "--batch"], cwd=root, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE)
+    cat.stdin.write(f"{rev}:{path}\n".encode())
+    cat.stdin.flush()
+    header = cat.stdout.readline().split()
+    if len(header) != 3 or header[1] != b"blob":  # "<rev:path> missing" (or a tree): nothing there
+        return None
+    data = cat.stdout.read(int(header[2]))
+    cat.stdout.read(1)  # the newline after the object
+    return data
 
 
 def _strip_docstrings(tree: ast.AST) -> ast.AST:
@@ -66,12 +80,19 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
     return tree
 
 
-def _meaning(path: str, text: str | None):
-    """What of ``text`` can change behaviour: a Python module's syntax tree without docstrings, a YAML or JSON
+@functools.lru_cache(maxsize=None)
+def _meaning_at(root: Path, rev: str, path: str):
+    """``_meaning`` of ``path`` at ``rev``, computed once per (revision, path): many files judge the same ones."""
+    return _meaning(path, _show(root, rev, path))
+
+
+def _meaning(path: str, data: bytes | None):
+    """What of ``data`` can change behaviour: a Python module's syntax tree without docstrings, a YAML or JSON
     file's data; None where that cannot be told (other files, unparsable text)."""
-    if text is None:
+    if data is None or not path.endswith((".py", ".yml", ".yaml", ".json")):
         return None
     try:
+        text = data.decode()
         if path.endswith(".py"):
             return ast.dump(_strip_docstrings(ast.parse(text)), include_attributes=False)
         if path.endswith((".yml", ".yaml")):
@@ -80,7 +101,7 @@ def _meaning(path: str, text: str | None):
             return json.dumps(yaml.safe_load(text), sort_keys=True)
         if path.endswith(".json"):
             return json.dumps(json.loads(text), sort_keys=True)
-    except (SyntaxError, ValueError, ImportError):
+    except (SyntaxError, ValueError, ImportError):  # (UnicodeDecodeError is a ValueError)
         return None
     except Exception:  # noqa: BLE001 (yaml's own errors: unparsable, so not proved)
         return None
@@ -91,8 +112,11 @@ def _meaning(path: str, text: str | None):
 def proved_same(root: Path, before: str, after: str, path: str) -> bool:
     """Whether ``path`` means the same at ``before`` and ``after`` (``_meaning``), so a change between cannot change
     a figure."""
-    a = _meaning(path, _show(root, before, path))
-    return a is not None and a == _meaning(path, _show(root, after, path))
+    a, b = _show(root, before, path), _show(root, after, path)
+    if a is not None and a == b:
+        return True
+    a = _meaning_at(root, before, path)
+    return a is not None and a == _meaning_at(root, after, path)
 
 
 @dataclass(frozen=True)

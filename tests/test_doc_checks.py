@@ -32,7 +32,7 @@ def _git(repo, *args) -> str:
 
 
 def _commit(repo, message: str) -> str:
-    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a", "-m", message)
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-a", "--allow-empty", "-m", message)
     return _git(repo, "rev-parse", "HEAD")
 
 
