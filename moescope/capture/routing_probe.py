@@ -261,6 +261,7 @@ class RoutingProbe(Observer):
         self.dropped_steps = 0
         self._resync = False
         self._seen_at_look = -1  # (``flush(settled=True)`` without steps: the pending count at the last look)
+        self._layers_per_step = 0  # decisions of the fullest step seen (a forward's MoE layers)
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         with self._lock:
@@ -274,11 +275,14 @@ class RoutingProbe(Observer):
         """The step ended: its routing is what was routed since the last step. False: the step was dropped
         (``resync``) and must not be counted elsewhere either."""
         with self._lock:
+            first = self._bounds[-1][0] if self._bounds else 0  # (what a flush left pending is this step's)
             if self._resync:  # capture was turned back on: this step may have begun while it was off
                 self._resync = False
-                del self._pending[self._bounds[-1][0] if self._bounds else 0:]
-                self._times = {}
-                return False
+                if len(self._pending) - first < self._layers_per_step:  # it did: part of a forward
+                    del self._pending[first:]
+                    self._times = {}
+                    return False
+            self._layers_per_step = max(self._layers_per_step, len(self._pending) - first)
             self._bounds.append((len(self._pending), step.segments or (), step.phase or UNKNOWN_MODE))
             self._step_index.append(step.index)
             self._stepped = True
@@ -304,8 +308,9 @@ class RoutingProbe(Observer):
         self._steps = 0
 
     def resync(self) -> None:
-        """Drop the routing of the next step and the step itself (capture turned back on mid-forward: a partial
-        forward would be counted as a whole one); everything already summarised or pending stays."""
+        """Capture turned back on: if the next step routed fewer layers than a whole forward (it began while capture
+        was off), its routing and the step itself are dropped, not counted as a whole one; a step that began after
+        is counted as usual."""
         with self._lock:
             self._resync = True
 

@@ -3,9 +3,9 @@
 Off, the engine reports to no moescope observer (``EngineContract.pause``: the reference runtime's model reports to
 the no-op observer again, a HF model's hooks are removed, the vLLM plugin's step wrapper calls vLLM's own
 ``execute_model`` straight through), so moescope does no work per step (``tests/test_step_work.py`` counts it). The
-exporter keeps serving the last counts, with ``moescope_capture_enabled`` 0. Back on, the engine reports again;
-the first step after it is dropped whole (it may have begun while capture was off: a part of it counted as a whole
-step would be wrong), so nothing is counted twice and no step is counted in part.
+exporter keeps serving the last counts, with ``moescope_capture_enabled`` 0. Back on, the engine reports again; a
+step that began while capture was off (it routed fewer MoE layers than a whole forward) is dropped whole, so
+nothing is counted twice and no step is counted in part (``RoutingProbe.resync``, ``TokenTraceCapture.resync``).
 
 Who may flip it: the operator, never a scraper. There is no HTTP write endpoint. The switch is a control file, one
 word (``on`` or ``off``), that every moescope process polls once per evaluation interval (one ``stat`` a second):

@@ -109,6 +109,7 @@ class TokenTraceCapture(Observer):
         self._a2a: dict[int, float] = {}
         self._peer_wait: dict[int, list[float]] = {}
         self._resync = False
+        self._layers_per_step = 0  # decisions of the fullest step seen (a forward's MoE layers)
 
     def on_routing(self, layer: int, decision: "RoutingDecision") -> None:
         self._pending.append((layer, decision))
@@ -128,14 +129,16 @@ class TokenTraceCapture(Observer):
                 waits[i] += w
 
     def resync(self) -> None:
-        """Capture turned back on: the next step may have begun while it was off; it is not traced."""
+        """Capture turned back on: the next step may have begun while it was off; if so, it is not traced."""
         self._resync = True
 
     def on_step(self, step: Any) -> None:
-        if self._resync:
+        if self._resync:  # capture turned back on: a step with fewer layers than a whole forward began while off
             self._resync = False
-            self._pending, self._times, self._missed, self._a2a, self._peer_wait = [], {}, {}, {}, {}
-            return
+            if len(self._pending) < self._layers_per_step:
+                self._pending, self._times, self._missed, self._a2a, self._peer_wait = [], {}, {}, {}, {}
+                return
+        self._layers_per_step = max(self._layers_per_step, len(self._pending))
         if not self._pending:  # a step no hook saw (static/graph decode): nothing to trace
             return
         trace = StepTrace(step, tuple(self._pending), self._times, self._missed, self._a2a, self._peer_wait,

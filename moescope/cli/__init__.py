@@ -18,6 +18,7 @@ from moescope.errors import MoescopeError
 # `moescope trace ID` should not pay for the imports of demo, serve and report (half its start-up otherwise).
 COMMANDS = {
     "alerts": "alerts_cmd:alerts", "baseline": "baseline_cmd:baseline", "cache-sim": "cache_sim_cmd:cache_sim",
+    "capture": "capture_cmd:capture",
     "check": "check_cmd:check", "dashboards": "dashboards_cmd:dashboards", "demo": "demo:demo",
     "diagnose": "diagnose_cmd:diagnose_cmd", "plan-placement": "plan_cmd:plan_cmd", "report": "report_cmd:report_cmd",
     "requests": "requests_cmd:requests_cmd", "serve": "serve_cmd:serve", "top": "top_cmd:top_cmd",
