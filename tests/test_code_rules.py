@@ -1,5 +1,6 @@
 """Code rules of docs/design.md ("Code rules") that no linter we run states: an import inside a function says why it
-is there. The complexity bar (no function over 25) is ruff's C90 (pyproject.toml), run by `make lint`.
+is there; no function over cyclomatic complexity 25 as radon counts it (boolean operators and conditional
+expressions count: ruff's C90 in `make lint` does not count them, and let a function reach 44).
 
 The check reads the source (``ast`` for where each import sits, ``tokenize`` for the comments), so it runs on any
 text: the tree's own, and a sample written here with a bare function-level import, which it must report."""
@@ -8,6 +9,8 @@ import ast
 import io
 import tokenize
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The two reasons a function may import (docs/design.md): what the comment must say, each followed by its why.
@@ -115,3 +118,60 @@ def test_the_check_reports_a_bare_function_level_import():
     (a nested function), 34 (a comment above that names no reason); the annotated lines, the run under one comment
     and the module and class-level imports pass."""
     assert unexplained_imports(SAMPLE, "sample") == ["sample:5", "sample:18", "sample:24", "sample:34"]
+
+
+# -- complexity: radon's count ------------------------------------------------------------------------------------
+COMPLEXITY_BAR = 25  # docs/design.md, "Code rules": a function past it is split
+
+
+def over_complexity(source: str, name: str = "<source>", bar: int = COMPLEXITY_BAR) -> list[str]:
+    """``name:line function complexity`` of every function, method and nested function in ``source`` whose
+    cyclomatic complexity as radon counts it (``radon cc``: every branch, loop, ``except``, boolean operator and
+    conditional expression) is over ``bar``."""
+    from radon.complexity import cc_visit
+    from radon.visitors import Class
+
+    out: dict[tuple[int, str], str] = {}  # (radon lists a class's methods both in it and beside it)
+
+    def visit(blocks) -> None:
+        for b in blocks:
+            if isinstance(b, Class):
+                visit(b.methods)
+                continue
+            if b.complexity > bar:
+                out[(b.lineno, b.fullname)] = f"{name}:{b.lineno} {b.fullname} {b.complexity}"
+            visit(b.closures)
+
+    visit(cc_visit(source))
+    return sorted(out.values())
+
+
+def test_no_function_in_the_package_is_over_the_complexity_bar():
+    bad = []
+    for path in sorted((ROOT / "moescope").rglob("*.py")):
+        bad += over_complexity(path.read_text(), str(path.relative_to(ROOT)))
+    assert not bad, f"functions over cyclomatic complexity {COMPLEXITY_BAR} (radon cc; split them): {bad}"
+
+
+def _branches(n: int, how: str) -> str:
+    """A function of complexity ``n + 1``: ``n`` ifs, or one condition of ``n`` ``and``s, or ``n`` conditional
+    expressions, or a method of a class with ``n`` ifs in a nested function."""
+    if how == "ifs":
+        return "def f(x):\n" + "".join(f"    if x == {i}:\n        return {i}\n" for i in range(n)) + "    return -1\n"
+    if how == "and":
+        return "def f(x):\n    return " + " and ".join(f"x[{i}]" for i in range(n + 1)) + "\n"
+    if how == "ternary":
+        return "def f(x):\n    return " + " + ".join(f"(1 if x[{i}] else 0)" for i in range(n)) + "\n"
+    return ("class C:\n    def m(self, x):\n        def inner(y):\n"
+            + "".join(f"            if y == {i}:\n                return {i}\n" for i in range(n))
+            + "            return -1\n        return inner(x)\n")
+
+
+@pytest.mark.parametrize("how", ["ifs", "and", "ternary", "nested"])
+def test_the_complexity_check_reports_a_function_over_the_bar(how):
+    """The check on samples whose complexity is counted by hand: n branches give n + 1 (boolean operators and
+    conditional expressions counted as radon counts them); at the bar nothing is reported, one over it is."""
+    at, over = _branches(COMPLEXITY_BAR - 1, how), _branches(COMPLEXITY_BAR, how)
+    assert over_complexity(at, "sample") == []
+    got = over_complexity(over, "sample")
+    assert len(got) == 1 and got[0].endswith(f" {COMPLEXITY_BAR + 1}"), got

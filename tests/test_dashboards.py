@@ -54,16 +54,23 @@ def test_generated_dashboards_are_stable_and_valid():
             assert set(re.findall(r"\b(moescope_[a-z_]+|ALERTS)\b", expr)) <= known, expr
 
 
-def test_colour_steps_and_lines_are_the_alert_bars():
-    """Each coloured stat's red step is its alert's bar, the same for every model (no per-model overrides), and
-    the rule holds the same number; the hot-expert and rank panels draw their line at the alert's bar."""
+def test_colour_steps_are_the_alert_bars_and_panels_draw_the_bar_series():
+    """Each coloured stat's red step is its alert's bar, the same for every model (no per-model overrides): the
+    value ``Thresholds.bars`` gives the judgement where nothing moves it (a reference at the fair share, a cache
+    holding every expert, a config's activation of 1, no drift noise), the bar series the rule compares with. No
+    panel draws a line typed from a number: every judgement's bar is drawn from its series (and its clear bar where
+    the rule holds against one)."""
     t = thresholds.DEFAULT
     docs = grafana.build_all()
     stats = {p["title"]: p for p in docs["moescope-overview"]["panels"] if p["type"] == "stat"}
-    alert_of = {"collapse_top_share": "MoEExpertCollapse", "cache_floor_of_capacity": "MoEExpertCacheHitRateLow",
-                "activation_floor": "MoEActivationRatioLow", "hot_factor": "MoEExpertHot",
-                "rank_max_over_mean": "MoERankLoadImbalance", "drift_bits": "MoERoutingDrift"}
+    neutral = t.bars(["fair"], [0.0], [0.0], [0.0], [1.0], 1.0)
+    judgement_of = {"collapse_top_share": "collapse", "cache_floor_of_capacity": "cache",
+                    "activation_floor": "activation", "hot_factor": "hot", "rank_max_over_mean": "rank_load",
+                    "drift_bits": "drift"}
     exprs = {s.name: s.expr for s in rules.specs(t)}
+    alert_of = {"collapse": "MoEExpertCollapse", "cache": "MoEExpertCacheHitRateLow",
+                "activation": "MoEActivationRatioLow", "hot": "MoEExpertHot", "rank_load": "MoERankLoadImbalance",
+                "drift": "MoERoutingDrift"}
 
     def check(steps, bar, kind):
         values = [s["value"] for s in steps]
@@ -82,14 +89,19 @@ def test_colour_steps_and_lines_are_the_alert_bars():
         assert not panel["fieldConfig"].get("overrides")
         value = getattr(t, bar) if bar else None
         check(panel["fieldConfig"]["defaults"]["thresholds"]["steps"], value, kind)
-        if bar in alert_of:  # the rule judges by the same number
-            # (the collapse bar is the floor of a reference's bar: clamp_min(..., 0.75))
-            bar_re = rf"([<>] (on \([a-z, ]+\) )?\(?|, ){re.escape(rules.num(value))}\b"
-            assert re.search(bar_re, exprs[alert_of[bar]]), (bar, title)
-    lines = {p["title"]: p["fieldConfig"]["defaults"] for d in docs.values() for p in d["panels"]
-             if p["type"] == "timeseries" and p["fieldConfig"]["defaults"].get("custom", {}).get("thresholdsStyle")}
-    bars = sorted(d["thresholds"]["steps"][-1]["value"] for d in lines.values())
-    assert bars == sorted([t.hot_factor, t.rank_max_over_mean]), lines.keys()
+        if bar in judgement_of:  # the rule judges by the bar series, which holds the same number
+            judgement = judgement_of[bar]
+            series = neutral.model[judgement] if judgement in neutral.model else neutral.bar[judgement][0]
+            assert series == pytest.approx(value), (bar, series)
+            assert f'{rules.BAR}{{judgement="{judgement}"}}' in exprs[alert_of[judgement]], judgement
+    panels = [p for d in docs.values() for p in d["panels"]]
+    assert not [p["title"] for p in panels if p["fieldConfig"]["defaults"].get("custom", {}).get("thresholdsStyle")]
+    drawn = {j: [p["title"] for p in panels if any(f'judgement="{j}"' in t["expr"] for t in p.get("targets", ()))]
+             for j in (*thresholds.LAYER_JUDGEMENTS, *thresholds.MODEL_JUDGEMENTS)}
+    assert all(drawn.values()), [j for j, titles in drawn.items() if not titles]
+    for j in thresholds.CLEARED:  # held against its clear bar: drawn beside the bar
+        assert any(f'{rules.CLEAR_BAR}{{' in t["expr"] and f'judgement="{j}"' in t["expr"] for p in panels
+                   for t in p.get("targets", ())), j
     # no model name in any query
     for doc in docs.values():
         for _, expr in grafana.queries(doc):
@@ -107,6 +119,9 @@ def test_push_to_an_unreachable_grafana_is_a_clear_error(capsys):
 
 @pytest.mark.integration
 def test_every_panel_query_returns_data_from_prometheus(tmp_path):
+    """Every panel query returns data from a real Prometheus scraping real exporters (the reference runtime
+    instrumented), and the panel that draws each judgement's bar returns the bar the exporter exports: the value
+    worked out from the other series (``_naive_bar``), for every judgement of ``Thresholds.bars``."""
     port = free_port(4)  # rank 0, rank 1, a third process on port + 2, `moescope serve`'s API port on port + 3
     baseline = tmp_path / "baseline.json"  # a uniform baseline: drift is measured against it
     baseline.write_text(json.dumps({"format": "moescope-baseline-v1", "model": "tiny-demo",
@@ -149,6 +164,10 @@ def test_every_panel_query_returns_data_from_prometheus(tmp_path):
         time.sleep(6)  # a few more scrapes: rates need several samples
         failures = check_panels(prom, "tiny-demo", "1")
         assert not failures, "\n".join(failures)
+        bars = judgement_bars(prom, "tiny-demo", "1")
+        assert set(bars) == {*thresholds.LAYER_JUDGEMENTS, *thresholds.MODEL_JUDGEMENTS}, bars
+        wrong = {j: got for j, got in bars.items() if not (got[0] is not None and got[0] == pytest.approx(got[1]))}
+        assert not wrong, wrong
         hot = prom.query('moescope_expert_hot_factor_ratio{model="tiny-demo"}')
         assert ("1", "3") in {(h["metric"]["layer"], h["metric"]["expert"]) for h in hot}, hot
         views = expert_views(prom, "tiny-demo", "1")
@@ -189,6 +208,65 @@ def check_panels(prom, model: str, layer: str, at: float | None = None) -> list[
             if not prom.query(q, at=at) and not any(series in q for series in OPTIONAL):
                 failures.append(f"{name} / {title}: {q}")
     return failures
+
+
+def _by_instance(prom, expr: str, at: float) -> dict[str, tuple[float, dict]]:
+    return {r["metric"]["instance"]: (float(r["value"][1]), r["metric"]) for r in prom.query(expr, at=at)}
+
+
+def _naive_bar(prom, judgement: str, model: str, layer: str, at: float) -> float | None:
+    """The bar a panel must draw for ``judgement`` (the max over the model's exporters, as the panels aggregate),
+    worked out from the other series Prometheus holds and docs/alerts.md's formulas, written out here: the
+    reference's CV and top share, the drift noise, the cache's capacity, the config's activation ratio."""
+    t = thresholds.DEFAULT
+    constant = {"hot": t.hot_factor, "dead": 0.0, "rank_load": t.rank_max_over_mean, "flips": t.flip_ratio,
+                "drops": t.drop_ratio, "all_to_all": t.all_to_all_p99_s, "fetch": t.fetch_p99_s,
+                "slow_rank_share": t.slow_rank_share, "slow_rank_wait": t.slow_rank_wait_s,
+                "memory": float(t.memory_capacity_bytes)}
+    if judgement in constant:
+        return constant[judgement]
+    sel = f'model="{model}", layer="{layer}"'
+    if judgement == "activation":
+        return max(t.activation_floor * v for v, _ in _by_instance(
+            prom, f'moescope_activation_expected_ratio{{model="{model}"}}', at).values())
+    if judgement == "cache":  # (one layer of the worst five: the panel's floors, layer by layer)
+        return max(t.cache_floor_of_capacity * v for v, _ in _by_instance(
+            prom, f"moescope_expert_cache_capacity_ratio{{{sel}}}", at).values())
+    if judgement == "drift":
+        return max(v + t.drift_bits for v, _ in _by_instance(prom, f"moescope_routing_drift_noise_bits{{{sel}}}",
+                                                              at).values())
+    if judgement == "imbalance":  # none while a reference is being learned (no reference series)
+        refs = _by_instance(prom, f"moescope_reference_load_cv_ratio{{{sel}}}", at).values()
+        bars = [t.imbalance_cv if m["reference"] == "fair" else t.imbalance_baseline_factor * v
+                + t.imbalance_baseline_margin for v, m in refs]
+        return max(bars) if bars else None
+    # collapse: half of the way from the reference's top share to 1, at least 0.75; a learned reference capped at
+    # 0.75; an exporter routing the layer with no reference yet: 0.875, the ceiling
+    refs = _by_instance(prom, f"moescope_reference_top_share_ratio{{{sel}}}", at)
+    routed = _by_instance(prom, f"moescope_expert_load_top_share_ratio{{{sel}}}", at)
+    bars = []
+    for instance in routed:
+        v, m = refs.get(instance, (None, {}))
+        ref = t.collapse_top_share if v is None else v if m["reference"] == "baseline" else min(v, t.collapse_top_share)
+        bars.append(max(t.collapse_top_share, ref + t.collapse_rise * (1 - ref)))
+    return max(bars)
+
+
+def judgement_bars(prom, model: str, layer: str) -> dict[str, tuple[float | None, float | None]]:
+    """Per judgement: (the bar its panel query returns from ``prom``, the bar worked out from the other series,
+    ``_naive_bar``), both at one instant. The panel: the first query of any dashboard that draws the judgement's
+    bar series (the bar itself: its max over the exporters, or over each layer's)."""
+    at = time.time()
+    out = {}
+    draws = re.compile(rf"^max( by \(layer\))? ?\({rules.BAR}\{{")
+    for j in (*thresholds.LAYER_JUDGEMENTS, *thresholds.MODEL_JUDGEMENTS):
+        expr = next(e for doc in grafana.build_all().values() for _, e in grafana.queries(doc)
+                    if draws.match(e) and f'judgement="{j}"' in e)
+        q = (expr.replace("$model", model).replace("$rank", ".*").replace("$layer", layer)
+             .replace("$__rate_interval", "20s"))
+        got = [r for r in prom.query(q, at=at) if r["metric"].get("layer", layer) == layer]  # (cache: by layer)
+        out[j] = (max(float(r["value"][1]) for r in got) if got else None, _naive_bar(prom, j, model, layer, at))
+    return out
 
 
 def expert_views(prom, model: str, layer: str) -> dict:

@@ -579,6 +579,13 @@ def _check_cache(w: Window, t: Thresholds) -> list[Finding]:
                                     f"{t.cache_floor_of_capacity:g} x the capacity ratio (a random resident set's "
                                     "hit rate)"},
                            examples, "MoEExpertCacheHitRateLow"))
+    return out + _check_switch_jitter(w, t, used, missed, examples)
+
+
+def _check_switch_jitter(w: Window, t: Thresholds, used: dict, missed: dict, examples: list[str]) -> list[Finding]:
+    """As MoEExpertSwitchJitter, from the store: the cost per miss of a forward's expert time with misses against
+    the same layer's forwards without (``used`` / ``missed``: ``_step_usage``)."""
+    out = []
     # cost per miss: a forward's expert time with n misses against forwards of the same layer without
     per_miss = []
     for j, layer in enumerate(w.layers):

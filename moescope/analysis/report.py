@@ -294,7 +294,6 @@ def _expert_spread(w, prometheus: str | None) -> dict | None:
 
 
 def _markdown(s: dict, files: list[str]) -> str:
-    t = DEFAULT
     n_exp = s["n_experts"]
     lines = [f"# moescope report: {s.get('model') or s['source']}", ""]
     if "requests" in s:
@@ -302,22 +301,31 @@ def _markdown(s: dict, files: list[str]) -> str:
     else:
         lines.append(f"{len(s['layers'])} MoE layers, {n_exp} experts each (an import: no domains, phases or "
                      "token-level pairs; each recorded pass is one draw).")
+    lines += _load_section(s) + _verdict_section(s) + _spread_section(s.get("expert_spread"))
+    lines += _drift_section(s.get("drift_attribution")) + _pairs_section(s.get("top_pairs"))
+    lines += ["", "## Files", ""] + [f"- `{f}`" for f in files] + [""]
+    return "\n".join(lines)
+
+
+def _load_section(s: dict) -> list[str]:
+    """The load per layer: what it is judged against, then one table row per layer."""
+    t = DEFAULT
     against = s["judged"].get("against")
     if against:  # a store: the reference diagnose judges against (baseline, learned, or fair as asked)
         bar = f"its reference's bar ({against})"
     else:
         bar = ("the no-baseline bar " f"{t.imbalance_cv:g} (a baseline, `moescope baseline save`, judges smaller "
                "changes)" if s["judged"]["bar_from"] == "no baseline" else "the baseline's bar")
-    lines += ["", "`overview.png`: every layer (rows) x expert (columns), load against the fair share 1/E "
-              "(red over, blue under, black no slot). Per-layer figures: `moescope report --layers L,...`.",
-              "", "## Load per layer", "",
-              f"Judged as the alert rules judge (the same functions as the exporter and `moescope diagnose`, each "
-              f"request one draw): excess CV, the load CV beyond sampling noise, against {bar}; hot, an expert "
-              f"over {t.hot_factor:g}x its {s['judged']['reference']} share beyond noise; dead, experts with no "
-              f"slot where the {s['judged']['reference']} share predicts at least {t.dead_min_expected_slots:g} "
-              "effective slots. \"-\": too few draws to judge.", "",
-              "| layer | load CV | excess CV (bar) | hottest expert (share of tokens) | hot | dead experts |",
-              "|---|---|---|---|---|---|"]
+    lines = ["", "`overview.png`: every layer (rows) x expert (columns), load against the fair share 1/E "
+             "(red over, blue under, black no slot). Per-layer figures: `moescope report --layers L,...`.",
+             "", "## Load per layer", "",
+             f"Judged as the alert rules judge (the same functions as the exporter and `moescope diagnose`, each "
+             f"request one draw): excess CV, the load CV beyond sampling noise, against {bar}; hot, an expert "
+             f"over {t.hot_factor:g}x its {s['judged']['reference']} share beyond noise; dead, experts with no "
+             f"slot where the {s['judged']['reference']} share predicts at least {t.dead_min_expected_slots:g} "
+             "effective slots. \"-\": too few draws to judge.", "",
+             "| layer | load CV | excess CV (bar) | hottest expert (share of tokens) | hot | dead experts |",
+             "|---|---|---|---|---|---|"]
     for layer, v in s["per_layer"].items():
         bar_text = "-" if v["bar"] is None else f"{v['bar']:.2f}"
         if v["excess_cv"] is None:
@@ -325,50 +333,65 @@ def _markdown(s: dict, files: list[str]) -> str:
         else:
             excess = f"{v['excess_cv']:.3f} ({bar_text})" + (" **over**" if v["over"] else "")
         hot = ", ".join(f"**{h['expert']} {h['factor']:.1f}x**" for h in v["hot"]) or "-"
-        dead, judged = v["dead"], v["dead_judged"]
-        if not dead:
-            dead_text = "none"
-        elif not judged:
-            dead_text = f"{len(dead)} with no slot (" + ("too few draws to judge" if judged is None else
-                                                         "not judged dead: too few slots for their share") + ")"
-        else:
-            shown = ", ".join(map(str, judged[:8])) + (f" ... ({len(judged)})" if len(judged) > 8 else "")
-            dead_text = f"**{shown}**" + (f" (of {len(dead)} with no slot)" if len(dead) > len(judged) else "")
         top = "-" if v["top_share"] is None else f"{v['top_share']:.1%}"
         lines.append(f"| {layer} | {v['cv']:.3f} | {excess} | {v['hottest']} ({top}) | {hot} | "
-                     f"{dead_text} |")
+                     f"{_dead_text(v['dead'], v['dead_judged'])} |")
+    return lines
+
+
+def _dead_text(dead: list, judged: list | None) -> str:
+    """A layer's dead experts in the table: its zero-slot experts, and those judged dead (None: too few draws)."""
+    if not dead:
+        return "none"
+    if not judged:
+        return f"{len(dead)} with no slot (" + ("too few draws to judge" if judged is None else
+                                                "not judged dead: too few slots for their share") + ")"
+    shown = ", ".join(map(str, judged[:8])) + (f" ... ({len(judged)})" if len(judged) > 8 else "")
+    return f"**{shown}**" + (f" (of {len(dead)} with no slot)" if len(dead) > len(judged) else "")
+
+
+def _verdict_section(s: dict) -> list[str]:
     pages = {layer: v["pages"] for layer, v in s["per_layer"].items() if v.get("pages")}
     uneven = {layer: v["uneven"] for layer, v in s["per_layer"].items() if v.get("uneven")}
-    lines += ["", "## Verdict", ""]
+    lines = ["", "## Verdict", ""]
     lines += [f"- layer {layer}: **{', '.join(p)}**" for layer, p in pages.items()] or \
         ["No problem: nothing the alert rules would page for."]
     lines += [f"- layer {layer}: {words}" for layer, words in uneven.items()]
-    lines += ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
-    if s.get("expert_spread"):
-        f = s["expert_spread"]
-        ev = f["evidence"]
-        lines += ["", f"## {f['severity'].capitalize()}: {f['title']}", "",
-                  f"{ev['steps']} batched steps ({ev['mean_rows']:g} rows on average) touched "
-                  f"{ev['distinct_per_step_layer']:g} experts per step and layer; independent uniform routing touches "
-                  f"{ev['uniform_per_step_layer']:g} (band top {ev['band_top_per_step_layer']:g}, z = {ev['z']:g}): "
-                  "each step reads more expert weights than its batch needs (docs/metrics.md, \"Efficiency\")."]
-    if s.get("drift_attribution"):
-        lines += ["", "## What moved between the window's earlier and later half", ""]
-        for layer, by_kind in s["drift_attribution"].items():
-            kind, att = max(by_kind.items(), key=lambda kv: kv[1]["mix_explains"])
-            top = att["groups"][0] if att["groups"] else None
-            others = ", ".join(f"{k} mix {v['mix_explains']:.0%}" for k, v in by_kind.items() if k != kind)
-            what = (f": {kind} **{top[kind]}** {top['share_before']:.0%} -> {top['share_after']:.0%} of the traffic"
-                    if top else "")
-            lines.append(f"- layer {layer} (load moved by {att.get('shift_l1', 0.0):.3f} L1): the {kind} mix "
-                         f"explains {att['mix_explains']:.0%}{what} ({others})")
-        lines += ["", "When no mix explains the shift, the routing itself changed for the same traffic (a router"
-                  " or weights change: see playbooks/MoERoutingDrift.md)."]
-    if s.get("top_pairs"):
-        lines += ["", f"## Experts chosen together most (co-activation; {TOP_PAIRS} per layer in coactivation.csv)",
-                  ""]
-        for layer, pairs in s["top_pairs"].items():
-            lines.append(f"- layer {layer}: " + ", ".join(f"{p['expert_a']}+{p['expert_b']} ({p['tokens']} tokens)"
-                                                          for p in pairs))
-    lines += ["", "## Files", ""] + [f"- `{f}`" for f in files] + [""]
-    return "\n".join(lines)
+    return lines + ["", "`moescope diagnose` says what a problem is and which playbook to follow."]
+
+
+def _spread_section(f: dict | None) -> list[str]:
+    if not f:
+        return []
+    ev = f["evidence"]
+    return ["", f"## {f['severity'].capitalize()}: {f['title']}", "",
+            f"{ev['steps']} batched steps ({ev['mean_rows']:g} rows on average) touched "
+            f"{ev['distinct_per_step_layer']:g} experts per step and layer; independent uniform routing touches "
+            f"{ev['uniform_per_step_layer']:g} (band top {ev['band_top_per_step_layer']:g}, z = {ev['z']:g}): "
+            "each step reads more expert weights than its batch needs (docs/metrics.md, \"Efficiency\")."]
+
+
+def _drift_section(attribution: dict | None) -> list[str]:
+    if not attribution:
+        return []
+    lines = ["", "## What moved between the window's earlier and later half", ""]
+    for layer, by_kind in attribution.items():
+        kind, att = max(by_kind.items(), key=lambda kv: kv[1]["mix_explains"])
+        top = att["groups"][0] if att["groups"] else None
+        others = ", ".join(f"{k} mix {v['mix_explains']:.0%}" for k, v in by_kind.items() if k != kind)
+        what = (f": {kind} **{top[kind]}** {top['share_before']:.0%} -> {top['share_after']:.0%} of the traffic"
+                if top else "")
+        lines.append(f"- layer {layer} (load moved by {att.get('shift_l1', 0.0):.3f} L1): the {kind} mix "
+                     f"explains {att['mix_explains']:.0%}{what} ({others})")
+    return lines + ["", "When no mix explains the shift, the routing itself changed for the same traffic (a router"
+                    " or weights change: see playbooks/MoERoutingDrift.md)."]
+
+
+def _pairs_section(top_pairs: dict | None) -> list[str]:
+    if not top_pairs:
+        return []
+    lines = ["", f"## Experts chosen together most (co-activation; {TOP_PAIRS} per layer in coactivation.csv)", ""]
+    for layer, pairs in top_pairs.items():
+        lines.append(f"- layer {layer}: " + ", ".join(f"{p['expert_a']}+{p['expert_b']} ({p['tokens']} tokens)"
+                                                      for p in pairs))
+    return lines

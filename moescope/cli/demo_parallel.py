@@ -166,8 +166,7 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     ``judged``: what the human summary prints); latency percentiles over every rank's requests (each rank's own in
     ``ranks``)."""
     # start-up: numpy (stats, cli.summary), only when the command runs, not for --help
-    from moescope import stats
-    from moescope.cli.summary import judgement, latency
+    from moescope.cli.summary import latency
 
     merged = dict(summaries[0])
     for key in ("expert_load_summary", "judged", "canary_flip_ratio"):
@@ -185,6 +184,15 @@ def merge_summaries(summaries: list[dict], top_k: int, by_duration: bool) -> dic
     merged["request_ids"] = sorted(i for s in summaries for i in s["request_ids"])
     merged["requests_detail"] = sorted((d for s in summaries for d in s["requests_detail"]),
                                        key=lambda d: d["request_id"])
+    return _merge_load(merged, summaries, top_k)
+
+
+def _merge_load(merged: dict, summaries: list[dict], top_k: int) -> dict:
+    """``merged`` with the ranks' expert load and dropped slots summed, per layer, and judged again from the sums."""
+    # start-up: numpy (stats, cli.summary), only when the command runs, not for --help
+    from moescope import stats
+    from moescope.cli.summary import judgement
+
     # summed over the ranks that routed each layer: a rank that served no request (fewer requests than ranks)
     # routed nothing and its summary has no layers
     load: dict[str, list[int]] = {}

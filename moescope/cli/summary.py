@@ -210,30 +210,41 @@ def load_lines(s: dict) -> list[str]:
                  else f"{sum(dead.values())} dead in {len(dead)} layers")
     lines = [f"expert load: {len(per)} MoE layers x {n_exp} experts (fair share {1 / n_exp:.2%}); CV median "
              f"{float(np.median(list(cvs.values()))):.3f}, max {cvs[worst]:.3f} (L{worst}); {dead_text}"]
+    if judged:
+        lines += _judged_lines(judged, per)
+    lines.append(f"per layer: cv, no slot / judged dead, the {NAMED} hottest and coldest as expert:share "
+                 "(counts: --json)")
+    return lines + _layer_lines(per, n_exp)
+
+
+def _judged_lines(judged: dict, per: dict) -> list[str]:
+    """What was judged against what, what would page, and the layers uneven by design or traffic."""
     layers_j = judged.get("layers", {})
     imb = [layer for layer, v in layers_j.items() if v["imbalanced"]]
     hot = [(layer, h) for layer, v in per.items() for h in v.get("hot", [])]
-    if judged:
-        bar = {"baseline": "against the baseline", "learned": "against its learned reference",
-               "learning": "reference still being learned: imbalance, dead wait",
-               "fair": f"against the fair share: over excess CV {DEFAULT.imbalance_cv:g}"}.get(
-            judged.get("reference"), judged.get("against") or "")
-        hot_text = ", ".join(f"L{layer} E{h['expert']} {h['factor']:.1f}x {h['reference']}"
-                             for layer, h in sorted(hot, key=lambda x: -x[1]["factor"])[:3]) or "none"
-        lines.append(f"judged ({judged.get('draws')}): imbalanced in {len(imb)} ({bar}); hot {hot_text}")
-        pages = [f"L{layer} {', '.join(v['pages'])}" for layer, v in layers_j.items() if v.get("pages")]
-        uneven = [f"L{layer} {v['uneven']}" for layer, v in layers_j.items() if v.get("uneven")]
-        lines.append("would page: " + ("; ".join(pages) if pages else "nothing"))
-        lines += uneven[:3] + ([f"... {len(uneven) - 3} more layers uneven by design/traffic (--json)"]
-                               if len(uneven) > 3 else [])
-    lines.append(f"per layer: cv, no slot / judged dead, the {NAMED} hottest and coldest as expert:share "
-                 "(counts: --json)")
+    bar = {"baseline": "against the baseline", "learned": "against its learned reference",
+           "learning": "reference still being learned: imbalance, dead wait",
+           "fair": f"against the fair share: over excess CV {DEFAULT.imbalance_cv:g}"}.get(
+        judged.get("reference"), judged.get("against") or "")
+    hot_text = ", ".join(f"L{layer} E{h['expert']} {h['factor']:.1f}x {h['reference']}"
+                         for layer, h in sorted(hot, key=lambda x: -x[1]["factor"])[:3]) or "none"
+    lines = [f"judged ({judged.get('draws')}): imbalanced in {len(imb)} ({bar}); hot {hot_text}"]
+    pages = [f"L{layer} {', '.join(v['pages'])}" for layer, v in layers_j.items() if v.get("pages")]
+    uneven = [f"L{layer} {v['uneven']}" for layer, v in layers_j.items() if v.get("uneven")]
+    lines.append("would page: " + ("; ".join(pages) if pages else "nothing"))
+    return lines + uneven[:3] + ([f"... {len(uneven) - 3} more layers uneven by design/traffic (--json)"]
+                                 if len(uneven) > 3 else [])
+
+
+def _layer_lines(per: dict, n_exp: int) -> list[str]:
+    """One line per MoE layer: its CV, experts with no slot and judged dead, its hottest and coldest experts."""
     width = max(len(str(layer)) for layer in per)
     digits = 1 if n_exp <= 64 else 2  # shares near 1/E must still differ on screen
 
     def few(items):
         return " ".join(f"{x['expert']}:{x['share']:.{digits}%}" for x in items)
 
+    lines = []
     for layer, v in per.items():
         d = "-" if v["dead"] is None else v["dead"]
         lines.append(f"  L{layer:<{width}} cv {v['cv']:.3f} no slot {v['no_slot']:>3} dead {d:>3}  "

@@ -2,11 +2,13 @@
 
 Every panel query uses the template variables ``$datasource``, ``$model``, ``$rank`` (multi) and ``$layer``
 (single), so one dashboard serves every model and rank. Colour steps and threshold lines come from the
-thresholds object the alert rules are generated from (``moescope.thresholds``), one set for every model: a
-healthy deployment is green and a stat turns red where its alert fires. The judged quantities are the ones the
-exporter exports and the rules read (``moescope.alerts.rules``: the load CV beyond sampling noise over its bar,
-baseline or not, the hot factor, the dead experts sampling cannot explain, drift beyond its noise, the ranks'
-busiest / mean load, the cache's hits against its capacity, activation against the config's).
+thresholds object (``moescope.thresholds``), one set for every model: a healthy deployment is green and a stat
+turns red where its alert fires. The judged quantities are the ones the exporter exports and the rules read
+(``moescope.alerts.rules``: the load CV beyond sampling noise, the top share, the hot factor, the dead experts
+sampling cannot explain, the drift, the ranks' busiest / mean load, the flips, the drops, the cache's hit rate,
+activation, the all-to-all and fetch p99, a slow peer's share of the wait, memory), and every panel that shows one
+draws its bar and clear bar beside it: the exporter's ``moescope_judgement_bar`` / ``_clear_bar`` series, the
+values the rules compare with (``Thresholds.bars``), never a line typed here.
 
 At 256 experts a per-expert line chart is unreadable: the Experts dashboard shows the expert x time heatmap
 (one row per expert), the hottest and coldest 8 experts, the distribution of expert load relative to the fair
@@ -96,19 +98,20 @@ def _stat(stat, prometheus, ds, t: Thresholds, title, expr, unit, bar, kind, x, 
             .with_target(_q(prometheus, expr, "{{model}}")).grid_pos(_pos(x, y, w, 4)))
 
 
-def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8, bar: float | None = None):
-    """A time series panel; ``bar``: a red threshold line where the alert's bar is."""
+def _ts(timeseries, prometheus, ds, title, targets, unit, x, y, w=12, h=8):
+    """A time series panel."""
     p = timeseries.Panel().title(title).datasource(ds).unit(unit).grid_pos(_pos(x, y, w, h))
-    if bar is not None:
-        # optional: grafana_foundation_sdk (the dashboards extra)
-        from grafana_foundation_sdk.builders.common import GraphThresholdsStyleConfig
-        from grafana_foundation_sdk.models.common import GraphThresholdsStyleMode
-
-        p = (p.thresholds(_thresholds_config([(None, "transparent"), (bar, "red")]))
-             .thresholds_style(GraphThresholdsStyleConfig().mode(GraphThresholdsStyleMode.DASHED)))
     for target in targets:
         p = p.with_target(target)
     return p
+
+
+def _bars(prometheus, judgement: str, matcher: str = LSEL, clear: bool = True, agg: str = "max") -> list:
+    """The targets of ``judgement``'s bar (and clear bar) series, as the rules compare with them."""
+    out = [_q(prometheus, f"{agg}({rules.bar(judgement, matcher)})", "bar")]
+    if clear:
+        out.append(_q(prometheus, f"{agg}({rules.bar(judgement, matcher, clear=True)})", "clear bar"))
+    return out
 
 
 def _heatmap(heatmap, prometheus, ds, title, expr, legend, x, y, w=24, h=10, layout=None, unit="none"):
@@ -128,15 +131,15 @@ def excess_cv(matcher: str) -> str:
     return f"moescope_expert_load_excess_cv_ratio{{{matcher}}}"
 
 
-def imbalance_bar(t: Thresholds, matcher: str) -> str:
-    """The layer's imbalance bar, from the reference it is judged against (baseline, learned, or the fair share's
-    absolute bar; none while learning): the rule's own expression."""
-    return rules.imbalance_bar(t, matcher)
+def excess_over_bar(matcher: str) -> str:
+    """The load CV beyond noise over the layer's own bar series (the MoEExpertLoadImbalance judgement: > 1
+    fires)."""
+    return f"({excess_cv(matcher)} / {ON} group_left {rules.bar('imbalance', matcher)})"
 
 
-def excess_over_bar(t: Thresholds, matcher: str) -> str:
-    """The load CV beyond noise over the layer's own bar (the MoEExpertLoadImbalance judgement: > 1 fires)."""
-    return f"({excess_cv(matcher)} / {ON} {rules.imbalance_bar(t, matcher)})"
+def activation_vs_expected(m: str) -> str:
+    """Observed / expected activation ratio (the expected one: the model config's, exported as a gauge)."""
+    return f"moescope_activation_ratio{{{m}}} / moescope_activation_expected_ratio{{{m}}}"
 
 
 def judged_dead(matcher: str) -> str:
@@ -184,11 +187,11 @@ def overview(t: Thresholds = DEFAULT):
             .refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
     exprs = {
-        "Load CV beyond noise / its bar (worst layer)": (f"max by (model) ({excess_over_bar(t, SEL)})", "none"),
+        "Load CV beyond noise / its bar (worst layer)": (f"max by (model) ({excess_over_bar(SEL)})", "none"),
         "Top expert share": (f"max by (model) (moescope_expert_load_top_share_ratio{{{SEL}}})", "percentunit"),
         "Dead experts (judged)": (f"sum by (model) ({judged_dead(SEL)}) or on () vector(0)", "none"),
         "Cache hits / resident share (worst layer)": (f"min by (model) ({hits_over_capacity(SEL)})", "none"),
-        "Activation vs config": (f"avg by (model) ({rules.activation_vs_expected(SEL)})", "percentunit"),
+        "Activation vs config": (f"avg by (model) ({activation_vs_expected(SEL)})", "percentunit"),
         "Non-finite logits (5m)": (f"sum by (model) (increase(moescope_router_nonfinite_logits_total{{{SEL}}}"
                                    "[5m]))", "none"),
         "Hottest expert / its reference share": (f"max by (model) (moescope_expert_hot_factor_ratio{{{SEL}}})",
@@ -214,7 +217,12 @@ def overview(t: Thresholds = DEFAULT):
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Step time p99 by phase", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le, phase) (rate(moescope_step_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "{{phase}}", True)], "s", 12, 14))
-    return efficiency(serving(dash, prometheus, timeseries, ds, 22), prometheus, timeseries, ds, 46)
+    dash = efficiency(serving(dash, prometheus, timeseries, ds, 22), prometheus, timeseries, ds, 46)
+    return dash.with_panel(_ts(timeseries, prometheus, ds, "Activation ratio and its floor (from the config's "
+                               "expected ratio)", [
+        _q(prometheus, f"min by (rank) (moescope_activation_ratio{{{SEL}}})", "activation, rank {{rank}}"),
+        _q(prometheus, f"max(moescope_activation_expected_ratio{{{SEL}}})", "the config's"),
+        *_bars(prometheus, "activation", SEL, clear=False)], "percentunit", 0, 54))
 
 
 def efficiency(dash, prometheus, timeseries, ds, y: int):
@@ -288,29 +296,34 @@ def experts(t: Thresholds = DEFAULT):
         _q(prometheus, f"topk(8, {live})", "live e{{expert}}"),
         _q(prometheus, f"max by (expert) (moescope_baseline_expert_share_ratio{{{LSEL}}}) and on (expert) "
            f"topk(8, {live})", "baseline e{{expert}}")], "percentunit", 0, 34))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Hot experts: share / reference share, all layers "
-                               f"(alert over {rules.num(t.hot_factor)}x; absent where none is significant)", [
-        _q(prometheus, f"moescope_expert_hot_factor_ratio{{{SEL}}}", "L{{layer}} e{{expert}} vs {{reference}}")],
-        "none", 12, 34, bar=t.hot_factor))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Hot experts: share / reference share, all layers, and "
+                               "the hot bar (absent where none is significant)", [
+        _q(prometheus, f"moescope_expert_hot_factor_ratio{{{SEL}}}", "L{{layer}} e{{expert}} vs {{reference}}"),
+        *_bars(prometheus, "hot", SEL)], "none", 12, 34))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: load CV beyond noise and its bar "
                                "(from its reference: baseline, learned or fair)", [
         _q(prometheus, f"max(moescope_expert_load_cv_ratio{{{LSEL}}})", "CV"),
         _q(prometheus, f"max(moescope_expert_load_cv_noise_ratio{{{LSEL}}})", "noise bound"),
-        _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise"),
-        _q(prometheus, f"max({imbalance_bar(t, LSEL)})", "bar")], "none", 0, 42))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Worst layers: top share, judged dead experts", [
-        _q(prometheus, f"topk(3, max by (layer) (moescope_expert_load_top_share_ratio{{{SEL}}}))",
-           "top share L{{layer}}"),
-        _q(prometheus, f"max by (layer) ({judged_dead(SEL)}) or on () vector(0)", "dead L{{layer}}")],
-        "none", 12, 42))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Canary flip ratio and drift beyond noise (worst layers)",
-                               [_q(prometheus, f"topk(3, max by (layer) (moescope_routing_flip_ratio{{{SEL}}}))",
-                                   "flips L{{layer}}"),
-                                _q(prometheus, f"topk(3, max by (layer) ({drift_beyond_noise(SEL)}))",
-                                   "drift L{{layer}} (bits)")], "none", 0, 50))
+        _q(prometheus, f"max({excess_cv(LSEL)})", "beyond noise"), *_bars(prometheus, "imbalance")], "none", 0, 42))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: top share and its collapse bar", [
+        _q(prometheus, f"max(moescope_expert_load_top_share_ratio{{{LSEL}}})", "top share"),
+        *_bars(prometheus, "collapse")], "percentunit", 12, 42))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: judged dead experts (firing: holding) and "
+                               "the bar", [
+        _q(prometheus, f"max({judged_dead(LSEL)})", "dead"),
+        _q(prometheus, f"max(moescope_dead_experts_holding{{{LSEL}}})", "holding"), *_bars(prometheus, "dead")],
+        "none", 0, 50))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: JS divergence from the baseline and its bar "
+                               "(its sampling noise + the drift bar; only with a baseline)", [
+        _q(prometheus, f"max(moescope_routing_drift_jsd_bits{{{LSEL}}})", "divergence"),
+        _q(prometheus, f"max(moescope_routing_drift_noise_bits{{{LSEL}}})", "noise"), *_bars(prometheus, "drift")],
+        "none", 12, 50))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Layer $layer: canary flip ratio and its bar", [
+        _q(prometheus, f"max(moescope_routing_flip_ratio{{{LSEL}}})", "flips"), *_bars(prometheus, "flips")],
+        "percentunit", 0, 58))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Router entropy and margin (mean over layers)", [
         _q(prometheus, f"avg(moescope_router_entropy_ratio{{{SEL}}})", "entropy"),
-        _q(prometheus, f"avg(moescope_router_margin_ratio{{{SEL}}})", "margin")], "percentunit", 12, 50))
+        _q(prometheus, f"avg(moescope_router_margin_ratio{{{SEL}}})", "margin")], "percentunit", 12, 58))
     return dash
 
 
@@ -319,30 +332,34 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
     dash = (dashboard.Dashboard("moescope / Cache and all-to-all").uid("moescope-cache-a2a")
             .tags(["moescope", "moe"]).refresh("10s").time("now-30m", "now"))
     dash, ds = _variables(dash, dashboard)
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert cache hit rate, worst 5 layers, and the floor "
-                               f"({rules.num(t.cache_floor_of_capacity)} x the share of experts resident)", [
-        _q(prometheus, f"bottomk(5, {hit_rate(SEL, 'layer')})", "L{{layer}}"),
-        _q(prometheus, f"max({rules.cache_floor(t, SEL)})", "floor")], "percentunit", 0, 0))
+    worst = f"bottomk(5, {hit_rate(SEL, 'layer')})"
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert cache hit rate, worst 5 layers, and their floors "
+                               "(from the share of experts each holds)", [
+        _q(prometheus, worst, "L{{layer}}"),
+        _q(prometheus, f"max by (layer) ({rules.bar('cache', SEL)}) and on (layer) {worst}", "floor L{{layer}}")],
+        "percentunit", 0, 0))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert fetch (switch) latency", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le) (rate(moescope_expert_fetch_seconds_bucket"
            f"{{{SEL}}}[$__rate_interval])))", "p99"),
         _q(prometheus, "histogram_quantile(0.5, sum by (le) (rate(moescope_expert_fetch_seconds_bucket"
-           f"{{{SEL}}}[$__rate_interval])))", "p50")], "s", 12, 0))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "All-to-all p99 by rank and op", [
+           f"{{{SEL}}}[$__rate_interval])))", "p50"), *_bars(prometheus, "fetch", SEL, clear=False)], "s", 12, 0))
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "All-to-all p99 by rank and op, and its bar", [
         _q(prometheus, "histogram_quantile(0.99, sum by (le, rank, op) (rate(moescope_all_to_all_seconds_bucket"
-           f"{{{SEL}}}[$__rate_interval])))", "rank {{rank}} {{op}}")], "s", 0, 8))
-    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Peer wait (rank waited on peer), s/s", [
-        _q(prometheus, "sum by (rank, peer) (rate(moescope_all_to_all_peer_wait_seconds_total"
-           f"{{{SEL}}}[$__rate_interval]))", "rank {{rank}} on {{peer}}")], "s", 12, 8))
+           f"{{{SEL}}}[$__rate_interval])))", "rank {{rank}} {{op}}"),
+        *_bars(prometheus, "all_to_all", SEL, clear=False)], "s", 0, 8))
+    waits = f"rate(moescope_all_to_all_peer_wait_seconds_total{{{SEL}}}[$__rate_interval])"
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Peer wait: each peer's share of the ranks' wait on peers, "
+                               "and the slow-rank bar", [
+        _q(prometheus, f"sum by (peer) ({waits}) / ignoring (peer) group_left sum({waits})", "peer {{peer}}"),
+        *_bars(prometheus, "slow_rank_share", SEL, clear=False)], "percentunit", 12, 8))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Tokens dropped by capacity, per routed token (worst 5 "
-                               "layers)", [
-        _q(prometheus, f"topk(5, sum by (layer) (rate(moescope_tokens_dropped_total{{{SEL}}}[$__rate_interval])) / "
-           f"sum by (layer) (rate(moescope_router_tokens_total{{{SEL}}}[$__rate_interval])))", "L{{layer}}")],
-        "percentunit", 0, 16))
+                               "layers), and the bar", [
+        _q(prometheus, f"topk(5, {rules.drop_ratio(SEL, '$__rate_interval', 'layer')})", "L{{layer}}"),
+        *_bars(prometheus, "drops", SEL, clear=False)], "percentunit", 0, 16))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert-parallel ranks: busiest / mean load (worst 5 "
-                               f"layers; alert over {rules.num(t.rank_max_over_mean)})", [
-        _q(prometheus, f"topk(5, max by (layer) (moescope_rank_load_max_over_mean_ratio{{{SEL}}}))", "L{{layer}}")],
-        "none", 12, 16, bar=t.rank_max_over_mean))
+                               "layers), and the bar", [
+        _q(prometheus, f"topk(5, max by (layer) (moescope_rank_load_max_over_mean_ratio{{{SEL}}}))", "L{{layer}}"),
+        *_bars(prometheus, "rank_load", SEL)], "none", 12, 16))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Expert-parallel ranks: slots each rank computed over "
                                "the window", [
         _q(prometheus, f"sum by (peer) (moescope_rank_window_slots{{{SEL}}})", "rank {{peer}}")], "none", 0, 24))
@@ -357,6 +374,11 @@ def cache_all_to_all(t: Thresholds = DEFAULT):
            f"{{{SEL}}}[$__rate_interval])))", "rank {{rank}} s"),
         _q(prometheus, f"sum by (rank) (increase(moescope_eplb_moved_experts_total{{{SEL}}}[1m]))",
            "rank {{rank}} moved/min")], "none", 0, 32))
+    dispatches = f'rate(moescope_all_to_all_seconds_count{{{SEL}, op="dispatch"}}[$__rate_interval])'
+    dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Peer wait per dispatch exchange (the slowest rank per "
+                               "peer), and the slow-rank bar", [
+        _q(prometheus, f"max by (peer) ({waits} / ignoring (peer, op) group_left {dispatches})", "peer {{peer}}"),
+        *_bars(prometheus, "slow_rank_wait", SEL, clear=False)], "s", 12, 32))
     return expert_parallel(dash, prometheus, timeseries, ds, 40)
 
 
@@ -404,7 +426,8 @@ def memory(t: Thresholds = DEFAULT):
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "Process resident memory", [
         _q(prometheus, f"moescope_process_resident_memory_bytes{{{SEL}}}", "rank {{rank}}"),
         _q(prometheus, f"predict_linear(moescope_process_resident_memory_bytes{{{SEL}}}[{d.memory_window_s}s], "
-           f"{d.memory_horizon_s})", f"rank {{{{rank}}}} in {d.memory_horizon_s // 3600}h")], "bytes", 0, 0))
+           f"{d.memory_horizon_s})", f"rank {{{{rank}}}} in {d.memory_horizon_s // 3600}h"),
+        *_bars(prometheus, "memory", SEL, clear=False)], "bytes", 0, 0))
     dash = dash.with_panel(_ts(timeseries, prometheus, ds, "GPU memory (NVML; no series without a GPU)", [
         _q(prometheus, f"moescope_gpu_memory_used_bytes{{{SEL}}}", "gpu {{gpu}} used"),
         _q(prometheus, f"moescope_gpu_memory_total_bytes{{{SEL}}}", "gpu {{gpu}} capacity")], "bytes", 12, 0))

@@ -488,30 +488,11 @@ class Engine:
                 ranks.request_stop()  # the peers learn it in the next step's exchange
             if ranks is not None and (ranks.stop_agreed or (ranks.all_done and not realtime)):
                 break  # every rank saw the same flags in the same step: all stop here
-            while pending and (not realtime or start + pending[0].arrival_s <= now):
-                r = pending.popleft()
-                self.submit(r.prompt, max_new_tokens=r.max_new_tokens, temperature=temperature,
-                            domain=r.domain, tenant=r.tenant,
-                            request_id=f"{id_prefix}{r.index:05d}" if id_prefix is not None else None,
-                            arrival=start + r.arrival_s if realtime else now)
+            self._admit(pending, realtime, start, now, temperature, id_prefix)
             if ranks is not None and realtime:
-                # Arrivals by the clock: the fleet steps together while any rank has work and rests together
-                # (one small all-reduce every RANK_POLL_S) until the next arrival on any rank; it leaves when every
-                # rank has served all its requests or is stopping (as serve's ranks, serve/loop.py).
-                if at_rest:
-                    work, all_closing = ranks.poll(self.has_work, stopping or not (pending or self.has_work))
-                    if all_closing:
-                        break
-                    if not work:
-                        self.idle()
-                        wait = pending[0].arrival_s + start - self.clock() if pending else RANK_POLL_S
-                        time.sleep(max(0.0, min(RANK_POLL_S, wait)))
-                        continue
-                ranks.all_done = False
-                failed = self.rank_step(ranks, done=not self.has_work)
-                if failed is not None:
-                    raise failed
-                at_rest = ranks.all_done
+                at_rest, leave = self._realtime_rank_turn(ranks, at_rest, stopping, pending, start)
+                if leave:
+                    break
             elif ranks is not None:
                 failed = self.rank_step(ranks, done=not (pending or self.has_work))
                 if failed is not None:
@@ -524,6 +505,37 @@ class Engine:
         self.idle()
         self._stop_requested = False  # asked of this run, not of the next
         return self.finished[n_before:]
+
+    def _admit(self, pending: collections.deque, realtime: bool, start: float, now: float, temperature: float,
+               id_prefix: str | None) -> None:
+        """Submit the requests of ``run``'s queue whose arrival has come (all of them without ``realtime``)."""
+        while pending and (not realtime or start + pending[0].arrival_s <= now):
+            r = pending.popleft()
+            self.submit(r.prompt, max_new_tokens=r.max_new_tokens, temperature=temperature,
+                        domain=r.domain, tenant=r.tenant,
+                        request_id=f"{id_prefix}{r.index:05d}" if id_prefix is not None else None,
+                        arrival=start + r.arrival_s if realtime else now)
+
+    def _realtime_rank_turn(self, ranks, at_rest: bool, stopping: bool, pending: collections.deque,
+                            start: float) -> tuple[bool, bool]:
+        """One turn of an expert-parallel run with arrivals by the clock: (the fleet at rest after it, leave the
+        run). The fleet steps together while any rank has work and rests together (one small all-reduce every
+        RANK_POLL_S) until the next arrival on any rank; it leaves when every rank has served all its requests or
+        is stopping (as serve's ranks, serve/loop.py)."""
+        if at_rest:
+            work, all_closing = ranks.poll(self.has_work, stopping or not (pending or self.has_work))
+            if all_closing:
+                return at_rest, True
+            if not work:
+                self.idle()
+                wait = pending[0].arrival_s + start - self.clock() if pending else RANK_POLL_S
+                time.sleep(max(0.0, min(RANK_POLL_S, wait)))
+                return at_rest, False
+        ranks.all_done = False
+        failed = self.rank_step(ranks, done=not self.has_work)
+        if failed is not None:
+            raise failed
+        return ranks.all_done, False
 
     def idle(self) -> None:
         """No work now: the observers summarise what waits for the next step (the metrics' last routing), on

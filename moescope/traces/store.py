@@ -770,6 +770,17 @@ def select_layers(stored: list[int], wanted: list[int] | None, where: str = "in 
     return [stored.index(layer) for layer in sorted(set(wanted)) if layer in stored]
 
 
+def _flag_slow(out_tokens: list[dict], lat: list[float], n_prompt: int) -> None:
+    """Flag "slow" the output tokens (after the first) whose latency is over 3x the request's median."""
+    lat_sorted = sorted(lat)
+    if not lat_sorted:
+        return
+    median = lat_sorted[len(lat_sorted) // 2]
+    for e in out_tokens:
+        if e["latency_s"] is not None and median > 0 and e["latency_s"] > 3 * median and e["index"] > n_prompt:
+            e["flags"].append("slow")
+
+
 def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None = None) -> dict[str, Any]:
     n_prompt, n_output = r["n_prompt"], r["n_output"]
     tokens = _ints(r["tokens"], n_prompt + n_output).tolist()
@@ -813,12 +824,7 @@ def _document(r: dict, wanted: list[int] | None = None, steps: list[dict] | None
             if missed[i]:
                 entry["flags"].append("cache_miss")
         out_tokens.append(entry)
-    lat_sorted = sorted(lat)
-    if lat_sorted:
-        median = lat_sorted[len(lat_sorted) // 2]
-        for e in out_tokens:
-            if e["latency_s"] is not None and median > 0 and e["latency_s"] > 3 * median and e["index"] > n_prompt:
-                e["flags"].append("slow")
+    _flag_slow(out_tokens, lat, n_prompt)
     return {
         "request_id": r["request_id"], "started": r["started"], "model": r["model"], "rank": r["rank"],
         "domain": r["domain"], "tenant": r["tenant"], "prompt": r["prompt"], "output": r["output"],
