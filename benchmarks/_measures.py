@@ -94,6 +94,15 @@ KNOWN_STALE: dict[str, str] = {
 }
 
 
+# Results files no run of the suite can find fresh: the suite's own time is recorded by a run of `make test` on a
+# fresh clone of the commit it times (benchmarks/_suite_time.py), and that same run checks the file, which then
+# still holds the run before (every commit since changed what it measures). Judged by the person recording it,
+# after the last change (docs/design.md prints its commit beside it); the check lists it, never fails on it.
+SELF_MEASURED: dict[str, str] = {
+    "suite-time.json": "the suite's own time: the run that records it is the run that checks it",
+}
+
+
 def _pattern(key: str, name: str) -> bool:
     return fnmatch.fnmatchcase(name, key)
 
