@@ -295,6 +295,9 @@ CATALOGUE: tuple[MetricSpec, ...] = (
        "work around each forward: on vLLM the step's routing read and request bookkeeping); its rate over "
        "rate(moescope_step_seconds_sum) is moescope's share of step time."),
     _c("moescope_capture_dropped_total", "Capture records dropped because a bounded queue was full.", "queue"),
+    _g("moescope_capture_enabled", "1 while capture is on, 0 while the capture switch has it off (moescope capture "
+       "off: the engine reports to no moescope observer; the counters keep their last values)."),
+    _c("moescope_capture_switches_total", "Times the capture switch turned capture off or on in this process."),
     _g("moescope_build_info", "Always 1; labels carry the version, the device and the replica (the launch of an "
        "expert-parallel run: MOESCOPE_REPLICA, else the launcher's run id; empty for one process).", "version",
        "device", "replica"),

@@ -25,7 +25,8 @@ from typing import Iterable
 
 from moescope.version import __version__
 from moescope.errors import BadInput
-from moescope.metrics import catalogue, system
+from moescope.metrics import catalogue, histograms, system
+from moescope.metrics import step_balance_families  # [eplb] wiring
 from moescope.metrics.exposition import FamilyWriter
 from moescope.metrics.state import EXTREMES_K, LAYER_GAUGES, MetricsObserver
 
@@ -63,52 +64,46 @@ class MoescopeCollector:
 
     def collect(self) -> Iterable:
         st = self.state
+        snap = st.current()  # the last evaluation's snapshot: read, never computed here
         base = (st.info.name, str(st.rank))
-        out = []  # built under the lock, yielded after it: the consumer formats them with the lock free
-        with st.lock:
-            f = self._family("moescope_build_info")
-            f.add_metric([*base, __version__, st.info.device, self.replica], 1.0)
-            out.append(f)
-            f = self._family("moescope_expert_series_per_expert")
-            f.add_metric(list(base), 1.0 if st.per_expert else 0.0)
-            out.append(f)
-            f = self._family("moescope_window_seconds")
-            f.add_metric(list(base), float(st.window_s))
-            out.append(f)
-            peak = st.peak
-            for name, value in (("moescope_peak_bandwidth_bytes_per_second", peak and peak.bandwidth),
-                                ("moescope_peak_flops_per_second", peak and peak.flops)):
-                if value:
-                    f = self._family(name)
-                    f.add_metric(list(base), float(value))
-                    out.append(f)
-            by_name: dict[str, list] = {}
-            for (name, labels), v in sorted(st.counters.items()):
-                if not catalogue.BY_NAME[name].routing:  # routing counters: the fast writer's
-                    by_name.setdefault(name, []).append((labels, v))
-            for name, items in by_name.items():
+        f = self._family("moescope_build_info")
+        f.add_metric([*base, __version__, st.info.device, self.replica], 1.0)
+        yield f
+        for name, value in (("moescope_expert_series_per_expert", 1.0 if st.per_expert else 0.0),
+                            ("moescope_window_seconds", float(st.window_s)),
+                            ("moescope_capture_enabled", 1.0 if snap.capture_enabled else 0.0)):
+            f = self._family(name)
+            f.add_metric(list(base), value)
+            yield f
+        peak = st.peak
+        for name, value in (("moescope_peak_bandwidth_bytes_per_second", peak and peak.bandwidth),
+                            ("moescope_peak_flops_per_second", peak and peak.flops)):
+            if value:
                 f = self._family(name)
-                for labels, v in items:
-                    f.add_metric([*base, *labels], v)
-                out.append(f)
-            errors = st.errors_source() if st.errors_source else {}
-            cost = st.cost_source() if st.cost_source else None
-            dropped = {**(st.dropped_source() if st.dropped_source else {}), "draws": st.draws_dropped}
-        yield from out
-        for h in st.histograms.values():
-            for fam in h.collect():
-                if any(s.name.endswith("_count") for s in fam.samples):  # observed at least once
-                    yield fam
-        for name, values in (("moescope_capture_dropped_total", dropped),
-                             ("moescope_observer_errors_total", errors)):
+                f.add_metric(list(base), float(value))
+                yield f
+        by_name: dict[str, list] = {}
+        for (name, labels), v in sorted(snap.counters.items()):
+            if not catalogue.BY_NAME[name].routing:  # routing counters: the fast writer's
+                by_name.setdefault(name, []).append((labels, v))
+        for name, items in by_name.items():
+            f = self._family(name)
+            for labels, v in items:
+                f.add_metric([*base, *labels], v)
+            yield f
+        yield from histograms.families(snap.histograms, base)
+        for name, values in (("moescope_capture_dropped_total", snap.dropped),
+                             ("moescope_observer_errors_total", snap.errors),
+                             ("moescope_capture_switches_total", {"": snap.capture_switches} if
+                              snap.capture_switches else {})):
             if values:
                 f = self._family(name)
                 for key, n in sorted(values.items()):
-                    f.add_metric([*base, key], float(n))
+                    f.add_metric([*base, key] if key else list(base), float(n))
                 yield f
-        if cost is not None:
+        if snap.cost_s is not None:
             f = self._family("moescope_capture_seconds_total")
-            f.add_metric(list(base), float(cost))
+            f.add_metric(list(base), float(snap.cost_s))
             yield f
         yield from self._process(base)
         if self.gpu:
@@ -135,83 +130,114 @@ class MoescopeCollector:
 
 
 def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str:
-    """The layer-labelled families (and the model's activation gauges), written by the fast writer."""
-    spec = catalogue.BY_NAME
-    g = st.layer_gauges()
-    capacity = sorted(st.cache_capacity().items())
-    with st.lock:  # copies only: formatting happens after the engine thread may take the lock again
-        counters = {name: sorted(st.layer_counters[name].items()) for name in
-                    (*ROUTING_LAYER_COUNTERS, *CACHE_LAYER_COUNTERS) if name in st.layer_counters}
-        by_mode = sorted(((str(layer), mode), v) for (layer, mode), v in st.router_tokens_by_mode.items())
-        rerouted = sorted((labels, v) for (name, labels), v in st.counters.items()
-                          if name == "moescope_rerouted_slots_total")
-        flips = sorted(st.flips.items())
-        totals = [(layer, c.tolist()) for layer, c in sorted(st.expert_tokens.items())] if st.per_expert else []
-        profile = st.baseline
+    """The layer-labelled families (and the model's activation gauges), written by the fast writer from the last
+    evaluation's snapshot (read, never computed here)."""
+    snap = st.current()
     out = []
     if st.export_routing:
-        act = st.activation_ratio(g)
-        if act is not None:
-            out.append(w.family(spec["moescope_activation_ratio"], [((), act)], openmetrics))
-        out.append(w.family(spec["moescope_activation_expected_ratio"], [((), st.info.expected_activation)],
-                            openmetrics))
-        out.append(w.family(spec["moescope_router_tokens_total"], by_mode, openmetrics))  # by forward_mode
-        for name in ROUTING_LAYER_COUNTERS:
-            out.append(w.family(spec[name], [((str(k),), v) for k, v in counters.get(name, ())], openmetrics))
-        out.append(w.family(spec["moescope_rerouted_slots_total"], rerouted, openmetrics))
-        layers = [str(layer) for layer in g.layers]
-        for name, attr in LAYER_GAUGES:
-            out.append(w.family(spec[name], [((lay,), v) for lay, v in zip(layers, getattr(g, attr).tolist())],
-                                openmetrics))
-        out.append(w.family(spec["moescope_window_draws"], [((), g.window_draws)], openmetrics))
-        out.append(w.family(spec["moescope_routing_drift_jsd_bits"],
-                            [((str(k),), v) for k, v in sorted(st.drift(g).items())], openmetrics))
-        out.append(w.family(spec["moescope_routing_drift_noise_bits"],
-                            [((str(k),), v) for k, v in sorted(st.drift_noise(g).items())], openmetrics))
-        out.append(w.family(spec["moescope_routing_flip_ratio"], [((str(k),), v) for k, v in flips], openmetrics))
-        hot = g.hot_experts(EXTREMES_K)
-        reference = list(g.hot_reference) or ["fair"] * len(layers)
-        out.append(w.family(spec["moescope_expert_hot_factor_ratio"],
-                            [((lay, str(e), reference[j]), f) for j, lay in enumerate(layers) for e, f in hot[j]],
-                            openmetrics))
-        if g.dead_holding is not None:
-            out.append(w.family(spec["moescope_dead_experts_holding"],
-                                [((lay,), v) for lay, v in zip(layers, g.dead_holding.tolist())], openmetrics))
-        for name, values in (("moescope_reference_load_cv_ratio", g.reference_cv),
-                             ("moescope_reference_top_share_ratio", g.reference_top)):
-            if values is not None:  # absent while a layer's reference is being learned
-                out.append(w.family(spec[name], [((lay, reference[j]), v) for j, (lay, v) in
-                                                 enumerate(zip(layers, values.tolist())) if math.isfinite(v)],
-                                    openmetrics))
-        n_exp = st.info.n_experts
-        out.append(w.gauge_histogram(spec["moescope_expert_load_relative"],
-                                     [((lay,), [*rel, n_exp], float(n_exp)) for lay, rel in
-                                      zip(layers, g.relative.astype(int).tolist())], openmetrics))
-        extremes = g.extremes(EXTREMES_K)
-        slots = g.slots.astype(int)
-        out.append(w.family(spec["moescope_expert_window_slots"],
-                            [((lay, str(e)), int(slots[j, e])) for j, lay in enumerate(layers)
-                             for e in extremes[j]], openmetrics))
-        out.append(_baseline_text(st, g, profile, extremes, hot, w, openmetrics))
-        ranks = st.rank_loads(g)
-        if ranks is not None:
-            per_layer, per_rank = ranks
-            out.append(w.family(spec["moescope_rank_load_max_over_mean_ratio"],
-                                [((str(k),), v) for k, v in sorted(per_layer.items())], openmetrics))
-            out.append(w.family(spec["moescope_rank_window_slots"],
-                                [((str(r),), v) for r, v in sorted(per_rank.items())], openmetrics))
-        if totals:
-            big = spec["moescope_expert_tokens_total"]
-            out.append(w.header(big, openmetrics) + "".join(w.expert_rows(big, layer, values)
-                                                            for layer, values in totals))
-    for name in CACHE_LAYER_COUNTERS:
-        out.append(w.family(spec[name], [((str(k),), v) for k, v in counters.get(name, ())], openmetrics))
-    out.append(w.family(spec["moescope_expert_cache_capacity_ratio"], [((str(k),), v) for k, v in capacity],
-                        openmetrics))
-    for name, values in zip(("moescope_eplb_before_max_over_mean_ratio", "moescope_eplb_predicted_max_over_mean_ratio",
-                             "moescope_eplb_measured_max_over_mean_ratio"), st.eplb_gauges()):
-        out.append(w.family(spec[name], [((str(k),), v) for k, v in sorted(values.items())], openmetrics))
+        out += _routing_counters(st, snap, w, openmetrics)
+        out += _window_gauges(st, snap, w, openmetrics)
+        out += _rank_and_totals(st, snap, w, openmetrics)
+        # [eplb] wiring: the step-level prediction's families from its snapshot (metrics.step_balance_families)
+        out.append(step_balance_families.text(snap.extra.get("StepBalance"), w, openmetrics, st.per_expert))
+    out += _cache_and_eplb(snap, w, openmetrics)
+    out.append(_bars_text(st, snap, w, openmetrics))
     return "".join(out)
+
+
+def _layer_rows(values: dict) -> list:
+    return [((str(k),), v) for k, v in sorted(values.items())]
+
+
+def _routing_counters(st: MetricsObserver, snap, w: FamilyWriter, om: bool) -> list[str]:
+    spec = catalogue.BY_NAME
+    out = []
+    if snap.activation is not None:
+        out.append(w.family(spec["moescope_activation_ratio"], [((), snap.activation)], om))
+    out.append(w.family(spec["moescope_activation_expected_ratio"], [((), st.info.expected_activation)], om))
+    by_mode = sorted(((str(layer), mode), v) for (layer, mode), v in snap.router_tokens_by_mode.items())
+    out.append(w.family(spec["moescope_router_tokens_total"], by_mode, om))  # by forward_mode
+    for name in ROUTING_LAYER_COUNTERS:
+        out.append(w.family(spec[name], _layer_rows(snap.layer_counters.get(name, {})), om))
+    rerouted = sorted((labels, v) for (name, labels), v in snap.counters.items()
+                      if name == "moescope_rerouted_slots_total")
+    out.append(w.family(spec["moescope_rerouted_slots_total"], rerouted, om))
+    return out
+
+
+def _window_gauges(st: MetricsObserver, snap, w: FamilyWriter, om: bool) -> list[str]:
+    """The window's gauges per layer, the hot experts, the references and the baseline's series."""
+    spec = catalogue.BY_NAME
+    g = snap.gauges
+    layers = [str(layer) for layer in g.layers]
+    out = [w.family(spec[name], [((lay,), v) for lay, v in zip(layers, getattr(g, attr).tolist())], om)
+           for name, attr in LAYER_GAUGES]
+    out.append(w.family(spec["moescope_window_draws"], [((), g.window_draws)], om))
+    out.append(w.family(spec["moescope_routing_drift_jsd_bits"], _layer_rows(snap.drift), om))
+    out.append(w.family(spec["moescope_routing_drift_noise_bits"], _layer_rows(snap.drift_noise), om))
+    out.append(w.family(spec["moescope_routing_flip_ratio"], _layer_rows(snap.flips), om))
+    hot = g.hot_experts(EXTREMES_K)
+    reference = list(g.hot_reference) or ["fair"] * len(layers)
+    out.append(w.family(spec["moescope_expert_hot_factor_ratio"],
+                        [((lay, str(e), reference[j]), f) for j, lay in enumerate(layers) for e, f in hot[j]], om))
+    if g.dead_holding is not None:
+        out.append(w.family(spec["moescope_dead_experts_holding"],
+                            [((lay,), v) for lay, v in zip(layers, g.dead_holding.tolist())], om))
+    for name, values in (("moescope_reference_load_cv_ratio", g.reference_cv),
+                         ("moescope_reference_top_share_ratio", g.reference_top)):
+        if values is not None:  # absent while a layer's reference is being learned
+            out.append(w.family(spec[name], [((lay, reference[j]), v) for j, (lay, v) in
+                                             enumerate(zip(layers, values.tolist())) if math.isfinite(v)], om))
+    n_exp = st.info.n_experts
+    out.append(w.gauge_histogram(spec["moescope_expert_load_relative"],
+                                 [((lay,), [*rel, n_exp], float(n_exp)) for lay, rel in
+                                  zip(layers, g.relative.astype(int).tolist())], om))
+    extremes = g.extremes(EXTREMES_K)
+    slots = g.slots.astype(int)
+    out.append(w.family(spec["moescope_expert_window_slots"],
+                        [((lay, str(e)), int(slots[j, e])) for j, lay in enumerate(layers) for e in extremes[j]], om))
+    out.append(_baseline_text(st, g, snap.baseline, extremes, hot, w, om))
+    return out
+
+
+def _rank_and_totals(st: MetricsObserver, snap, w: FamilyWriter, om: bool) -> list[str]:
+    spec = catalogue.BY_NAME
+    out = []
+    if snap.rank_loads is not None:
+        per_layer, per_rank = snap.rank_loads
+        out.append(w.family(spec["moescope_rank_load_max_over_mean_ratio"], _layer_rows(per_layer), om))
+        out.append(w.family(spec["moescope_rank_window_slots"], _layer_rows(per_rank), om))
+    if st.per_expert and snap.expert_tokens:
+        big = spec["moescope_expert_tokens_total"]
+        out.append(w.header(big, om) + "".join(w.expert_rows(big, layer, values.tolist())
+                                               for layer, values in sorted(snap.expert_tokens.items())))
+    return out
+
+
+def _cache_and_eplb(snap, w: FamilyWriter, om: bool) -> list[str]:
+    spec = catalogue.BY_NAME
+    out = [w.family(spec[name], _layer_rows(snap.layer_counters.get(name, {})), om) for name in CACHE_LAYER_COUNTERS]
+    out.append(w.family(spec["moescope_expert_cache_capacity_ratio"], _layer_rows(snap.capacity), om))
+    for name, values in zip(("moescope_eplb_before_max_over_mean_ratio", "moescope_eplb_predicted_max_over_mean_ratio",
+                             "moescope_eplb_measured_max_over_mean_ratio"), snap.eplb):
+        out.append(w.family(spec[name], _layer_rows(values), om))
+    return out
+
+
+# The bars a rank that exports no routing still has a quantity for (its cache, all-to-all, fetches, memory)
+_BARS_WITHOUT_ROUTING = ("cache", "all_to_all", "fetch", "slow_rank_share", "slow_rank_wait", "memory")
+
+
+def _bars_text(st: MetricsObserver, snap, w: FamilyWriter, openmetrics: bool) -> str:
+    """The bar and clear bar of every judgement (``Thresholds.bars``, computed by the evaluator: the series the alert
+    rules compare with), for every layer of the model and for the model."""
+    if snap.bars is None:
+        return ""
+    layers, bars = snap.bars
+    routing = st.export_routing
+    return "".join(w.family(catalogue.BY_NAME[name], [r for r in bars.rows(layers, clear)
+                                                      if routing or r[0][0] in _BARS_WITHOUT_ROUTING], openmetrics)
+                   for name, clear in (("moescope_judgement_bar", False), ("moescope_judgement_clear_bar", True)))
 
 
 def _baseline_text(st: MetricsObserver, g, profile, extremes, hot, w: FamilyWriter, openmetrics: bool) -> str:
@@ -221,7 +247,7 @@ def _baseline_text(st: MetricsObserver, g, profile, extremes, hot, w: FamilyWrit
     if profile is None:
         return ""
     spec = catalogue.BY_NAME
-    model_layers = set(st.routing_window.layers)
+    model_layers = set(st.current().window_layers)
     layers = sorted(layer for layer in profile.layers if layer in model_layers)
     out = [w.family(spec["moescope_baseline_load_cv_ratio"],
                     [((str(k),), float(profile.layers[k].structural_cv)) for k in layers], openmetrics)]

@@ -41,6 +41,8 @@ class Snapshot:
     capture_enabled: bool = True
     capture_switches: int = 0
     evaluations_failed: int = 0
+    # every judgement's bar and clear bar (``Thresholds.bars``): (the model's layers, the bars)
+    bars: tuple | None = None
     extra: dict = field(default_factory=dict)  # components' own snapshots (step balance, ...), by name
 
     def hist(self, name: str, *labels: str):

@@ -243,6 +243,7 @@ class MetricsObserver(Observer):
         self._fold_inbox(inbox, now, second)
         time.sleep(0)  # the engine's thread may want the GIL between the fold and the judgement
         g, win = self._judge(now)
+        capacity = self._capacity()
         self._evaluated_steps = seen
         self._seq = self._begun
         return Snapshot(
@@ -252,7 +253,8 @@ class MetricsObserver(Observer):
             expert_tokens={layer: v.copy() for layer, v in c.expert_tokens.items()},
             histograms=c.histograms.data(), drift=_finite(g.layers, g.drift_jsd),
             drift_noise=_finite(g.layers, g.drift_noise), flips=dict(c.flips), rank_loads=self._rank_loads(g, now),
-            eplb=c.eplb_gauges(), capacity=self._capacity(), activation=_activation(self.info, g),
+            eplb=c.eplb_gauges(), capacity=capacity, activation=_activation(self.info, g),
+            bars=self._bars(g, win.layers, capacity),
             errors={**(self.errors_source() if self.errors_source else {}),
                     **({"evaluator": self.evaluations_failed} if self.evaluations_failed else {})},
             dropped={**(self.dropped_source() if self.dropped_source else {}), "draws": c.draws_dropped,
@@ -292,6 +294,21 @@ class MetricsObserver(Observer):
         if learned is not None:
             learned.update(now, win, g, thresholds.DEFAULT.hot_factor)
         return g, win
+
+    def _bars(self, g: LayerGauges, layers, capacity: dict) -> tuple:
+        """Every judgement's bar and clear bar (``Thresholds.bars``), per layer of the model (a layer the window
+        judged, against its reference's kind) and per model: what the rules, the dashboards and the views read."""
+        at = {layer: j for j, layer in enumerate(g.layers)}
+        routing = self.export_routing
+
+        def per_layer(values) -> list[float]:  # the window's judged layers, at every layer of the model (NaN: none)
+            return [float(values[at[x]]) if values is not None and x in at else math.nan for x in layers]
+
+        kinds = [g.hot_reference[at[x]] if routing and x in at and g.hot_reference else "" for x in layers]
+        return tuple(layers), thresholds.DEFAULT.bars(kinds, per_layer(g.reference_cv), per_layer(g.reference_top),
+                                                      per_layer(g.drift_noise), [capacity.get(x, math.nan)
+                                                                                 for x in layers],
+                                                      self.info.expected_activation if routing else None)
 
     def _capacity(self) -> dict[int, float]:
         return dict(self.cache_capacity_source() or {}) if self.cache_capacity_source is not None else {}
