@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import statistics
 from pathlib import Path
 
 from _verdict import verdict
@@ -295,7 +296,37 @@ def scale(d: dict, section: str | None) -> list[str]:
     return lines
 
 
-RENDER = {"overhead": overhead, "runtime": runtime, "parallel": parallel, "cache": cache, "cache-sim": cache_sim,
+def cost_model(d: dict, section: str | None) -> list[str]:
+    """benchmarks/cost_model.py: what moescope does per layer, step, request, token and interval, and what it costs
+    (``--section runtime`` / ``gc`` / ``hf``)."""
+    if section == "gc":
+        return ["| model | concurrent requests | engine steps | GC-tracked objects held per step until the evaluation "
+                "| one full collection (ms) | objects the collector tracks |", "|---|---:|---:|---:|---:|---:|"] + [
+            f"| {g['model']} | {g['batch']} | {g['steps']} | {g['held_objects_per_step']:.1f} | "
+            f"{g['full_collection_ms']:.0f} | {g['tracked_objects']} |" for g in d["gc"]]
+    if section == "hf":
+        h = d["hf"]
+        w = h["work_per_forward"]
+        q = statistics.quantiles(h["ratios"], n=4) if len(h["ratios"]) >= 2 else [h["ratio"]] * 3
+        return [f"{h['model']}: capture off {h['bare_us'] / 1e3:.2f} ms, on {h['metrics_us'] / 1e3:.2f} ms a forward; "
+                f"ratio {h['ratio']:.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(h['ratios'])} rounds of off and on "
+                f"with the capture switch); goal <= 1.05x (issue [lean]): {verdict(h['ratios'], 1.05)}. moescope's "
+                f"work inside one forward: {w['moescope_calls']} Python calls, {w['torch_ops']} torch operations "
+                "(the hooks keep references; every statistic is computed on the evaluator's thread)."]
+    lines = ["| model | concurrent requests | variant | per MoE layer: us (Python calls) | per step: us (calls) | "
+             "per request: us (calls) | per output token: us | per interval: ms (steps) |",
+             "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for r in d["runtime"]:
+        w = r["work"]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['variant']} | {r['per_layer_us']:.2f} "
+                     f"({w['layer']['moescope_calls']}) | {r['per_step_us']:.2f} ({w['step']['moescope_calls']}) | "
+                     f"{r['per_request_us']:.1f} ({w['request_96_tokens']['moescope_calls']}) | "
+                     f"{r['per_token_us']:.2f} | {r['per_interval_us'] / 1e3:.1f} ({r['interval_steps']}) |")
+    return lines
+
+
+RENDER = {"overhead": overhead, "cost-model": cost_model, "cost-model-before": cost_model, "runtime": runtime,
+          "parallel": parallel, "cache": cache, "cache-sim": cache_sim,
           "mitigate": mitigate, "traces": traces, "detection-matrix": detection_matrix, "tiny-demo": demo_model,
           "scale": scale}
 

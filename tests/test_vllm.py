@@ -270,7 +270,7 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
     port = free_port()
     store = tmp_path / ("lake/" if arch == "mixtral" else "traces.sqlite")
     env = {"MOESCOPE_METRICS_PORT": str(port), "MOESCOPE_TRACES": str(store) + ("/" if arch == "mixtral" else ""),
-           "MOESCOPE_TRACE_SAMPLE": "1"}
+           "MOESCOPE_TRACE_SAMPLE": "1", "MOESCOPE_CAPTURE_CONTROL": str(tmp_path / "capture")}
     qwen3 = arch == "qwen3_moe"
     top_k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
     # Qwen3's server also runs vLLM's own MFU metrics (`--enable-mfu-metrics`), for the experts-touched comparison
@@ -287,6 +287,7 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
             top = run_cli("top", f"127.0.0.1:{port}", "--once", timeout=60)
             later = _prefix_hits(server, port, requests, top_k)
             touched = _touched_on_server(server, port, store, [rid for rid, _, _ in requests + later])
+            _check_switch(server, port, tmp_path / "capture")  # last: it serves requests moescope must not count
         log = log_text(server)
     if touched is not None:
         _check_experts_touched(model_dir, store, *touched, log)
@@ -302,6 +303,43 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
         saved = run_cli("baseline", "save", "--traces", str(store), "--out", str(baseline), timeout=120)
         assert saved.returncode == 0, saved.stderr
         assert baseline.exists()
+
+
+def _forwarded(vllm: dict) -> float:
+    return (vllm["vllm:prompt_tokens_total"] - vllm["vllm:prefix_cache_hits_total"]
+            + vllm["vllm:generation_tokens_total"] - vllm["vllm:request_success_total"])
+
+
+def _check_switch(server, port: int, control: Path) -> None:
+    """The kill switch on a real (compiled) vLLM server, through the control file ``moescope capture off`` writes:
+    requests served while capture is off are never counted, not even later; after ``on`` every token is counted
+    once. Reference: vLLM's own token counters (tokens forwarded, per request batch)."""
+    from moescope.capture import switch
+
+    def enabled():
+        return sum_by_label(_moescope(port), "moescope_capture_enabled", "model")
+
+    def requests_done():
+        return _vllm_counters(server.url)["vllm:request_success_total"]
+
+    counted = sum(v for (n, _), v in _moescope(port).items() if n == "moescope_requests_total")
+    base, routed = _vllm_counters(server.url), _routed_per_layer(_moescope(port))
+    assert set(routed.values()) == {_forwarded(base)}  # every token so far counted: the start line
+    switch.write_control(False, control)
+    wait_until(enabled, timeout=60, what="capture off in the worker", until=lambda e: set(e.values()) == {0.0})
+    _drive(server.url, server.name, n=4)
+    wait_until(requests_done, timeout=60, what="vLLM finishing the requests served off",
+               until=lambda n: n == base["vllm:request_success_total"] + 4)
+    off = _vllm_counters(server.url)
+    switch.write_control(True, control)
+    wait_until(enabled, timeout=60, what="capture on again", until=lambda e: set(e.values()) == {1.0})
+    _drive(server.url, server.name, n=4)
+    parsed = _settled(port, counted + 4)  # the on requests' records (the off ones never count)
+    on = _vllm_counters(server.url)
+    assert sum(v for (n, _), v in parsed.items() if n == "moescope_requests_total") == counted + 4
+    want = {layer: v + _forwarded(on) - _forwarded(off) for layer, v in routed.items()}
+    assert _routed_per_layer(parsed) == want  # the off tokens never, the on tokens each once
+    assert sum_by_label(parsed, "moescope_capture_switches_total", "model") == {server.name: 2.0}
 
 
 def _prefix_hits(server, port: int, earlier, top_k: int) -> list:

@@ -55,13 +55,9 @@ def learned_rows(metrics, layers) -> object | None:
     (``metrics.window.LearnedRows``, rows in ``layers``' order; ``has`` False on a layer it has not learned yet,
     e.g. a run shorter than a window or never scraped), or None where it learns none (a baseline, or
     ``--hot-reference fair``: then the run is judged against those)."""
-    learned = getattr(metrics, "learned", None)
-    if learned is None or metrics.baseline is not None:
+    if metrics.baseline is not None:
         return None
-    with metrics.judge_lock:  # (the scrape thread reads and updates it under this lock)
-        row = metrics.routing_window.row
-        return learned.rows(np.array([row[layer] for layer in layers], dtype=np.int64),
-                            len(metrics.routing_window.layers))
+    return metrics.learned_rows(layers)  # (read under the evaluation lock: the evaluator updates it)
 
 
 def judgement(load: dict, requests: int, top_k: int, draws=None, baseline=None,
