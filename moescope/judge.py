@@ -10,9 +10,10 @@ series read back from Prometheus, and ``Judgement`` applies to its own arrays.
 
 Who calls it: the exporter's routing window (``metrics/window.py``: the gauges), ``diagnose`` and ``report`` (from
 the trace store), the demo summary (``cli/summary.py``), ``top`` (``tui/routing_view.py``: ``verdict`` over the
-exported series). Every bar is a ``Thresholds`` method or field, with its derivation there; the PromQL the
-rules and dashboards evaluate is written once in ``alerts/rules.py`` (``alerts.rules`` expressions, imported by
-``dashboards/grafana.py``).
+exported series and bars). Every bar comes from ``Thresholds.bars``, with its derivation in ``thresholds.py``:
+``judge_window`` keeps the window's (``Judgement.bars``), the exporter exports them (``moescope_judgement_bar``),
+the rules compare with those series, and ``verdict`` compares each quantity with the same values; its words and
+colours for the views are ``layer_words`` and ``layer_level``.
 
 A foundation: imports ``sampling``, ``stats`` and ``thresholds`` only (a baseline is anything with
 ``rows(layers, n_experts)``: ``analysis.baseline.Profile``; callers coerce paths and dicts).

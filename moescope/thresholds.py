@@ -1,8 +1,10 @@
 """The thresholds object: every bar moescope judges a deployment by. One object for every model.
 
-One source for the alert rules (``moescope/alerts/rules.py`` writes their expressions and descriptions from
-it), the dashboards' colour steps, ``moescope top``, ``moescope diagnose``, ``report`` and the demo's summary.
-A bar written anywhere else would drift.
+One source for every bar: ``Thresholds.bars`` computes each judgement's bar and clear bar once, per layer and per
+model; the exporter exports them (``moescope_judgement_bar``, ``moescope_judgement_clear_bar``), the alert rules
+(``moescope/alerts/rules.py``) compare their quantities with those series and hold no number of their own, the
+dashboards draw them, and ``moescope top``, ``moescope diagnose``, ``report`` and the demo's summary judge with the
+same values. A bar written anywhere else would drift.
 
 No bar here belongs to a model, and none was placed between a healthy and a faulty run. What depends on the
 deployment comes from three places, never from a model's name:
@@ -11,8 +13,8 @@ deployment comes from three places, never from a model's name:
 - the traffic's own sampling noise, with requests as the independent draws (``moescope.sampling``), exported
   as gauges (``moescope_expert_load_cv_noise_ratio``, ``moescope_routing_drift_noise_bits``, ...);
 - the user's own healthy baseline (``moescope baseline save``), which the exporter exports as series
-  (``moescope_baseline_load_cv_ratio``, ``moescope_baseline_expert_share_ratio``): rules compare live series
-  with baseline series in PromQL, one expression for every model.
+  (``moescope_baseline_load_cv_ratio``, ``moescope_baseline_expert_share_ratio``) and judges each layer against:
+  its bars are the baseline's, one rule expression for every model.
 
 What stays here is model-independent: z-scores, factors and SLO-like limits, each with its meaning beside it.
 Every routing judgement is a change from a reference (issue [learned]): the baseline, else the reference the
@@ -207,10 +209,6 @@ class Thresholds:
             return self.imbalance_cv
         return self.imbalance_baseline_factor * baseline_cv + self.imbalance_baseline_margin
 
-    def imbalanced(self, excess: float | None, baseline_cv: float | None) -> bool:
-        """Whether a layer's excess CV (NaN/None: not judged) means imbalance."""
-        return excess is not None and math.isfinite(excess) and excess > self.imbalance_bar(baseline_cv)
-
     def dead_reference(self, n_experts: int) -> float:
         """Without a baseline, the share a living expert gets at least: ``dead_floor_share`` of 1/E."""
         return self.dead_floor_share / n_experts
@@ -305,9 +303,6 @@ class Thresholds:
         """A firing dead-experts page holds while a zero-slot expert's reference predicts at least this many
         effective slots (a quarter of the way from 5 to 0: 3.75, Poisson P(0) = 2.4%)."""
         return self.clear_bar(self.dead_min_expected_slots, 0.0)
-
-    def rank_overloaded(self, max_over_mean: float | None) -> bool:
-        return max_over_mean is not None and math.isfinite(max_over_mean) and max_over_mean > self.rank_max_over_mean
 
     def eplb_cost_steps(self, step_s: float | None = None) -> float:
         """One EPLB rearrangement in step times: vLLM's published cost (``eplb_rearrange_extra_steps``), or

@@ -1,7 +1,7 @@
 """Evidence from a Prometheus server for ``moescope diagnose --prometheus URL``: the moescope alerts firing
-there now, the judged series the exporter exports (excess CV against the imbalance bar, hot factors, unexpected
-dead experts, drift beyond its noise) read with the same ``Thresholds`` methods as the rules, and the live
-values the trace store cannot hold (canary flip ratio)."""
+there now, the judged series the exporter exports (excess CV, hot factors, unexpected dead experts, drift) each
+compared with its bar series (``moescope_judgement_bar``: the values the rules compare with, ``Thresholds.bars``),
+and the live values the trace store cannot hold (canary flip ratio)."""
 
 from __future__ import annotations
 
@@ -15,16 +15,27 @@ def _by_layer(url: str, expr: str) -> dict[str, float]:
     return {r["metric"].get("layer", ""): float(r["value"][1]) for r in query(url, expr)}
 
 
+def _bars(url: str, sel: str, judgement: str) -> dict[str, tuple[float, str]]:
+    """layer -> (the bar, its reference) of ``judgement``: the exporter's bar series, the rules' own (the highest
+    where several exporters export the layer)."""
+    matchers = f'{sel + "," if sel else ""}judgement="{judgement}"'
+    out: dict[str, tuple[float, str]] = {}
+    for r in query(url, f"max by (layer, reference) (moescope_judgement_bar{{{matchers}}})"):
+        layer, v = r["metric"].get("layer", ""), float(r["value"][1])
+        if layer not in out or v > out[layer][0]:
+            out[layer] = (v, r["metric"].get("reference", ""))
+    return out
+
+
 def judged_series(url: str, sel: str, t: Thresholds = DEFAULT) -> list[dict]:
-    """Info findings from the exporter's judged series (what the rules judge, as the rules judge it)."""
+    """Info findings from the exporter's judged series, each compared with the bar series the rules compare with
+    (what the rules judge, as the rules judge it)."""
     out = []
     excess = _by_layer(url, f"max by (layer) (moescope_expert_load_excess_cv_ratio{{{sel}}})")
-    # each layer's reference (baseline, learned or fair; none while learning: no bar), as the rule reads it
-    refs = {r["metric"].get("layer", ""): (r["metric"].get("reference", "fair"), float(r["value"][1]))
-            for r in query(url, f"max by (layer, reference) (moescope_reference_load_cv_ratio{{{sel}}})")}
-    bars = {layer: t.imbalance_bar_of(*refs[layer]) for layer in excess if layer in refs}
-    over = {layer: {"excess_cv": round(v, 3), "bar": round(bars[layer], 3), "reference": refs[layer][0]}
-            for layer, v in excess.items() if layer in bars and v > bars[layer]}
+    # each layer's imbalance bar and its reference (baseline, learned or fair; none while learning)
+    bars = _bars(url, sel, "imbalance")
+    over = {layer: {"excess_cv": round(v, 3), "bar": round(bars[layer][0], 3), "reference": bars[layer][1]}
+            for layer, v in excess.items() if layer in bars and v > bars[layer][0]}
     if over:
         out.append(dict(cause="prometheus:imbalance", severity="info",
                         title=f"Prometheus: excess load CV over its bar in {len(over)} layer(s)", score=1.0,
@@ -35,26 +46,30 @@ def judged_series(url: str, sel: str, t: Thresholds = DEFAULT) -> list[dict]:
         out.append(dict(cause="prometheus:not-judged", severity="info",
                         title=f"Prometheus: too few requests in the window to judge {len(not_judged)} layer(s)",
                         score=0.0, evidence={"layers": not_judged}, examples=[], playbook=None))
+    hot_bars = _bars(url, sel, "hot")
     hot = [dict(layer=r["metric"].get("layer"), expert=r["metric"].get("expert"),
                 reference=r["metric"].get("reference"), factor=round(float(r["value"][1]), 2))
-           for r in query(url, f"moescope_expert_hot_factor_ratio{{{sel}}} > {t.hot_factor!r}")]
+           for r in query(url, f"moescope_expert_hot_factor_ratio{{{sel}}}")
+           if r["metric"].get("layer") in hot_bars and float(r["value"][1]) > hot_bars[r["metric"]["layer"]][0]]
     if hot:
         hot.sort(key=lambda h: -h["factor"])
         h = hot[0]
         out.append(dict(cause="prometheus:hot-expert", severity="info",
                         title=f"Prometheus: L{h['layer']} E{h['expert']} at {h['factor']:.1f}x its {h['reference']} "
-                              "share", score=h["factor"] / t.hot_factor, evidence={"experts": hot},
+                              "share", score=h["factor"] / hot_bars[h["layer"]][0], evidence={"experts": hot},
                         examples=[], playbook="MoEExpertHot"))
+    dead_bars = _bars(url, sel, "dead")
     dead = {layer: int(v) for layer, v in
-            _by_layer(url, f"max by (layer) (moescope_dead_experts_unexpected{{{sel}}})").items() if v > 0}
+            _by_layer(url, f"max by (layer) (moescope_dead_experts_unexpected{{{sel}}})").items()
+            if layer in dead_bars and v > dead_bars[layer][0]}
     if dead:
         out.append(dict(cause="prometheus:dead-experts", severity="info",
                         title=f"Prometheus: unexpected dead experts in {len(dead)} layer(s)", score=1.0,
                         evidence={"layers": dead}, examples=[], playbook="MoEDeadExperts"))
     jsd = _by_layer(url, f"max by (layer) (moescope_routing_drift_jsd_bits{{{sel}}})")
-    noise = _by_layer(url, f"max by (layer) (moescope_routing_drift_noise_bits{{{sel}}})")
-    drifted = {layer: {"jsd_bits": round(v, 4), "noise_bits": round(noise[layer], 4)}
-               for layer, v in jsd.items() if layer in noise and t.drifted(v, noise[layer])}
+    drift_bars = _bars(url, sel, "drift")
+    drifted = {layer: {"jsd_bits": round(v, 4), "bar_bits": round(drift_bars[layer][0], 4)}
+               for layer, v in jsd.items() if layer in drift_bars and v > drift_bars[layer][0]}
     if drifted:
         out.append(dict(cause="prometheus:drift", severity="info",
                         title=f"Prometheus: routing drifted from the baseline in {len(drifted)} layer(s)", score=1.0,

@@ -28,8 +28,8 @@ HEADER = 3  # the overview's header lines: shape and legend, the model in one li
 
 
 def cell(rel: float | None) -> tuple[str, str]:
-    """(character, style) of one cell: ``rel`` = load / fair load; None = no data."""
-    if rel is None:
+    """(character, style) of one cell: ``rel`` = load / fair load; None or NaN (a layer without load) = no data."""
+    if rel is None or math.isnan(rel):
         return " ", ""
     if rel <= 0:
         return "_", "blue"
