@@ -74,6 +74,7 @@ class ScaleExporter:
             self.truth[layer] += total[j]
             layers.append(LayerStats(layer, tokens, total[j], 0, 0, 0.9 * tokens, 0.1 * tokens))
         self.state.on_stats(StepStats(draws, tuple(layers), E, K, DrawCounts((None,) * draws, counts)))
+        self.state.flush()  # no engine, no evaluator thread: evaluate now, as the evaluator would after a step
 
     def stop(self) -> None:
         self.exporter.stop()
