@@ -7,6 +7,7 @@ assertion: a test must hold on a loaded 2-core machine.
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import time
@@ -106,3 +107,12 @@ class Recording(Observer):
                     rows.append([ids[t].tolist() for _, ids, _ in decisions])
                 offset += n
         return out
+
+
+def stored_ids(path, table: str) -> set[str]:
+    """The request ids of one of a SQLite trace store's tables (``requests``, ``sampled_out``)."""
+    con = sqlite3.connect(path)
+    try:
+        return {r[0] for r in con.execute(f"SELECT request_id FROM {table}")}  # noqa: S608 (our own table names)
+    finally:
+        con.close()

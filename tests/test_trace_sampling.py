@@ -7,12 +7,11 @@ real vLLM server: tests/test_vllm_diagnose.py."""
 
 from __future__ import annotations
 
-import sqlite3
 
 import httpx
 import pytest
 
-from helpers import run_cli
+from helpers import run_cli, stored_ids
 from moescope.capture.records import RequestRecord
 from moescope.cli import main
 from moescope.traces import store
@@ -24,12 +23,7 @@ N = 30
 KEEP = [f"{store.KEEP_PREFIX}{i}" for i in range(3)]
 
 
-def _ids_in(path, table: str) -> set[str]:
-    con = sqlite3.connect(path)
-    try:
-        return {r[0] for r in con.execute(f"SELECT request_id FROM {table}")}  # noqa: S608 (our own table names)
-    finally:
-        con.close()
+_ids_in = stored_ids  # (tests/helpers.py)
 
 
 def test_every_served_id_opens_or_is_reported_not_kept(tmp_path, capsys):
