@@ -260,12 +260,13 @@ def scale(d: dict, section: str | None) -> list[str]:
     m, t = sv["metrics"], sv["metrics+traces"]
     one = sc["one_rank"]
     lines = [f"| measure ({d['model']}, {st['moe_layers']} MoE layers, top-{st['top_k']}) | figure |", "|---|---|",
-             f"| serving, bare | {sv['bare_s']:.2f} s for {sv['requests']} requests x {sv['concurrency']} concurrent "
-             f"({sv['output_tokens']} output tokens) |",
-             f"| serving with `instrument()` (metrics) / bare | {m['ratio']:.2f}x wall (median of {sv['rounds']} "
-             f"rounds' ratios), {m['cpu_ratio']:.2f}x CPU |",
-             f"| serving with metrics + the TraceRecorder / bare | {t['ratio']:.2f}x wall, {t['cpu_ratio']:.2f}x CPU "
-             f"(writer drain after the run {t['drain_s']:.2f} s; dropped {t['dropped']}) |",
+             f"| serving, capture off | {sv['bare_s']:.2f} s for {sv['requests']} requests x {sv['output_tokens']} "
+             f"tokens, {sv['concurrency']} concurrent |",
+             f"| serving with metrics, capture on / off (the kill switch, one process) | {m['ratio']:.2f}x wall "
+             f"(median of {sv['rounds']} rounds' ratios; quartiles {m['q1']:.2f}-{m['q3']:.2f}), "
+             f"{m['cpu_ratio']:.2f}x CPU |",
+             f"| serving with metrics + the trace writer, on / off | {t['ratio']:.2f}x wall (quartiles "
+             f"{t['q1']:.2f}-{t['q3']:.2f}), {t['cpu_ratio']:.2f}x CPU (dropped {t['dropped']}) |",
              f"| trace store | {st['bytes_per_token_layer']:g} bytes per token-layer at k = {st['top_k']} "
              f"({st['bytes']:,} bytes, {st['tokens']:,} tokens x {st['moe_layers']} layers, "
              f"{st['requests']} requests) |",
@@ -290,9 +291,7 @@ def scale(d: dict, section: str | None) -> list[str]:
     w = sc["writers"]
     lines += [f"| {w['series']:,} counters rendered: prometheus_client / moescope's writer | "
               f"{w['median_ms']['prometheus_client']:g} / {w['median_ms']['fast']:g} ms ({w['ratio']:g}x) |", "",
-              f"Per-round ratios: metrics {_spread(m['ratios'])}, with traces {_spread(t['ratios'])}; the engine "
-              f"thread's own time in the hooks is {m['hook_share_of_step']:.2%} (metrics) and "
-              f"{t['hook_share_of_step']:.2%} (with traces) of a step."]
+              f"Per-round ratios: metrics {_spread(m['ratios'])}, with traces {_spread(t['ratios'])}."]
     return lines
 
 
@@ -325,7 +324,7 @@ def cost_model(d: dict, section: str | None) -> list[str]:
     return lines
 
 
-RENDER = {"overhead": overhead, "cost-model": cost_model, "cost-model-before": cost_model, "runtime": runtime,
+RENDER = {"overhead": overhead, "cost_model": cost_model, "cost_model-before": cost_model, "runtime": runtime,
           "parallel": parallel, "cache": cache, "cache-sim": cache_sim,
           "mitigate": mitigate, "traces": traces, "detection-matrix": detection_matrix, "tiny-demo": demo_model,
           "scale": scale}

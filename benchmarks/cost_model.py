@@ -17,7 +17,7 @@ HF: a tiny Mixtral's forward (3 layers, 512 tokens) bare and instrumented, alter
 vLLM: the adapter's ``begin_step``/``end_step`` (the plugin's engine-thread work) with a scheduler output of B
 requests, and its relay's delivery per step (the relay thread).
 
-    python benchmarks/cost_model.py [--quick] [--out benchmarks/results/cost-model.json]
+    python benchmarks/cost_model.py [--quick] [--out benchmarks/results/cost_model.json]
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def hf_row(rounds: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = _results.parser(__doc__, quick="tiny-demo only, fewer repeats (CI keeps the script working)")
-    args = _results.parse(ap, argv, "cost-model")
+    args = _results.parse(ap, argv, "cost_model")
     report: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "runtime": [], "gc": []}
     shapes = [("tiny-demo", 1), ("tiny-demo", 16)] + ([] if args.quick else [("deepseek-v3-shape", 16)])
     with tempfile.TemporaryDirectory(prefix="moescope-cost-") as tmp:

@@ -52,6 +52,12 @@ def _serve(model, batch: int, n_requests: int, tokens: int) -> None:
         engine.step()
 
 
+def _step_seconds(snap) -> tuple[float, int]:
+    """(summed seconds, steps) of every phase's ``moescope_step_seconds`` in a metrics snapshot."""
+    kids = [h for (name, _), h in snap.histograms.items() if name == "moescope_step_seconds"]
+    return sum(h.total for h in kids), sum(h.count for h in kids)
+
+
 def measure(model, batch: int, tokens: int) -> dict:
     cfg = model.cfg
     seen = []
@@ -60,9 +66,9 @@ def measure(model, batch: int, tokens: int) -> dict:
         st = handle.metrics
         flush, spent = st.probe.flush, [0.0]
 
-        def timed(final: bool = False) -> None:  # the metrics' own probe: its summarising, timed
+        def timed(final: bool = False, settled: bool = False) -> None:  # the metrics' own probe: its summarising
             t0 = time.perf_counter()
-            flush(final)
+            flush(final, settled)
             spent[0] += time.perf_counter() - t0
 
         st.probe.flush = timed
@@ -77,15 +83,15 @@ def measure(model, batch: int, tokens: int) -> dict:
         for j, phase in enumerate(x.phases):
             if phase == "decode" and x.rows[j] == batch:
                 per_layer += [int(v) for v in x.distinct[j] if v >= 0]
-    c = st.counters
+    snap = st.snapshot
+    c = snap.counters
     dec_tokens = c.get(("moescope_tokens_total", ("decode",)), 0.0)
     w = c.get(("moescope_step_read_bytes_total", ("decode", "weights")), 0.0)
     kv = c.get(("moescope_step_read_bytes_total", ("decode", "kv")), 0.0)
-    step_s = sum(h._sum.get() for (name, _), h in st._children.items() if name == "moescope_step_seconds")
+    step_s = _step_seconds(snap)[0]
     mean, _ = step_experts.uniform_distinct(cfg.n_experts, cfg.top_k, [batch])
-    child = st._children.get(("moescope_step_seconds", ("decode",)))
-    dec = None if child is None else type("Dec", (), {"sum": child._sum.get(), "count": sum(
-        b.get() for b in child._buckets)})
+    child = snap.hist("moescope_step_seconds", "decode")
+    dec = None if child is None else type("Dec", (), {"sum": child.total, "count": child.count})
     info = st.info
     touched = float(np.mean(per_layer)) if per_layer else None
     return {
@@ -155,7 +161,7 @@ def cost_round(model, batch: int, n_requests: int, tokens: int, repeats: int) ->
     calls, folds = [], []
     with moescope.instrument(model) as handle:
         st = handle.metrics
-        host, fold = st.probe._host, st._experts
+        host, fold = st.probe._host, st.counts._experts
 
         def keep_host(*a):
             calls.append(a)
@@ -165,12 +171,9 @@ def cost_round(model, batch: int, n_requests: int, tokens: int, repeats: int) ->
             folds.append(s)
             return fold(s)
 
-        st.probe._host, st._experts = keep_host, keep_fold  # instance attributes: what the probe and metrics call
+        st.probe._host, st.counts._experts = keep_host, keep_fold  # instance attributes: what the probe and fold call
         _serve(model, batch, n_requests, tokens)
-        st.flush()
-        step_s = sum(h._sum.get() for (name, _), h in st._children.items() if name == "moescope_step_seconds")
-        n_steps = sum(sum(b.get() for b in h._buckets) for (name, _), h in st._children.items()
-                      if name == "moescope_step_seconds")
+        step_s, n_steps = _step_seconds(st.flush())
 
     def timed(fn, *a) -> float:
         t0 = time.perf_counter()

@@ -106,6 +106,22 @@ def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store:
 GOALS = {"metrics": 1.01, "metrics+traces": 1.03}  # issue [lean], at 16 concurrent requests
 
 
+def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: int, tmp: Path,
+                 tokens: int = 96) -> dict:
+    """One workload's row: ``n_requests`` requests of ``tokens`` output tokens at ``concurrency``, each variant's
+    rounds of capture off and on (benchmarks/scale.py serves deepseek-v3-shape through it too)."""
+    reqs = _requests(n_requests, tokens)
+    row = {"model": name, "concurrency": concurrency, "requests": n_requests, "output_tokens": tokens,
+           "rounds": rounds}
+    for variant in VARIANTS:
+        label = f"overhead: {name} at {concurrency}, {variant}, {rounds} rounds of off and on"
+        with _results.progress(label, 1):
+            row[variant] = run_variant(model, reqs, variant, concurrency, rounds,
+                                       tmp / f"{name}-{concurrency}-{variant}.sqlite")
+    row["bare_s"] = row["metrics"]["off_s"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _results.parser(__doc__, quick="tiny-demo only, 4 requests x 16 tokens, 1 round (CI keeps the script working)",
                          rounds=21)
@@ -124,14 +140,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{'cpu':>6} {'gc on':>6} {'goal':>5}")
     with tempfile.TemporaryDirectory(prefix="moescope-overhead-") as tmp:
         for name, conc, n_req, tokens in workloads:
-            reqs = _requests(n_req, tokens)
-            row = {"model": name, "concurrency": conc, "requests": n_req, "output_tokens": tokens}
+            row = run_workload(name, models[name], conc, n_req, args.rounds, Path(tmp), tokens)
             for variant in VARIANTS:
-                label = f"overhead: {name} at {conc}, {variant}, {args.rounds} rounds of off and on"
-                with _results.progress(label, 1):
-                    v = run_variant(models[name], reqs, variant, conc, args.rounds,
-                                    Path(tmp) / f"{name}-{conc}-{variant}.sqlite")
-                row[variant] = v
+                v = row[variant]
                 met = judge(v["ratios"], GOALS[variant]) if conc == 16 else None
                 print(f"{name:>18} {conc:>4} {n_req:>4} {v['off_s']:>7.3f} | {variant:>15} {v['ratio']:>6.3f}x "
                       f"{v['q1']:>6.3f}-{v['q3']:<6.3f} {v['cpu_ratio']:>5.3f}x {v['gc_share_on']:>6.2%} "

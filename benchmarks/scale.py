@@ -1,9 +1,9 @@
 """moescope at DeepSeek-V3's shape (deepseek-v3-shape: 58 MoE layers x 256 experts, top-8): what it costs and how
 fast its views are, in one run.
 
-- serving: ``Engine.run`` over the same workload bare, with ``moescope.instrument()`` (metrics) and with the
-  real TraceRecorder too, interleaved rounds, medians of per-round ratios (``overhead.run_workload``, the same
-  harness as the overhead benchmark);
+- serving: ``Engine.run`` over the same workload with capture off and on in one process (the kill switch), metrics
+  and metrics + the real trace writer, medians of per-round ratios (``overhead.run_workload``, the same harness as
+  the overhead benchmark);
 - scrape: milliseconds and bytes per scrape on 1 and 2 lock-step ranks, and the two exposition writers
   (``_scrape.measure``);
 - store: a real trace store of long requests (~300 tokens each, every token's top-8 in every layer): bytes per
@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
               "quick": args.quick}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        report["serving"] = run_workload(MODEL, model, 16, n_serve, rounds, tmp)
+        report["serving"] = run_workload(MODEL, model, 16, n_serve, rounds, tmp, 12 if args.quick else 96)
         report["store"] = build_store(model, tmp / "store.sqlite", n_store, out_tokens)
         report["views"] = views(tmp / "store.sqlite", tmp / "report", n_view)
     report["scrape"] = _scrape.measure(args.quick, free_port(2))  # rank r of the 2-rank demo: port + r

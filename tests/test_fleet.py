@@ -122,12 +122,14 @@ def test_rank_load_and_eplb_gauges_are_the_exchanges_rows(tiny_cfg):
         for rows in before:
             exchange(1, rows)
         exchange(2, [0, 4])
+        inst.metrics.flush()  # (records handed over are folded by the next evaluation)
         assert not by_label(parse(inst.exporter.exposition().decode()), "moescope_eplb_predicted_max_over_mean_ratio",
                             "layer")  # no rearrangement yet: no EPLB series
         inst.metrics.on_rebalance(Rebalance(step=5, seconds=0.02, moved=3, moved_bytes=100, before={1: 1.25},
                                             predicted={1: 1.01}, layers={}))
         for rows in after:
             exchange(1, rows)
+        inst.metrics.flush()
         text = inst.exporter.exposition().decode()
         parsed = parse(text)
 
@@ -162,6 +164,7 @@ def test_the_reduced_tier_exports_a_ranks_held_experts_as_one_series_per_layer(t
                             (2, (0, -1, 4, -1, 0, -1, 0, -1))):
             inst.metrics.on_all_to_all(AllToAllRecord(layer, "dispatch", 0.001, (0, 0), (0, 0), (0.0, 0.0), rows,
                                                       (1, 1)))
+        inst.metrics.flush()
         parsed = parse(inst.exporter.exposition().decode())
     assert by_label(parsed, "moescope_expert_physical_slots_total", "layer", "expert") == \
         {("1", "held"): 5 + 3 + 7 + 2 + 1, ("2", "held"): 4}

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from moescope import judge, stats
-from moescope.metrics.state import MetricsObserver, ModelInfo
+from moescope.capture.sources import Reading
+from moescope.metrics.state import MetricsObserver, ModelInfo, modelled_rank_loads
 from moescope.parallel import planner
 from moescope.parallel.placement import Placement, _layout
 from moescope.thresholds import DEFAULT
@@ -86,17 +87,20 @@ def test_every_caller_reports_the_same_max_over_mean_and_top_share_for_the_same_
     assert ExpertParallel.max_over_mean(per_rank) == pytest.approx(
         {layer: v for layer, v in want_rank.items() if not math.isnan(v)})
     obs = MetricsObserver(ModelInfo("m", 8, 2, tuple(layers), 100, 10))
-    obs.eplb_predicted = {layer: 1.0 for layer in layers}
-    obs.eplb_rows = {layer: np.array(r) for layer, r in per_rank.items()}
-    _, _, measured = obs.eplb_gauges()
+    obs.counts.eplb_predicted = {layer: 1.0 for layer in layers}
+    obs.counts.eplb_rows = {layer: np.array(r) for layer, r in per_rank.items()}
+    _, _, measured = obs.counts.eplb_gauges()
     assert all(_same(measured[layer], want_rank[layer]) for layer in layers)
     for layer, r in per_rank.items():
-        obs.rank_window.add(layer, np.array(r), obs.clock())
-    got, _ = obs.rank_loads(SimpleNamespace(layers=()))
+        obs.counts.rank_window.add(layer, np.array(r), obs.clock())
+    got, _ = obs.flush().rank_loads
     assert got == pytest.approx({layer: v for layer, v in want_rank.items() if not math.isnan(v)})
     obs2 = MetricsObserver(ModelInfo("m", 8, 2, tuple(layers), 100, 10))
-    obs2.placement_source = lambda: Placement(2, 8, {layer: PLACED for layer in layers}, replicated=True)
-    modelled, _ = obs2.rank_loads(SimpleNamespace(layers=tuple(layers), slots=COUNTS, noise_cv=np.zeros(4)))
+    placed = Placement(2, 8, {layer: PLACED for layer in layers}, replicated=True)
+    obs2.sources.register(SimpleNamespace(read=lambda: Reading(placement=placed)))
+    obs2.flush()  # the sources are read once per evaluation
+    modelled, _ = modelled_rank_loads(obs2.placement(), SimpleNamespace(layers=tuple(layers), slots=COUNTS,
+                                                                       noise_cv=np.zeros(4)))
     assert modelled == pytest.approx({layer: v for layer, v in want_rank.items() if not math.isnan(v)})
     profile = SimpleNamespace(n_experts=8, coactivation={},
                               load=lambda: {layer: row for layer, row in zip(layers, COUNTS)})

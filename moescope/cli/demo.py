@@ -278,7 +278,7 @@ def _summarise(inst, records, wall: float, model, n_asked: int) -> dict:
     inst.metrics.flush()
     load = {layer: counts.tolist() for layer, counts in sorted(inst.metrics.expert_tokens.items())}
     dropped = {layer: int(n) for layer, n in
-               sorted(inst.metrics.layer_counters["moescope_tokens_dropped_total"].items())}
+               sorted(inst.metrics.layer_counters.get("moescope_tokens_dropped_total", {}).items())}
     summary = _summary(records, load, dropped, wall, model, model.device, n_asked,
                        draws=inst.metrics.run_draws_of(list(load)), baseline=inst.metrics.baseline,
                        learned=learned_rows(inst.metrics, list(load)) if load else None)

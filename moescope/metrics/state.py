@@ -29,20 +29,29 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from moescope import efficiency, stats, thresholds
 from moescope.capture.engine_contract import ModelInfo  # what an engine hands moescope (re-exported here)
-from moescope.capture.observer import Observer
+from moescope.capture.observer import RuntimeObserver
 from moescope.capture.routing_probe import RoutingProbe, StepStats
+from moescope.capture.sources import Reading, Sources
 from moescope.errors import BadInput
 from moescope.metrics.counting import HELD_EXPERTS, Counts, RankWindow
 from moescope.metrics.snapshot import Snapshot
 from moescope.metrics.window import LayerGauges
 from moescope.metrics import catalogue  # [eplb] wiring
 from moescope.parallel.step_balance import InUse, StepBalance  # [eplb] wiring
+
+if TYPE_CHECKING:  # typing only: the payloads the engine hands over
+    from moescope.capture.decision import RoutingDecision
+    from moescope.capture.records import RequestRecord, StepRecord
+    from moescope.parallel.eplb import Rebalance
+    from moescope.parallel.expert_parallel import AllToAllRecord
+    from moescope.parallel.placement import Placement
+    from moescope.runtime.expert_cache import CacheDelta
 
 log = logging.getLogger("moescope.metrics")
 
@@ -58,7 +67,7 @@ MAX_INBOX = 65536
 READ_WAIT_S = 5.0
 
 
-class MetricsObserver(Observer):
+class MetricsObserver(RuntimeObserver):
     """Accumulates everything the exporter shows. Attach it to the model (``moescope.instrument`` does).
 
     Args:
@@ -72,9 +81,12 @@ class MetricsObserver(Observer):
         max_inflight: in-flight requests whose per-(layer, expert) counts are held (None: ``metrics.counting``).
         clock: monotonic seconds (tests inject a fake one).
         hot_reference: without a baseline, "learned" (``metrics.window.LearnedReference``) or "fair".
-    Attributes set by ``moescope.instrument``: ``baseline``, ``placement_source`` (-> the expert-parallel
-    ``Placement`` or None), ``cache_capacity_source`` (-> {layer: resident experts / E}), ``errors_source``,
-    ``dropped_source``, ``cost_source`` (read once per evaluation, on the evaluator's thread).
+    Attributes:
+        sources: the ``capture.sources.Sources`` its components register on (``moescope.instrument`` passes it to
+            each: the fan-out's observer errors, the trace recorder's drops and errors, the engine adapter's
+            placement and cache capacity, the vLLM worker's cost and errors), read once per evaluation on the
+            evaluator's thread, never at scrape time.
+        baseline: the loaded baseline (set by ``moescope.instrument``), or None.
     """
 
     def __init__(self, info: ModelInfo, *, rank: int = 0, window_s: float = 60.0,
@@ -90,8 +102,9 @@ class MetricsObserver(Observer):
         # evaluator (microseconds), never held while anything is computed.
         self.probe = RoutingProbe(self._fold_stats, interval_s=math.inf)
         self.probe.on_due = self.wake
-        self.on_routing = self.probe.on_routing  # per layer per forward: straight to the probe (one call less)
-        self.on_layer_time = self.probe.on_layer_time
+        # per layer per forward: straight to the probe, one Python call less (FanOut binds the instance's attribute)
+        self.on_routing = self.probe.on_routing  # type: ignore[method-assign]
+        self.on_layer_time = self.probe.on_layer_time  # type: ignore[method-assign]
         self._inbox_lock = threading.Lock()
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_dropped = 0
@@ -102,11 +115,8 @@ class MetricsObserver(Observer):
         self.counts = Counts(info, window_s=window_s, per_expert=self.per_expert, max_inflight=max_inflight,
                              hot_reference=hot_reference)
         self._baseline = None  # analysis.baseline.Profile: the hot/dead/drift reference and the baseline series
-        self.placement_source: Callable[[], Any] | None = None
-        self.cache_capacity_source: Callable[[], dict[int, float]] | None = None
-        self.errors_source: Callable[[], dict[str, int]] | None = None
-        self.cost_source: Callable[[], float] | None = None
-        self.dropped_source: Callable[[], dict[str, int]] | None = None
+        self.sources = Sources()
+        self._reading = Reading()  # the sources as of the current (or last) evaluation
         self.peak: efficiency.Peak | None = efficiency.resolve_peak(info.device)
         self.components: list = []  # extra per-evaluation components: observe(StepStats), snapshot() (e.g. [eplb])
         # [eplb] wiring: each step's busiest / mean rank predicted per EP size and placement (parallel.step_balance)
@@ -148,36 +158,36 @@ class MetricsObserver(Observer):
                 return
             self._inbox.append((kind, payload))
 
-    def on_routing(self, layer, decision) -> None:  # (the instance's attribute, the probe's, is what runs)
+    def on_routing(self, layer: int, decision: "RoutingDecision") -> None:  # (the instance's attribute runs)
         self.probe.on_routing(layer, decision)
 
-    def on_layer_time(self, layer, router_s, experts_s) -> None:  # (as on_routing)
+    def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:  # (as on_routing)
         self.probe.on_layer_time(layer, router_s, experts_s)
 
-    def on_step(self, step) -> None:
-        if self.probe.on_step(step):
+    def on_step(self, step: "StepRecord") -> None:
+        if self.probe.end_step(step):
             self._steps_seen += 1
             self._put("step", step)
 
-    def on_request(self, record) -> None:
-        self.probe.on_request(record.request_id)  # its draw is folded once its last step is summarised
-        self._put("request", record)
+    def on_request(self, request: "RequestRecord") -> None:
+        self.probe.on_request(request.request_id)  # its draw is folded once its last step is summarised
+        self._put("request", request)
 
-    def on_cache(self, layer, delta) -> None:
+    def on_cache(self, layer: int, delta: "CacheDelta") -> None:
         self._put("cache", (layer, delta))
 
-    def on_all_to_all(self, record) -> None:
+    def on_all_to_all(self, record: "AllToAllRecord") -> None:
         self._put("a2a", record)
 
-    def on_rebalance(self, event) -> None:
+    def on_rebalance(self, event: "Rebalance") -> None:
         self._put("rebalance", event)
 
-    def on_canary(self, flips) -> None:
+    def on_canary(self, flips: dict[int, float]) -> None:
         self._put("canary", dict(flips))
 
-    def on_stats(self, st: StepStats) -> None:
+    def on_stats(self, stats: StepStats) -> None:
         """Routing summarised elsewhere (a CUDA-graph decode's in-graph counters, ``runtime.graph_decode``)."""
-        self._put("stats", st)
+        self._put("stats", stats)
 
     def on_idle(self) -> None:
         """The engine ran out of work: evaluate soon (its last steps would otherwise wait for the interval)."""
@@ -237,13 +247,15 @@ class MetricsObserver(Observer):
         now = self.clock()
         c = self.counts
         second = int(now)
+        # What the components count of themselves, once (the placement the step balance and the rank loads use)
+        self._reading = reading = self.sources.read()
         # Records in the order they came; the probe's summary of the steps' routing first (a request finishing in
         # a step is folded as a draw by the summary that holds its last step)
         self.probe.flush(final=final, settled=not final)
         self._fold_inbox(inbox, now, second)
         time.sleep(0)  # the engine's thread may want the GIL between the fold and the judgement
         g, win = self._judge(now)
-        capacity = self._capacity()
+        capacity = dict(reading.cache_capacity)
         self._evaluated_steps = seen
         self._seq = self._begun
         return Snapshot(
@@ -255,11 +267,10 @@ class MetricsObserver(Observer):
             drift_noise=_finite(g.layers, g.drift_noise), flips=dict(c.flips), rank_loads=self._rank_loads(g, now),
             eplb=c.eplb_gauges(), capacity=capacity, activation=_activation(self.info, g),
             bars=self._bars(g, win.layers, capacity),
-            errors={**(self.errors_source() if self.errors_source else {}),
-                    **({"evaluator": self.evaluations_failed} if self.evaluations_failed else {})},
-            dropped={**(self.dropped_source() if self.dropped_source else {}), "draws": c.draws_dropped,
-                     "metrics": self._inbox_dropped, "routing": self.probe.dropped_steps},
-            cost_s=self.cost_source() if self.cost_source else None, baseline=self._baseline,
+            errors={**reading.errors, **({"evaluator": self.evaluations_failed} if self.evaluations_failed else {})},
+            dropped={**reading.dropped, "draws": c.draws_dropped, "metrics": self._inbox_dropped,
+                     "routing": self.probe.dropped_steps},
+            cost_s=reading.cost_s, baseline=self._baseline,
             window_layers=tuple(win.layers), window_draws=g.window_draws, capture_enabled=self.capture_enabled,
             capture_switches=self.capture_switches, evaluations_failed=self.evaluations_failed,
             extra={type(x).__name__: x.snapshot() for x in self.components})
@@ -310,12 +321,10 @@ class MetricsObserver(Observer):
                                                                                  for x in layers],
                                                       self.info.expected_activation if routing else None)
 
-    def _capacity(self) -> dict[int, float]:
-        return dict(self.cache_capacity_source() or {}) if self.cache_capacity_source is not None else {}
-
-    def placement(self):
-        """The expert-parallel placement over more than one rank this process routes for, or None."""
-        p = self.placement_source() if self.placement_source is not None else None
+    def placement(self) -> "Placement | None":
+        """The expert-parallel placement over more than one rank this process routes for, or None, as the sources
+        read at the current (or last) evaluation report it."""
+        p = self._reading.placement
         return p if p is not None and p.world_size > 1 else None
 
     def _rank_loads(self, g: LayerGauges, now: float):
@@ -327,7 +336,7 @@ class MetricsObserver(Observer):
                 np.array(list(measured.values()), dtype=np.float64)).tolist()) if np.isfinite(v)}
             total = np.sum(list(measured.values()), axis=0)
             return mom, {r: float(v) for r, v in enumerate(total.tolist())}
-        return _modelled_rank_loads(self.placement(), g)
+        return modelled_rank_loads(self.placement(), g)
 
     @property
     def routing_window(self):
@@ -423,7 +432,7 @@ class MetricsObserver(Observer):
         snap = self.current()
         g = snap.gauges
         hot = g.hot_experts(EXTREMES_K)
-        per_layer = {}
+        per_layer: dict[int, dict[str, Any]] = {}
         for j, layer in enumerate(g.layers):
             per_layer[layer] = {name: float(getattr(g, attr)[j]) for name, attr in LAYER_GAUGES}
             if layer in snap.drift:
@@ -449,7 +458,7 @@ def _activation(info: ModelInfo, g: LayerGauges) -> float | None:
     return (info.dense_params + k_eff_sum * info.expert_params) / info.total_params
 
 
-def _modelled_rank_loads(p, g: LayerGauges):
+def modelled_rank_loads(p, g: LayerGauges):
     """Over the window, with an expert-parallel placement over > 1 rank: ({layer: busiest rank's slots / the mean
     rank's} for the judged layers, {rank: slots summed over layers}); None without a placement. A replicated expert's
     slots are split as the dispatch deals them: 1/R to each of its R replicas (this rank's routing only)."""
