@@ -121,9 +121,12 @@ vllm-src: $(VLLM_SRC)/.done
 
 # The vLLM tests (a real vLLM OpenAI server with the plugin, checkpoints built at test time): pytest runs in the
 # main venv and starts servers from .vllm/ (tests/vllm_server.py), two at a time (a server's start-up is mostly
-# single-threaded imports in three processes: two starting together take little longer than one).
+# single-threaded imports in three processes: two starting together take little longer than one). --dist
+# loadgroup: the tests that read one served watch (tests/vllm_watch.py, an `xdist_group`) run on one worker, so the
+# watch is served once per pass.
 test-vllm: vllm-env system-deps
-	MOESCOPE_PHASE=vllm MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2
+	MOESCOPE_PHASE=vllm MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2 \
+		--dist loadgroup
 	MOESCOPE_PHASE=vllm-0.31 MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV_OLD))/bin/python bash .ci/pytest -m vllm \
 		"tests/test_vllm.py::test_counts_and_traces_match_vllm_and_hf[qwen3_moe]"
 

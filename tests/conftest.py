@@ -72,3 +72,25 @@ def deepseek_cfg():
 
 def in_ci() -> bool:
     return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.fixture(scope="session")
+def vllm_watched(tmp_path_factory):
+    """``vllm_watched(name)``: the checkpoint ``name`` served once per session under the alerting path
+    (tests/vllm_watch.py ``watch``), shared by every test that reads it; a watch that failed fails each of them
+    with its error, never runs again."""
+    import vllm_watch  # (a vLLM-pass helper: the main passes never import it)
+
+    done: dict[str, object] = {}
+
+    def get(name: str) -> "vllm_watch.Watched":
+        if name not in done:
+            try:
+                done[name] = vllm_watch.watch(name, tmp_path_factory)
+            except Exception as e:  # noqa: BLE001 (kept: every test sharing the watch fails with it)
+                done[name] = e
+        if isinstance(done[name], Exception):
+            raise done[name]
+        return done[name]
+
+    return get

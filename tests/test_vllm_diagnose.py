@@ -9,106 +9,30 @@ docs/vllm.md's "Run it" block run as printed.
   and chats, streamed and not) either opens in `moescope trace` or is reported as served but not kept; a request
   sent with an ``X-Request-Id`` starting ``moescope-keep-`` is kept.
 
-The checkpoints are test_vllm_alerts.py's (Qwen3-MoE, 16 experts top-2, one gate row of layer 2 scaled 4x: an
-expert can exceed the hot bar, 4x its fair share, only where E/k > 4). The diagnose traffic is sent with keep ids
-(so the default sample rate keeps all of it: the keep rule at work), broad prompts, sampled, 24 tokens each.
+The stores are those the alert tests' watches wrote (tests/vllm_watch.py, served once per session and shared:
+tests/conftest.py ``vllm_watched``): the healthy checkpoint (Qwen3-MoE, 16 experts top-2) served at the default
+sample rate, with 64 requests of keep ids (so the default sample rate keeps all of them: the keep rule at work;
+broad prompts, sampled, 24 tokens each) and 20 requests without one beside the alert test's broad traffic; the hot
+one (one gate row of layer 2 scaled 4x: an expert can exceed the hot bar, 4x its fair share, only where E/k > 4)
+with every request stored.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from conftest import ROOT
 from helpers import run_cli
 from moescope.traces import store
-from test_vllm import PROMPTS, _checkpoint, _needs_vllm  # noqa: F401 (the fixture applies here too)
-from test_vllm_alerts import BUILDS, HOT
-from vllm_server import DEFAULT_ARGS, DEFAULT_ENV, VLLM_PYTHON, serve
+from test_vllm import _checkpoint, _needs_vllm  # noqa: F401 (the fixture applies here too)
+from vllm_server import DEFAULT_ARGS, DEFAULT_ENV, VLLM_PYTHON
+from vllm_watch import BUILDS, HOT, N_JUDGED, N_SAMPLED, table
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
-
-N_JUDGED = 64  # requests of diagnose traffic per store: a routing window's "tens of requests" (test_vllm_alerts)
-N_SAMPLED = 20  # requests at the default sample rate whose ids are checked
-
-
-def _keep_traffic(server, tag: str, n: int) -> list[str]:
-    """``n`` completions with keep ids, 4 at a time; their response ids."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
-
-    def one(i: int) -> str:
-        r = client.completions.create(model=server.name, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=24,
-                                      temperature=1.0, seed=i,
-                                      extra_headers={"X-Request-Id": f"{store.KEEP_PREFIX}{tag}-{i}"})
-        return r.id
-
-    with ThreadPoolExecutor(4) as pool:
-        return list(pool.map(one, range(n)))
-
-
-def _sampled_traffic(server, n: int) -> list[str]:
-    """``n`` requests without an id of the client's: completions and chats, streamed and not; their ids."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.url + "/v1", api_key="none", timeout=300, max_retries=0)
-    ids = []
-    for i in range(n):
-        prompt, kw = PROMPTS[i % len(PROMPTS)], {"max_tokens": 8, "temperature": 1.0, "seed": 100 + i}
-        chat, stream = i % 2 == 1, i % 4 >= 2
-        if chat:
-            messages = [{"role": "user", "content": prompt}]
-            if stream:
-                ids.append([c.id for c in client.chat.completions.create(model=server.name, messages=messages,
-                                                                          stream=True, **kw)][0])
-            else:
-                ids.append(client.chat.completions.create(model=server.name, messages=messages, **kw).id)
-        elif stream:
-            chunks = list(client.completions.create(model=server.name, prompt=prompt, stream=True, **kw))
-            ids.append(chunks[0].id)
-        else:
-            ids.append(client.completions.create(model=server.name, prompt=prompt, **kw).id)
-    return ids
-
-
-def _table(path, table: str) -> set[str]:
-    con = sqlite3.connect(path)
-    try:
-        return {r[0] for r in con.execute(f"SELECT request_id FROM {table}")}  # noqa: S608 (our own table names)
-    finally:
-        con.close()
-
-
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """Each checkpoint served with the plugin's defaults but the store (metrics and traces, sample 0.1): the
-    healthy one's keep traffic and sampled requests, the hot one's keep traffic. {name: (store, keep ids,
-    sampled ids)}."""
-    out = {}
-    base = tmp_path_factory.mktemp("vllm-diagnose")
-    for name in ("healthy", "hot"):
-        arch, build = BUILDS[name]
-        model_dir = _checkpoint(tmp_path_factory, arch, **build)
-        path = base / f"{name}.sqlite"
-        server = serve(model_dir, {"MOESCOPE_TRACES": str(path)}, ["--no-enable-prefix-caching"], eager=True)
-        server.timeout = 900  # a start beside other servers on a shared 2-core machine took over 240 s
-        with server:
-            keep = _keep_traffic(server, name, N_JUDGED)
-            sampled = _sampled_traffic(server, N_SAMPLED) if name == "healthy" else []
-            # read while vLLM serves, as a user does: a stopping vLLM server kills its worker at once (its API
-            # server's shutdown, timeout 0 s), so the writer's last interval (0.5 s) would be lost at the stop.
-            # Each id is written within about a second of its end; waited for (bounded), never assumed.
-            deadline = time.monotonic() + 120
-            while time.monotonic() < deadline and not set(keep + sampled) <= (
-                    _table(path, "requests") | _table(path, "sampled_out")):
-                time.sleep(1)
-        out[name] = (path, keep, sampled)
-    return out
+SHARED = pytest.mark.xdist_group("vllm-watch-healthy-hot")  # the alert tests' watches (test_vllm_alerts.py)
 
 
 def _diagnose(path, *extra) -> tuple[int, dict]:
@@ -117,9 +41,11 @@ def _diagnose(path, *extra) -> tuple[int, dict]:
     return r.returncode, json.loads(r.stdout)
 
 
-def test_every_returned_id_opens_or_is_reported_not_kept(served):
-    path, keep, sampled = served["healthy"]
-    kept, not_kept = _table(path, "requests"), _table(path, "sampled_out")
+@SHARED
+def test_every_returned_id_opens_or_is_reported_not_kept(vllm_watched):
+    healthy = vllm_watched("healthy")
+    path, keep, sampled = healthy.store, healthy.keep, healthy.sampled
+    kept, not_kept = table(path, "requests"), table(path, "sampled_out")
     assert set(keep) <= kept, sorted(set(keep) - kept)[:5]  # the keep ids: kept at the default rate
     assert all(rid.startswith("cmpl-" + store.KEEP_PREFIX) for rid in keep), keep[:3]
     assert len(set(sampled)) == N_SAMPLED
@@ -135,8 +61,9 @@ def test_every_returned_id_opens_or_is_reported_not_kept(served):
             assert "served" in err and "not kept" in err and "MOESCOPE_TRACE_SAMPLE=0.1" in err, err
 
 
-def test_a_healthy_vllm_store_names_nothing_critical_and_judges_every_layer(served):
-    path = served["healthy"][0]
+@SHARED
+def test_a_healthy_vllm_store_names_nothing_critical_and_judges_every_layer(vllm_watched):
+    path = vllm_watched("healthy").store
     code, report = _diagnose(path)
     causes = {f["cause"]: f for f in report["findings"]}
     assert "nonfinite" not in causes, causes["nonfinite"]
@@ -146,12 +73,13 @@ def test_a_healthy_vllm_store_names_nothing_critical_and_judges_every_layer(serv
     assert report["requests"] >= N_JUDGED
 
 
-def test_a_hot_gate_is_named_against_a_baseline_from_the_healthy_store(served, tmp_path):
+@SHARED
+def test_a_hot_gate_is_named_against_a_baseline_from_the_healthy_store(vllm_watched, tmp_path):
     layer, expert, _ = HOT
     base = tmp_path / "baseline.json"
-    r = run_cli("baseline", "save", "--traces", str(served["healthy"][0]), "--out", str(base), timeout=300)
+    r = run_cli("baseline", "save", "--traces", str(vllm_watched("healthy").store), "--out", str(base), timeout=300)
     assert r.returncode == 0, r.stderr
-    code, report = _diagnose(served["hot"][0], "--baseline", str(base))
+    code, report = _diagnose(vllm_watched("hot").store, "--baseline", str(base))
     hot = [f for f in report["findings"] if f["cause"] == "hot-expert"]
     assert code == 1 and hot, report["findings"]
     assert hot[0]["evidence"]["reference"] == "baseline"
