@@ -3,7 +3,8 @@ goes idle, whatever reads the metrics. Off the engine's thread: an engine step n
 or the learned reference's update.
 
 Between evaluations it sleeps on an event (``wake``: the engine went idle, or much routing waits), so an idle process
-costs one wake-up per interval. Each evaluation also polls the capture switch's control file
+costs one wake-up per interval; a wake brings the next evaluation forward, never closer than ``MIN_GAP_S`` to the last
+one. Each evaluation also polls the capture switch's control file
 (``moescope.capture.switch``): the operator's kill switch takes effect within one interval.
 """
 
@@ -11,8 +12,12 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 log = logging.getLogger("moescope.metrics")
+
+# Evaluations a wake can bring forward come at most this often (the engine's idle signal comes once per idle period)
+MIN_GAP_S = 0.25
 
 
 class Evaluator:
@@ -40,11 +45,18 @@ class Evaluator:
         self._wake.set()
 
     def _loop(self) -> None:
+        last = time.monotonic()
         while not self._stop.is_set():
-            self._wake.wait(self.interval_s)
+            self._wake.wait(max(0.0, self.interval_s - (time.monotonic() - last)))
             self._wake.clear()
+            # woken early (an engine going idle between requests, many times a second under real-time traffic):
+            # at most one evaluation per MIN_GAP_S, so the evaluator's share of a core stays bounded
+            gap = min(self.interval_s, MIN_GAP_S) - (time.monotonic() - last)
+            if gap > 0:
+                self._stop.wait(gap)
             if self._stop.is_set():
                 return
+            last = time.monotonic()
             if self.switch is not None:
                 try:
                     self.switch.poll()
