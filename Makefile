@@ -56,6 +56,7 @@ test:
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 # The docs site (mkdocs-material): --strict fails on a broken link, a missing page or a bad nav entry.
 # No --quiet: mkdocs 1.6 then hides the warnings --strict fails on. (NO_MKDOCS_2_WARNING: material's

@@ -13,6 +13,7 @@ from metrics_util import by_label, parse, sum_by_label
 from moescope.analysis import baseline as bl
 from moescope.capture.observer import Observer
 from moescope.capture.queued import QueuedObserver
+from moescope.capture.sources import Reading
 from moescope.errors import BadInput
 from moescope.metrics import catalogue
 from moescope.runtime import traffic
@@ -146,6 +147,45 @@ def test_cache_metrics_equal_cache_counters(tiny_cfg):
         assert by_label(parsed, "moescope_expert_cache_hits_total", "layer")[str(layer)] == s.hits
         assert by_label(parsed, "moescope_expert_cache_evictions_total", "layer")[str(layer)] == s.evictions
         assert by_label(parsed, "moescope_expert_fetch_seconds_count", "layer")[str(layer)] == len(s.load_seconds)
+
+
+def test_runtime_events_reach_only_the_observers_that_take_them(tiny_cfg):
+    """The expert cache's events are the reference runtime's (``RuntimeObserver``), outside the engine-neutral
+    ``Observer``: a runtime observer gets each forward's ``CacheDelta`` (they add up to the cache's own counters), an
+    engine-neutral one beside it gets none, and one set as the model's observer itself (no fan-out) leaves the
+    runtime serving what it serves without it."""
+    from moescope.capture.observer import RuntimeObserver
+    from moescope.runtime.expert_cache import attach_cache
+
+    class Deltas(RuntimeObserver):
+        def __init__(self) -> None:
+            self.lookups: dict[int, int] = {}
+
+        def on_cache(self, layer, delta) -> None:
+            self.lookups[layer] = self.lookups.get(layer, 0) + delta.lookups
+
+    class Steps(Observer):  # engine-neutral: it has no on_cache at all
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def on_step(self, step) -> None:
+            self.steps += 1
+
+    def serve(model, observer=None):
+        return [r.output_tokens for r in Engine(model, max_batch=4, observer=observer).run(
+            traffic.generate(traffic.TrafficConfig(seed=5), 4), realtime=False)]
+
+    assert not hasattr(Steps(), "on_cache")
+    reference = serve(MoETransformer(tiny_cfg).eval())
+    model = MoETransformer(tiny_cfg).eval()
+    cache = attach_cache(model, size=2, policy="lru")
+    deltas, steps = Deltas(), Steps()
+    with moescope.instrument(model, observers=[deltas, steps]):
+        assert serve(model) == reference
+    assert deltas.lookups == {layer: s.lookups for layer, s in cache.stats().items()} and steps.steps > 0
+    alone = Steps()
+    assert serve(model, alone) == reference and alone.steps == steps.steps  # the runtime's events went nowhere
+    cache.close()
 
 
 class Raising(Observer):
@@ -446,6 +486,17 @@ def test_forwards_that_cannot_be_mapped_to_requests_are_one_draw_each():
     assert seen[-1].draws.keys == (None, None, None)
 
 
+class _Placed:
+    """A source reporting an expert-parallel placement (``capture.sources``), as the runtime's engine adapter reports
+    the one its layers dispatch by."""
+
+    def __init__(self, placement) -> None:
+        self.placement = placement
+
+    def read(self) -> Reading:
+        return Reading(placement=self.placement)
+
+
 def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(tiny_cfg):
     import numpy as np
 
@@ -459,7 +510,8 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
     with moescope.instrument(model, port=0, model_name="t") as inst:
         Engine(model, max_batch=4).run(traffic.generate(traffic.TrafficConfig(seed=12), 6), realtime=False)
         no_placement = parse(inst.exporter.exposition().decode())
-        inst.metrics.placement_source = lambda: placement  # what ExpertParallel on the layers would give
+        placed = _Placed(placement)  # what ExpertParallel on the layers would give
+        inst.metrics.sources.register(placed)
         inst.metrics.flush()  # (read once per evaluation, as every source is)
         parsed = parse(inst.exporter.exposition().decode())
         window = inst.metrics.window()
@@ -480,7 +532,7 @@ def test_rank_load_and_cache_capacity_series_from_the_live_placement_and_cache(t
 
     rep = validate({layer: ((0, 1, 2), (2, 3, 4, 5)) for layer in tiny_cfg.moe_layers}, tiny_cfg.n_experts, 2,
                    True, tiny_cfg.moe_layers)
-    inst.metrics.placement_source = lambda: rep
+    placed.placement = rep
     inst.metrics.flush()
     g = inst.metrics.layer_gauges()
     per_layer, _ = inst.metrics.rank_loads(g)

@@ -69,7 +69,7 @@ def _signature_problems(cls) -> list[str]:
 
 def test_the_protocol_declares_what_moescope_asks():
     methods, data = _protocol_members()
-    assert set(methods) == {"model_info", "attach", "detach", "setup", "placement", "cache_capacity"}
+    assert set(methods) == {"model_info", "attach", "detach", "setup", "register_sources"}
     assert set(data) == {"features", "flushes_when_idle"}
     assert {"model_info", "attach", "detach"} <= EngineContract.__abstractmethods__  # what every engine must write
 
@@ -86,9 +86,7 @@ def test_the_checks_can_fail():
 
         def setup(self, config, stack): ...
 
-        def placement(self): ...
-
-        def cache_capacity(self): ...
+        def register_sources(self, sources): ...
 
     class WrongAttach(NoAttach):
         def attach(self): ...
@@ -374,6 +372,7 @@ def test_a_new_engine_is_one_class_and_instrument_takes_it_as_it_is():
     from metrics_util import by_label, parse
 
     from moescope.capture.engine_contract import Parts
+    from moescope.capture.sources import Reading
 
     class ToyEngine:
         features: frozenset[str] = frozenset()
@@ -381,6 +380,7 @@ def test_a_new_engine_is_one_class_and_instrument_takes_it_as_it_is():
 
         def __init__(self) -> None:
             self.observer = None
+            self.dropped = 0
 
         def model_info(self, name=None):
             return ModelInfo(name=name or "toy", n_experts=4, top_k=1, moe_layers=(0,), dense_params=10,
@@ -395,11 +395,11 @@ def test_a_new_engine_is_one_class_and_instrument_takes_it_as_it_is():
         def setup(self, config, stack):
             return Parts()
 
-        def placement(self):
-            return None
+        def register_sources(self, sources) -> None:
+            sources.register(self)  # what it counts of itself: here, steps it could not report
 
-        def cache_capacity(self):
-            return {}
+        def read(self):
+            return Reading(dropped={"toy": self.dropped})
 
         def step(self, index, phase, segments) -> None:
             if self.observer is not None:
@@ -412,7 +412,53 @@ def test_a_new_engine_is_one_class_and_instrument_takes_it_as_it_is():
         assert toy.observer is inst.observer
         toy.step(0, "prefill", [("r1", 0, 7), ("r2", 0, 3)])
         toy.step(1, "decode", [("r1", 7, 1), ("r2", 3, 1)])
+        toy.dropped = 3
         parsed = parse(inst.exporter.exposition().decode())
     assert toy.observer is None
     assert by_label(parsed, "moescope_tokens_total", "phase", model="toy") == {"prefill": 10.0, "decode": 2.0}
     assert by_label(parsed, "moescope_steps_total", "phase", model="toy") == {"prefill": 1.0, "decode": 1.0}
+    # what it registered as its own source reached the exposition, read by the evaluation the scrape saw
+    assert by_label(parsed, "moescope_capture_dropped_total", "queue", model="toy")["toy"] == 3.0
+
+
+def _engine_class(members: set[str]):
+    """A class with exactly ``members`` of the contract's (each a stub of the right shape)."""
+    stubs = {"features": frozenset(), "flushes_when_idle": False,
+             "model_info": lambda self, name=None: ModelInfo(name or "part", 4, 1, (0,), 10, 5),
+             "attach": lambda self, observer: None, "detach": lambda self: None,
+             "setup": lambda self, config, stack: None, "register_sources": lambda self, sources: None,
+             # what an engine written for the contract before sources had (the scrape-time readers)
+             "placement": lambda self: None, "cache_capacity": lambda self: {}}
+    return type("PartEngine", (), {name: stubs[name] for name in members})
+
+
+@pytest.mark.parametrize("members", [
+    {"attach", "model_info"},  # a first draft of an engine adapter
+    {"model_info", "attach", "detach", "setup", "placement", "cache_capacity", "features", "flushes_when_idle"},
+    {"detach"},
+], ids=["attach-model-info", "before-sources", "detach-only"])
+def test_a_partial_engine_is_refused_naming_what_it_lacks(members):
+    """An object that means to be an engine (it has some of the contract's members) but is not one gets one error
+    naming each member it lacks (read off the Protocol here, not off moescope's list), before anything is attached;
+    it is not handed to the HF adapter, whose error ("no MoE layers") would mislead."""
+    from moescope.errors import BadInput
+
+    methods, data = _protocol_members()
+    lacks = sorted((set(methods) | set(data)) - members)
+    part = _engine_class(members)()
+    assert lacks and not isinstance(part, EngineContract)
+    for call in (as_engine, moescope.instrument):
+        with pytest.raises(BadInput) as err:
+            call(part)
+        message = str(err.value)
+        assert "\n" not in message and message.startswith("PartEngine matches the engine contract only in part")
+        named = message.split("it lacks ", 1)[1].split(" (", 1)[0].split(", ")
+        assert named == lacks
+
+
+def test_a_model_that_is_no_engine_still_goes_to_the_hf_adapter():
+    """Nothing of the contract (a plain torch module): the HF adapter's own error, not the partial-engine one."""
+    from moescope.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"^no MoE layers found in Linear"):
+        as_engine(torch.nn.Linear(2, 2))

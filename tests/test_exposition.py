@@ -250,3 +250,80 @@ def test_the_trace_writers_rss_reading_is_the_exporters():
     # the same counter read three times in a row: equal unless the process grew or shrank in between (a page or two)
     assert min(before, after) - 2**20 <= ours <= max(before, after) + 2**20
     assert ours > 10 * 2**20  # a Python process with numpy and prometheus_client: tens of MB, not pages or KB
+
+
+@pytest.mark.parametrize("openmetrics", [False, True])
+def test_the_registry_is_one_prometheus_client_registry_any_reader_renders(openmetrics):
+    """The exporter serves a ``CollectorRegistry`` passed in, on which its collectors registered: prometheus_client's
+    own writer, given that registry, writes the same samples as the exporter (whose fast writer renders the
+    layer-labelled families itself), and a collector of the user's own on the same registry is served with them."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from moescope.metrics.exposition import Rendered
+
+    if openmetrics:
+        from prometheus_client.openmetrics.exposition import generate_latest
+    else:
+        from prometheus_client import generate_latest
+    registry = CollectorRegistry(auto_describe=False)
+    mine = Counter("my_app_requests", "A user's own counter.", registry=registry)
+    mine.inc(7)
+    exporter = Exporter(_state(), port=0, registry=registry)
+    assert exporter.registry is registry
+    rendered = [m for m in registry.collect() if isinstance(m, Rendered)]
+    assert {m.spec.name for m in rendered} >= {"moescope_expert_tokens_total", "moescope_expert_load_cv_ratio",
+                                               "moescope_judgement_bar", "moescope_expert_load_relative"}
+    ours = exporter.exposition(openmetrics).decode()
+    theirs = generate_latest(registry).decode()  # prometheus_client alone: every sample through its own writer
+    got, want = _families(ours, openmetrics), _families(theirs, openmetrics)
+    assert set(got) == set(want)
+    for name, ref in want.items():
+        f = got[name]
+        assert (f.type, f.documentation) == (ref.type, ref.documentation), name
+        samples = sorted((s.name, sorted(s.labels.items())) for s in f.samples)
+        assert samples == sorted((s.name, sorted(s.labels.items())) for s in ref.samples), name
+        if name.startswith("moescope_process_"):
+            continue  # the live process's memory and CPU time, read again by each writer
+        values = {(s.name, frozenset(s.labels.items())): s.value for s in f.samples}
+        for s in ref.samples:
+            v = values[(s.name, frozenset(s.labels.items()))]
+            assert v == s.value or (v != v and s.value != s.value), (name, s)
+    assert parse(exporter.exposition().decode())[("my_app_requests_total", frozenset())] == 7.0
+
+
+def test_sources_are_read_once_per_evaluation_never_by_a_scrape():
+    """What a component counts of itself reaches the exposition through the metrics' sources, read by the evaluation
+    (a later change shows only after the next one), summed by name across sources; a source that raises is counted,
+    never raised."""
+    from moescope.capture.sources import Reading
+
+    class Queue:
+        def __init__(self) -> None:
+            self.reads, self.dropped = 0, 0
+
+        def read(self) -> Reading:
+            self.reads += 1
+            return Reading(dropped={"q": self.dropped}, errors={"sink": 1}, cost_s=0.25)
+
+    class Broken:
+        def read(self) -> Reading:
+            raise RuntimeError("a source that cannot be read")
+
+    st = _state()
+    q, other = Queue(), Queue()
+    for s in (q, other, Broken()):
+        st.sources.register(s)
+    st.sources.register(q)  # registering again changes nothing
+    q.dropped, other.dropped = 4, 1
+    st.flush()
+    exporter = Exporter(st, port=0)
+    reads = q.reads
+    q.dropped = 100
+    first = parse(exporter.exposition().decode())
+    assert q.reads == reads  # a scrape reads the snapshot, not the sources
+    assert by_label(first, "moescope_capture_dropped_total", "queue")["q"] == 5.0
+    errors = by_label(first, "moescope_observer_errors_total", "observer")
+    assert errors["sink"] == 2.0 and errors["sources"] == 1.0
+    assert by_label(first, "moescope_capture_seconds_total", "model") == {st.info.name: 0.5}
+    st.flush()
+    assert by_label(parse(exporter.exposition().decode()), "moescope_capture_dropped_total", "queue")["q"] == 101.0

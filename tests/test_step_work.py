@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import moescope
-from moescope.capture.observer import _HOOKS
+from moescope.capture.observer import HOOKS, RUNTIME_HOOKS
 from moescope.config import Config, Metrics, Traces
 from moescope.runtime.engine import Engine
 from moescope.runtime.model import MoETransformer
@@ -39,8 +39,9 @@ def _ours(frame) -> bool:
     name = frame.f_globals.get("__name__", "")
     if not name.startswith("moescope.") or name.startswith(ENGINE):
         return False
-    # the observer base class's no-op hooks: what the engine calls with nothing attached
-    return not (name == "moescope.capture.observer" and frame.f_code.co_qualname.startswith("Observer."))
+    # the observer base classes' no-op hooks: what the engine calls with nothing attached
+    return not (name == "moescope.capture.observer"
+                and frame.f_code.co_qualname.startswith(("Observer.", "RuntimeObserver.")))
 
 
 class _Ops(TorchFunctionMode):
@@ -69,7 +70,7 @@ class HookWork:
             self._n += 1
 
     def wrap(self, fanout) -> None:
-        for hook in _HOOKS:
+        for hook in HOOKS + RUNTIME_HOOKS:
             fn = getattr(fanout, hook)
 
             def counted(*args, _fn=fn, _hook=f"FanOut.{hook}"):

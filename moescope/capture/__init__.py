@@ -1,5 +1,5 @@
 """Capture: the observer seam and the probes that accumulate routing statistics on the device."""
 
-from moescope.capture.observer import NOOP, FanOut, Observer
+from moescope.capture.observer import NOOP, FanOut, Observer, RuntimeObserver
 
-__all__ = ["NOOP", "FanOut", "Observer"]
+__all__ = ["NOOP", "FanOut", "Observer", "RuntimeObserver"]

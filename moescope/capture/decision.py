@@ -39,7 +39,8 @@ class RoutingDecision:
     nonfinite: torch.Tensor
     dropped: torch.Tensor
     n_experts: int
-    active_ids: torch.Tensor | None = None
+    # None only as the constructor's default: __post_init__ computes it, so every reader gets a tensor
+    active_ids: torch.Tensor = None  # type: ignore[assignment]
     rerouted: dict | None = None  # mitigation -> [] int64 slots it changed ("load", "smoothing")
     # False where the engine does not hand over the router's scores (vLLM's capture function gives the ids only):
     # entropy and margin are NaN there meaning "unknown", not non-finite logits

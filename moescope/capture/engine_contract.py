@@ -20,6 +20,7 @@ from moescope import thresholds
 
 if TYPE_CHECKING:  # typing only: no engine, no sink, no settings at import time
     from moescope.capture.observer import Observer
+    from moescope.capture.sources import Sources
     from moescope.config import Config
 
 # The parts of a ``moescope.Config`` that change what the model computes or add runtime machinery. An engine names
@@ -88,7 +89,8 @@ class EngineContract(Protocol):
       - ``on_request(record)`` when a request the steps named finished: a ``capture.records.RequestRecord`` under
         the same request id (it closes the request's sampling draw and trace row). An engine that reports
         segments must report their requests' ends.
-      - optionally ``on_layer_time``, ``on_stats``, ``on_idle`` (see ``Observer``).
+      - optionally ``on_layer_time``, ``on_stats``, ``on_idle`` (see ``Observer``). The reference runtime's own
+        events (expert cache, canary, expert-parallel exchanges) are ``RuntimeObserver``'s, outside this contract.
 
       Hooks run on the engine's thread (or a thread of the adapter's own) and must not block it; the observer
       never raises into the engine (``FanOut`` isolates it).
@@ -100,16 +102,20 @@ class EngineContract(Protocol):
       instrumentation). A config asking for a feature the engine lacks is refused before anything is attached.
       ``setup`` may also apply settings that only this engine understands (the reference runtime's router path),
       which other engines ignore.
-    - **What the metrics read at scrape time** (on the scrape's thread, so cheap and lock-free): ``placement()``,
-      the expert-parallel placement its MoE layers dispatch by (or None), and ``cache_capacity()``,
-      {MoE layer: resident experts / experts} of an expert cache (or {}).
+    - **What it counts of itself**: ``register_sources(sources)`` registers the engine's own sources
+      (``moescope.capture.sources.Source``: one ``read()`` returning a ``Reading``) on the metrics' registry: the
+      expert-parallel placement its MoE layers dispatch by and its expert cache's capacity (the reference runtime),
+      the events its own queue dropped (the vLLM adapter). They are read once per evaluation, on the evaluator's
+      thread, never on the engine's and never at scrape time: a ``read()`` is cheap and takes no lock the engine
+      holds. An engine with nothing of its own to report registers nothing.
 
     - **The capture switch** (``moescope.capture.switch``) detaches and attaches the engine again; an engine whose
       hooks cannot be removed while it runs (vLLM's compiled forward) may define ``pause()`` and
       ``resume(observer)`` instead, which the switch then calls (not part of the Protocol: optional).
 
     ``model_info``, ``attach`` and ``detach`` are what every engine must write; subclassing ``EngineContract`` gives the
-    rest (no features, no idle flush, no placement, no cache).
+    rest (no features, no idle flush, no sources). An object that has some of these members but not all is refused
+    with the missing ones named (``missing_members``; ``moescope.api.as_engine``).
     """
 
     features: frozenset[str] = frozenset()
@@ -131,13 +137,29 @@ class EngineContract(Protocol):
         """Apply the config's parts named in ``features``; their undo goes on ``stack``."""
         return Parts()
 
-    def placement(self) -> Any:
-        """The expert-parallel placement the MoE layers dispatch by, or None."""
-        return None
+    def register_sources(self, sources: "Sources") -> None:
+        """Register what the engine counts of itself (placement, cache capacity, drops) on ``sources``."""
+        return None  # (a body: an engine with nothing of its own to report need not write it)
 
-    def cache_capacity(self) -> dict[int, float]:
-        """{MoE layer: experts its expert cache holds resident / experts} where a cache is attached."""
-        return {}
+
+# The Protocol's members, read off its class: its methods and its annotated data members
+MEMBERS = tuple(sorted({name for name, v in vars(EngineContract).items() if callable(v) and not name.startswith("_")}
+                       | set(vars(EngineContract).get("__annotations__", {}))))
+# What an engine writes itself (the abstract methods): an object with one of them means to be an engine
+WRITTEN = ("model_info", "attach", "detach")
+
+
+def missing_members(obj: Any) -> list[str]:
+    """The contract's members ``obj`` lacks, by name ([]: it has every one)."""
+    return [name for name in MEMBERS if not hasattr(obj, name)]
+
+
+def partial_engine(obj: Any) -> list[str]:
+    """The members an object that means to be an engine (it has one of ``WRITTEN``) lacks; [] for anything else
+    (a model, which ``moescope.api.as_engine`` wraps in its engine's adapter) and for a whole engine."""
+    if not any(hasattr(obj, name) for name in WRITTEN):
+        return []
+    return missing_members(obj)
 
 
 def missing_features(engine: EngineContract, config: "Config") -> list[str]:
@@ -147,4 +169,5 @@ def missing_features(engine: EngineContract, config: "Config") -> list[str]:
     return [name for name, on in asked if on and name not in engine.features]
 
 
-__all__ = ["FEATURES", "EngineContract", "ModelInfo", "Parts", "missing_features"]
+__all__ = ["FEATURES", "MEMBERS", "EngineContract", "ModelInfo", "Parts", "missing_features", "missing_members",
+           "partial_engine"]

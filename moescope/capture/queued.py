@@ -16,15 +16,21 @@ import logging
 import queue
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from moescope.capture.observer import Observer
+from moescope.capture.observer import Observer, RuntimeObserver
+from moescope.capture.sources import Reading, Sources
+
+if TYPE_CHECKING:  # typing only: the seam imports no engine
+    from moescope.capture.records import RequestRecord, StepRecord
+    from moescope.capture.token_trace import StepTrace
+    from moescope.runtime.expert_cache import CacheDelta
 
 log = logging.getLogger("moescope.capture")
 _STOP = object()
 
 
-class QueuedObserver(Observer):
+class QueuedObserver(RuntimeObserver):
     """Forwards ``on_step``, ``on_request`` and ``on_cache`` to ``inner`` on a worker thread.
 
     Args:
@@ -33,13 +39,15 @@ class QueuedObserver(Observer):
         name: the ``queue`` label of ``moescope_capture_dropped_total``.
         tick_s: call ``inner.tick()`` at least this often (None: never).
         batch_s: pause after each batch, so that events arrive in batches (0: wake for every event).
+        sources: where it reports its drops and errors (a ``capture.sources.Source``; ``moescope.instrument``
+            registers a queued observer given in ``observers`` itself).
     Attributes:
         dropped: events dropped because the queue was full.
         errors: exceptions the inner observer raised (logged once, never re-raised).
     """
 
     def __init__(self, inner: Observer, *, maxsize: int = 1024, name: str | None = None,
-                 tick_s: float | None = None, batch_s: float = 0.0) -> None:
+                 tick_s: float | None = None, batch_s: float = 0.0, sources: Sources | None = None) -> None:
         self.inner = inner
         self.name = name or type(inner).__name__
         self.tick_s, self.batch_s = tick_s, batch_s
@@ -48,6 +56,12 @@ class QueuedObserver(Observer):
         self.errors = 0
         self._thread = threading.Thread(target=self._loop, name=f"moescope-{self.name}", daemon=True)
         self._thread.start()
+        if sources is not None:
+            sources.register(self)
+
+    def read(self) -> Reading:
+        """Events dropped and sink errors, under the queue's name."""
+        return Reading(dropped={self.name: self.dropped}, errors={self.name: self.errors} if self.errors else {})
 
     def _put(self, item: tuple[str, tuple[Any, ...]]) -> None:
         try:
@@ -55,13 +69,13 @@ class QueuedObserver(Observer):
         except queue.Full:
             self.dropped += 1
 
-    def on_step(self, step: Any) -> None:
+    def on_step(self, step: "StepRecord | StepTrace") -> None:  # (the trace capture hands on its StepTrace)
         self._put(("on_step", (step,)))
 
-    def on_request(self, request: Any) -> None:
+    def on_request(self, request: "RequestRecord") -> None:
         self._put(("on_request", (request,)))
 
-    def on_cache(self, layer: int, delta: Any) -> None:
+    def on_cache(self, layer: int, delta: "CacheDelta") -> None:
         self._put(("on_cache", (layer, delta)))
 
     def _call(self, hook: str, *args: Any) -> None:
@@ -73,10 +87,11 @@ class QueuedObserver(Observer):
                 log.exception("queued observer %s raised in %s (counted; later errors not logged)", self.name, hook)
 
     def _loop(self) -> None:
-        tick = getattr(self.inner, "tick", None) if self.tick_s else None
+        tick_s = self.tick_s or 0.0
+        tick = getattr(self.inner, "tick", None) if tick_s else None
         last_tick = time.monotonic()
         while True:
-            wait = None if tick is None else max(0.0, self.tick_s - (time.monotonic() - last_tick))
+            wait = None if tick is None else max(0.0, tick_s - (time.monotonic() - last_tick))
             try:
                 batch = [self._queue.get(timeout=wait)]
             except queue.Empty:
@@ -92,7 +107,7 @@ class QueuedObserver(Observer):
                     stop = True
                     continue
                 self._call(item[0], *item[1])
-            if tick is not None and (stop or time.monotonic() - last_tick >= self.tick_s):
+            if tick is not None and (stop or time.monotonic() - last_tick >= tick_s):
                 self._call("tick")
                 last_tick = time.monotonic()
             if stop:

@@ -30,7 +30,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from moescope.capture.observer import Observer
 
 if TYPE_CHECKING:
     from moescope.capture.decision import RoutingDecision
+    from moescope.capture.records import RequestRecord, StepRecord
 
 log = logging.getLogger("moescope.capture")
 
@@ -251,7 +252,8 @@ class RoutingProbe(Observer):
         self._worker: threading.Thread | None = None  # summarise_in_background(): the probe's own thread
         self._due = threading.Event()
         self._stopping = threading.Event()
-        self._serial = contextlib.nullcontext()  # with a worker: one flush at a time, in order
+        # with a worker: one flush at a time, in order
+        self._serial: contextlib.AbstractContextManager = contextlib.nullcontext()
         self.errors = 0  # the worker's flushes that raised (counted, logged once)
         # With an evaluator (``metrics.state``): it calls ``flush`` once per interval on its own thread, and
         # ``on_step`` only calls ``on_due`` (to wake it) when ``max_pending`` steps wait; past ``hard_limit`` steps
@@ -271,9 +273,12 @@ class RoutingProbe(Observer):
         with self._lock:
             self._times[layer] = (router_s, experts_s)
 
-    def on_step(self, step: Any) -> bool:
-        """The step ended: its routing is what was routed since the last step. False: the step was dropped
-        (``resync``) and must not be counted elsewhere either."""
+    def on_step(self, step: "StepRecord") -> None:
+        self.end_step(step)
+
+    def end_step(self, step: "StepRecord") -> bool:
+        """The step ended: its routing is what was routed since the last step (``on_step``, for a caller that reads
+        the answer). False: the step was dropped (``resync``) and must not be counted elsewhere either."""
         with self._lock:
             first = self._bounds[-1][0] if self._bounds else 0  # (what a flush left pending is this step's)
             if self._resync:  # capture was turned back on: this step may have begun while it was off
@@ -353,8 +358,10 @@ class RoutingProbe(Observer):
         self._due.set()
         worker.join(timeout)
 
-    def on_request(self, request_id: str) -> None:
-        """The request finished: its draw is complete once the steps already reported are summarised."""
+    def on_request(self, request: "RequestRecord | str") -> None:
+        """The request (its record, or its id) finished: its draw is complete once the steps already reported are
+        summarised."""
+        request_id = request if isinstance(request, str) else request.request_id
         with self._lock:
             self._finished.append(request_id)
 
@@ -453,8 +460,8 @@ class RoutingProbe(Observer):
             flat = (base[:, None] + slots).reshape(-1)
             binned = torch.zeros(n_sample * n_layers * width, dtype=torch.int32, device=slots.device)
             binned.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))  # (no max read back: no sync)
-            binned = binned.cpu().numpy()  # the sample's one device->host copy per flush (a CPU tensor: a view)
-            counts[...] = binned.reshape(n_sample, n_layers, width)[:, :, :n_exp]
+            host = binned.cpu().numpy()  # the sample's one device->host copy per flush (a CPU tensor: a view)
+            counts[...] = host.reshape(n_sample, n_layers, width)[:, :, :n_exp]
         return StepSample(tuple(s_index[j] for j in of.tolist()), tuple(s_phase[j] for j in of.tolist()), of,
                           counts, n_steps)
 

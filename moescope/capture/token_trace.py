@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
-from moescope.capture.observer import Observer
+from moescope.capture.observer import RuntimeObserver
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # typing only: the seam imports no engine
     from moescope.capture.decision import RoutingDecision
+    from moescope.capture.records import StepRecord
+    from moescope.parallel.expert_parallel import AllToAllRecord
+    from moescope.runtime.expert_cache import CacheDelta
 
 
 def row_dtype(top_k: int, n_experts: int) -> np.dtype:
@@ -50,7 +53,7 @@ class TraceArrays:
 class StepTrace:
     """Everything one engine step routed, by reference (``pack()`` packs steps)."""
 
-    step: Any  # StepRecord: phase, timings, and segments mapping tokens to requests
+    step: "StepRecord"  # phase, timings, and segments mapping tokens to requests
     decisions: tuple[tuple[int, "RoutingDecision"], ...]
     layer_seconds: dict[int, tuple[float, float]]  # layer -> (router_s, experts_s)
     missed: dict[int, tuple[int, ...]]  # layer -> experts that missed the expert cache in this step
@@ -97,7 +100,7 @@ def pack(traces: Sequence[StepTrace]) -> list[TraceArrays | None]:
     return out
 
 
-class TokenTraceCapture(Observer):
+class TokenTraceCapture(RuntimeObserver):
     """Collects each step's routing by reference and hands it on as a ``StepTrace``; ``listener`` must not
     block (a ``QueuedObserver.on_step``)."""
 
@@ -117,11 +120,11 @@ class TokenTraceCapture(Observer):
     def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:
         self._times[layer] = (router_s, experts_s)
 
-    def on_cache(self, layer: int, delta: Any) -> None:
+    def on_cache(self, layer: int, delta: "CacheDelta") -> None:
         if delta.missed:
             self._missed[layer] = self._missed.get(layer, ()) + tuple(delta.missed)
 
-    def on_all_to_all(self, record: Any) -> None:
+    def on_all_to_all(self, record: "AllToAllRecord") -> None:
         self._a2a[record.layer] = self._a2a.get(record.layer, 0.0) + record.seconds
         if any(record.peer_wait_s):
             waits = self._peer_wait.setdefault(record.layer, [0.0] * len(record.peer_wait_s))
@@ -132,7 +135,7 @@ class TokenTraceCapture(Observer):
         """Capture turned back on: the next step may have begun while it was off; if so, it is not traced."""
         self._resync = True
 
-    def on_step(self, step: Any) -> None:
+    def on_step(self, step: "StepRecord") -> None:
         if self._resync:  # capture turned back on: a step with fewer layers than a whole forward began while off
             self._resync = False
             if len(self._pending) < self._layers_per_step:

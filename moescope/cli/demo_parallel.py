@@ -10,7 +10,7 @@ import time
 
 import click
 
-from moescope.capture.observer import Observer
+from moescope.capture.observer import RuntimeObserver
 from moescope.cli.config_options import build_model
 from moescope.cli.options import emit_json
 from moescope.errors import BadInput, MoescopeError
@@ -69,7 +69,7 @@ def validate_launch(model_opts, config, world_size: int, placement_spec: str, sl
     return net, placement
 
 
-class AllToAllStats(Observer):
+class AllToAllStats(RuntimeObserver):
     """Per-rank totals for the summary: all-to-all seconds per op, and the wait on each peer."""
 
     def __init__(self, world_size: int) -> None:

@@ -18,7 +18,7 @@ import numpy as np
 
 from moescope import efficiency, sampling, stats, thresholds
 from moescope.capture.engine_contract import ModelInfo
-from moescope.capture.routing_probe import UNKNOWN_MODE, StepStats
+from moescope.capture.routing_probe import UNKNOWN_MODE, DrawCounts, StepExperts, StepStats
 from moescope.metrics.histograms import Histograms
 from moescope.metrics.window import LearnedReference, RoutingWindow
 
@@ -190,13 +190,14 @@ class Counts:
             self.histograms.add("moescope_router_seconds", (), [ls.router_s for ls in timed])
             self.histograms.add("moescope_expert_compute_seconds", (), [ls.experts_s for ls in timed])
         if st.draws is not None:
-            self._fold(st, second)
+            self._fold(st, st.draws, second)
         if st.experts is not None:
-            self._experts(st)
+            self._experts(st, st.experts)
 
-    def _experts(self, st: StepStats) -> None:
-        """The distinct experts each step touched, and the bytes and FLOPs that implies (moescope.efficiency)."""
-        x, info = st.experts, self.info
+    def _experts(self, st: StepStats, x: StepExperts) -> None:
+        """The distinct experts each step touched (``x``, ``st``'s), and the bytes and FLOPs that implies
+        (moescope.efficiency)."""
+        info = self.info
         lc = self.layer_counters
         routed = x.distinct >= 0  # [S, L]
         for j, ls in enumerate(st.layers):
@@ -225,11 +226,10 @@ class Counts:
                                           len(info.moe_layers), info.top_k, info.attn_flops_per_context)
                     for r, a in zip(x.rows[mask].tolist(), x.attended[mask].tolist()))
 
-    def _fold(self, st: StepStats, second: int) -> None:
-        """Per-request counts into the in-flight requests; finished requests and unmapped forwards into the
-        window's draws."""
+    def _fold(self, st: StepStats, d: DrawCounts, second: int) -> None:
+        """Per-request counts (``d``, ``st``'s) into the in-flight requests; finished requests and unmapped forwards
+        into the window's draws."""
         win = self.routing_window
-        d = st.draws
         n_layers, e = len(win.layers), win.n_experts
         rows = np.array([win.row[ls.layer] for ls in st.layers], dtype=np.int64)
         done: list[np.ndarray] = []

@@ -1,13 +1,16 @@
 """Prometheus exposition over ``MetricsObserver``, and an HTTP endpoint per rank.
 
-Nothing is computed per token or per increment: everything is read from the observer's host-side state when
-Prometheus scrapes. Two writers share one exposition:
+Nothing is computed per token or per increment, nor at scrape time: everything is read from the snapshot the
+evaluator published last. The exporter serves one prometheus_client ``CollectorRegistry`` (``registry=``: its own
+when none is passed), on which two collectors register, each rendered by the writer built for it:
 
-- prometheus_client renders the few families it is built for: the histograms (its ``Histogram``, exemplars
-  included), process metrics (its ``ProcessCollector``), build info, throughput and all-to-all counters;
-- ``moescope.metrics.exposition`` renders the layer-labelled families (routing, window gauges, per-expert
-  tiers, cache per layer), which at DeepSeek-V3's shape are ~17,000 series prometheus_client would take
-  ~0.4 s to format (that module says why).
+- ``MoescopeCollector``: the few families prometheus_client renders (the histograms, exemplars included, process
+  metrics from its ``ProcessCollector``, build info, throughput and all-to-all counters, drops and errors);
+- ``metrics.layer_families.LayerFamilies``: the layer-labelled families (routing, window gauges, per-expert tiers,
+  cache per layer, the bars), which at DeepSeek-V3's shape are ~17,000 series prometheus_client would take ~0.4 s
+  to format: the fast writer renders them (``metrics.exposition``, which says why and how both share the registry).
+
+Anything else registered on the registry (a user's own prometheus_client metrics) is served with them.
 
 The endpoint binds 127.0.0.1 unless told otherwise and serves OpenMetrics (with exemplars) to clients that
 ask for it (Prometheus does), the text format 0.0.4 otherwise, gzip-compressed when the client accepts it.
@@ -18,7 +21,6 @@ from __future__ import annotations
 import gzip
 import http.server
 import logging
-import math
 import os
 import threading
 from typing import Iterable
@@ -26,30 +28,29 @@ from typing import Iterable
 from moescope.version import __version__
 from moescope.errors import BadInput
 from moescope.metrics import catalogue, histograms, system
-from moescope.metrics import step_balance_families  # [eplb] wiring
-from moescope.metrics.exposition import FamilyWriter
-from moescope.metrics.state import EXTREMES_K, LAYER_GAUGES, MetricsObserver
+from moescope.metrics.exposition import exposition
+from moescope.metrics.layer_families import LayerFamilies
+from moescope.metrics.state import EXTREMES_K, MetricsObserver
 
 log = logging.getLogger("moescope.metrics")
 
 TEXT = "text/plain; version=0.0.4; charset=utf-8"
 OPENMETRICS = "application/openmetrics-text; version=1.0.0; charset=utf-8"
-ROUTING_LAYER_COUNTERS = ("moescope_tokens_dropped_total", "moescope_router_nonfinite_logits_total",
-                          "moescope_expert_distinct_total", "moescope_expert_distinct_steps_total")
-CACHE_LAYER_COUNTERS = tuple(m.name for m in catalogue.CATALOGUE
-                             if m.name.startswith("moescope_expert_cache_") and m.kind == "counter")
 
 
 class MoescopeCollector:
-    """prometheus-client ``Collector`` for the families prometheus_client renders (a few dozen series)."""
+    """prometheus-client ``Collector`` for the families prometheus_client renders (a few dozen series). With
+    ``registry``, it registers itself there (prometheus_client's ``registry=``)."""
 
-    def __init__(self, state: MetricsObserver, *, gpu: bool = True) -> None:
+    def __init__(self, state: MetricsObserver, *, gpu: bool = True, registry=None) -> None:
         from prometheus_client import ProcessCollector  # optional: prometheus_client (the metrics extra)
 
         self.state, self.gpu = state, gpu
         self.process = ProcessCollector(namespace="moescope", registry=None)
         # which launch of expert-parallel ranks this process belongs to (parallel/spawn.py sets it for its ranks)
         self.replica = os.environ.get("MOESCOPE_REPLICA", "")
+        if registry is not None:
+            registry.register(self)
 
     def describe(self) -> Iterable:
         return []  # families vary with data; skip registry-time collection
@@ -76,11 +77,11 @@ class MoescopeCollector:
             f.add_metric(list(base), value)
             yield f
         peak = st.peak
-        for name, value in (("moescope_peak_bandwidth_bytes_per_second", peak and peak.bandwidth),
-                            ("moescope_peak_flops_per_second", peak and peak.flops)):
-            if value:
+        for name, rate in (("moescope_peak_bandwidth_bytes_per_second", peak and peak.bandwidth),
+                           ("moescope_peak_flops_per_second", peak and peak.flops)):
+            if rate:
                 f = self._family(name)
-                f.add_metric(list(base), float(value))
+                f.add_metric(list(base), float(rate))
                 yield f
         by_name: dict[str, list] = {}
         for (name, labels), v in sorted(snap.counters.items()):
@@ -129,138 +130,6 @@ class MoescopeCollector:
                     yield f
 
 
-def routing_text(st: MetricsObserver, w: FamilyWriter, openmetrics: bool) -> str:
-    """The layer-labelled families (and the model's activation gauges), written by the fast writer from the last
-    evaluation's snapshot (read, never computed here)."""
-    snap = st.current()
-    out = []
-    if st.export_routing:
-        out += _routing_counters(st, snap, w, openmetrics)
-        out += _window_gauges(st, snap, w, openmetrics)
-        out += _rank_and_totals(st, snap, w, openmetrics)
-        # [eplb] wiring: the step-level prediction's families from its snapshot (metrics.step_balance_families)
-        out.append(step_balance_families.text(snap.extra.get("StepBalance"), w, openmetrics, st.per_expert))
-    out += _cache_and_eplb(snap, w, openmetrics)
-    out.append(_bars_text(st, snap, w, openmetrics))
-    return "".join(out)
-
-
-def _layer_rows(values: dict) -> list:
-    return [((str(k),), v) for k, v in sorted(values.items())]
-
-
-def _routing_counters(st: MetricsObserver, snap, w: FamilyWriter, om: bool) -> list[str]:
-    spec = catalogue.BY_NAME
-    out = []
-    if snap.activation is not None:
-        out.append(w.family(spec["moescope_activation_ratio"], [((), snap.activation)], om))
-    out.append(w.family(spec["moescope_activation_expected_ratio"], [((), st.info.expected_activation)], om))
-    by_mode = sorted(((str(layer), mode), v) for (layer, mode), v in snap.router_tokens_by_mode.items())
-    out.append(w.family(spec["moescope_router_tokens_total"], by_mode, om))  # by forward_mode
-    for name in ROUTING_LAYER_COUNTERS:
-        out.append(w.family(spec[name], _layer_rows(snap.layer_counters.get(name, {})), om))
-    rerouted = sorted((labels, v) for (name, labels), v in snap.counters.items()
-                      if name == "moescope_rerouted_slots_total")
-    out.append(w.family(spec["moescope_rerouted_slots_total"], rerouted, om))
-    return out
-
-
-def _window_gauges(st: MetricsObserver, snap, w: FamilyWriter, om: bool) -> list[str]:
-    """The window's gauges per layer, the hot experts, the references and the baseline's series."""
-    spec = catalogue.BY_NAME
-    g = snap.gauges
-    layers = [str(layer) for layer in g.layers]
-    out = [w.family(spec[name], [((lay,), v) for lay, v in zip(layers, getattr(g, attr).tolist())], om)
-           for name, attr in LAYER_GAUGES]
-    out.append(w.family(spec["moescope_window_draws"], [((), g.window_draws)], om))
-    out.append(w.family(spec["moescope_routing_drift_jsd_bits"], _layer_rows(snap.drift), om))
-    out.append(w.family(spec["moescope_routing_drift_noise_bits"], _layer_rows(snap.drift_noise), om))
-    out.append(w.family(spec["moescope_routing_flip_ratio"], _layer_rows(snap.flips), om))
-    hot = g.hot_experts(EXTREMES_K)
-    reference = list(g.hot_reference) or ["fair"] * len(layers)
-    out.append(w.family(spec["moescope_expert_hot_factor_ratio"],
-                        [((lay, str(e), reference[j]), f) for j, lay in enumerate(layers) for e, f in hot[j]], om))
-    if g.dead_holding is not None:
-        out.append(w.family(spec["moescope_dead_experts_holding"],
-                            [((lay,), v) for lay, v in zip(layers, g.dead_holding.tolist())], om))
-    for name, values in (("moescope_reference_load_cv_ratio", g.reference_cv),
-                         ("moescope_reference_top_share_ratio", g.reference_top)):
-        if values is not None:  # absent while a layer's reference is being learned
-            out.append(w.family(spec[name], [((lay, reference[j]), v) for j, (lay, v) in
-                                             enumerate(zip(layers, values.tolist())) if math.isfinite(v)], om))
-    n_exp = st.info.n_experts
-    out.append(w.gauge_histogram(spec["moescope_expert_load_relative"],
-                                 [((lay,), [*rel, n_exp], float(n_exp)) for lay, rel in
-                                  zip(layers, g.relative.astype(int).tolist())], om))
-    extremes = g.extremes(EXTREMES_K)
-    slots = g.slots.astype(int)
-    out.append(w.family(spec["moescope_expert_window_slots"],
-                        [((lay, str(e)), int(slots[j, e])) for j, lay in enumerate(layers) for e in extremes[j]], om))
-    out.append(_baseline_text(st, g, snap.baseline, extremes, hot, w, om))
-    return out
-
-
-def _rank_and_totals(st: MetricsObserver, snap, w: FamilyWriter, om: bool) -> list[str]:
-    spec = catalogue.BY_NAME
-    out = []
-    if snap.rank_loads is not None:
-        per_layer, per_rank = snap.rank_loads
-        out.append(w.family(spec["moescope_rank_load_max_over_mean_ratio"], _layer_rows(per_layer), om))
-        out.append(w.family(spec["moescope_rank_window_slots"], _layer_rows(per_rank), om))
-    if st.per_expert and snap.expert_tokens:
-        big = spec["moescope_expert_tokens_total"]
-        out.append(w.header(big, om) + "".join(w.expert_rows(big, layer, values.tolist())
-                                               for layer, values in sorted(snap.expert_tokens.items())))
-    return out
-
-
-def _cache_and_eplb(snap, w: FamilyWriter, om: bool) -> list[str]:
-    spec = catalogue.BY_NAME
-    out = [w.family(spec[name], _layer_rows(snap.layer_counters.get(name, {})), om) for name in CACHE_LAYER_COUNTERS]
-    out.append(w.family(spec["moescope_expert_cache_capacity_ratio"], _layer_rows(snap.capacity), om))
-    for name, values in zip(("moescope_eplb_before_max_over_mean_ratio", "moescope_eplb_predicted_max_over_mean_ratio",
-                             "moescope_eplb_measured_max_over_mean_ratio"), snap.eplb):
-        out.append(w.family(spec[name], _layer_rows(values), om))
-    return out
-
-
-# The bars a rank that exports no routing still has a quantity for (its cache, all-to-all, fetches, memory)
-_BARS_WITHOUT_ROUTING = ("cache", "all_to_all", "fetch", "slow_rank_share", "slow_rank_wait", "memory")
-
-
-def _bars_text(st: MetricsObserver, snap, w: FamilyWriter, openmetrics: bool) -> str:
-    """The bar and clear bar of every judgement (``Thresholds.bars``, computed by the evaluator: the series the alert
-    rules compare with), for every layer of the model and for the model."""
-    if snap.bars is None:
-        return ""
-    layers, bars = snap.bars
-    routing = st.export_routing
-    return "".join(w.family(catalogue.BY_NAME[name], [r for r in bars.rows(layers, clear)
-                                                      if routing or r[0][0] in _BARS_WITHOUT_ROUTING], openmetrics)
-                   for name, clear in (("moescope_judgement_bar", False), ("moescope_judgement_clear_bar", True)))
-
-
-def _baseline_text(st: MetricsObserver, g, profile, extremes, hot, w: FamilyWriter, openmetrics: bool) -> str:
-    """The loaded baseline's series: its structural CV per layer and each expert's share (full tier: every
-    expert of every layer it has; reduced tier: the experts of moescope_expert_window_slots and the hot
-    experts)."""
-    if profile is None:
-        return ""
-    spec = catalogue.BY_NAME
-    model_layers = set(st.current().window_layers)
-    layers = sorted(layer for layer in profile.layers if layer in model_layers)
-    out = [w.family(spec["moescope_baseline_load_cv_ratio"],
-                    [((str(k),), float(profile.layers[k].structural_cv)) for k in layers], openmetrics)]
-    share = spec["moescope_baseline_expert_share_ratio"]
-    if st.per_expert:
-        rows = [((str(k), str(e)), v) for k in layers for e, v in enumerate(profile.layers[k].share.tolist())]
-    else:
-        shown = {layer: sorted(set(extremes[j]) | {e for e, _ in hot[j]}) for j, layer in enumerate(g.layers)}
-        rows = [((str(k), str(e)), float(profile.layers[k].share[e])) for k in layers for e in shown.get(k, ())]
-    out.append(w.family(share, rows, openmetrics))
-    return "".join(out)
-
-
 class BindError(BadInput):
     """The exporter's address cannot be bound (a port in use, an address not on this host). The message names no
     flag: a command that took the port from one (``--metrics-port``) says so where it catches this."""
@@ -271,16 +140,22 @@ class BindError(BadInput):
 
 
 class Exporter:
-    """An HTTP endpoint serving one rank's metrics. ``port=0`` picks a free port (see ``.port``)."""
+    """An HTTP endpoint serving one rank's metrics. ``port=0`` picks a free port (see ``.port``).
 
-    def __init__(self, state: MetricsObserver, *, port: int, addr: str = "127.0.0.1") -> None:
+    Args:
+        state: the ``MetricsObserver`` whose snapshot is served: its two collectors (``MoescopeCollector``,
+            ``LayerFamilies``) register on ``registry``.
+        registry: the prometheus_client ``CollectorRegistry`` served (None: a new one); whatever else is registered
+            on it is served too.
+    """
+
+    def __init__(self, state: MetricsObserver, *, port: int, addr: str = "127.0.0.1", registry=None) -> None:
         from prometheus_client import CollectorRegistry  # optional: prometheus_client (the metrics extra)
 
         self.state = state
-        self.registry = CollectorRegistry(auto_describe=False)
-        self.collector = MoescopeCollector(state)
-        self.registry.register(self.collector)
-        self.writer = FamilyWriter(state.info.name, str(state.rank))
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
+        self.collector = MoescopeCollector(state, registry=self.registry)
+        self.layers = LayerFamilies(state, registry=self.registry)
         self.addr, self.port = addr, port
         self._server: http.server.ThreadingHTTPServer | None = None
         if not state.per_expert:
@@ -289,17 +164,8 @@ class Exporter:
                         "in the trace store", len(state.info.moe_layers) * state.info.n_experts, EXTREMES_K)
 
     def exposition(self, openmetrics: bool = False) -> bytes:
-        """The current exposition text, without HTTP (tests, ``promtool check metrics``)."""
-        if openmetrics:
-            # optional: prometheus_client (the metrics extra)
-            from prometheus_client.openmetrics.exposition import generate_latest
-        else:
-            from prometheus_client import generate_latest  # optional: prometheus_client (the metrics extra)
-        small = generate_latest(self.registry)
-        fast = routing_text(self.state, self.writer, openmetrics).encode()
-        if openmetrics:  # one "# EOF", at the very end
-            return small[: -len(b"# EOF\n")] + fast + b"# EOF\n"
-        return small + fast
+        """The registry's exposition text now, without HTTP (tests, ``promtool check metrics``)."""
+        return exposition(self.registry, openmetrics)
 
     def start(self) -> "Exporter":
         exporter = self

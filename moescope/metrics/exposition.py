@@ -7,12 +7,20 @@ series' name-and-labels prefix once (cached per series) and formats only the val
 sample). It writes what prometheus_client writes for the same families, in the Prometheus text format 0.0.4
 and in OpenMetrics 1.0 (tests/test_exposition.py parses both renderings and compares them); the few other
 families (histograms with exemplars, process, build info) still go through prometheus_client.
+
+Both kinds sit on one prometheus_client ``CollectorRegistry``: a collector whose families the fast writer renders
+yields them as ``Rendered`` families (prometheus_client's ``Metric``, read by duck typing: name, documentation,
+type, unit, samples) and ``exposition(registry, openmetrics)`` walks the registry in its order, writing a
+``Rendered`` family's text directly and everything else through prometheus_client. Any other reader of the registry
+(prometheus_client's own ``generate_latest``, ``get_sample_value``) reads a ``Rendered`` family's samples, parsed back
+from the same text: slow, and the same exposition (tests/test_exposition.py compares the two).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from functools import partial
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from moescope.metrics.catalogue import MetricSpec
 
@@ -69,6 +77,11 @@ class FamilyWriter:
         lines = [self.prefix(spec.name, spec, values) + fmt(v) + "\n" for values, v in rows]
         return self.header(spec, openmetrics) + "".join(lines) if lines else ""
 
+    def experts(self, spec: MetricSpec, per_layer: Mapping[int, Any], openmetrics: bool) -> str:
+        """A (layer, expert) counter of every expert of every layer (``per_layer``: layer -> [E] integer counts)."""
+        return self.header(spec, openmetrics) + "".join(self.expert_rows(spec, layer, values.tolist())
+                                                        for layer, values in sorted(per_layer.items()))
+
     def expert_rows(self, spec: MetricSpec, layer: int, values: list[int]) -> str:
         """Lines of a (layer, expert) counter for every expert of one layer, from per-expert integer counts
         (the full tier: 256 a layer at DeepSeek-V3's shape, so the row's prefixes are cached as one list)."""
@@ -100,3 +113,105 @@ class FamilyWriter:
         return (self.header(spec, False) + "".join(buckets)
                 + self.header(spec, False, spec.name + "_gcount", "gauge") + "".join(gcount)
                 + self.header(spec, False, spec.name + "_gsum", "gauge") + "".join(gsum))
+
+
+class Rendered:
+    """One family the fast writer renders, as prometheus_client reads a ``Metric`` (a duck: no prometheus_client import
+    here, the metrics extra's). ``render(openmetrics)`` writes its text when a scrape asks, in the scrape's format;
+    ``samples`` parses that text back (OpenMetrics, prometheus_client's parser) for any other reader of a registry."""
+
+    unit = ""
+
+    def __init__(self, spec: MetricSpec, render: Callable[[bool], str]) -> None:
+        self.spec, self._render = spec, render
+        self.name, self.documentation, self.type = spec.family, spec.help, spec.kind
+
+    def text(self, openmetrics: bool) -> str:
+        return self._render(openmetrics)
+
+    @property
+    def samples(self) -> list:
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families  # optional: the metrics extra
+
+        return [s for fam in text_string_to_metric_families(self.text(True) + "# EOF\n") for s in fam.samples]
+
+    def _restricted_metric(self, names):
+        """What a restricted registry (prometheus_client's ``name[]`` query) takes of this family."""
+        from prometheus_client.metrics_core import Metric  # optional: the metrics extra
+
+        samples = [s for s in self.samples if s.name in names]
+        if not samples:
+            return None
+        m = Metric(self.name, self.documentation, self.type)
+        m.samples = samples
+        return m
+
+
+class Families(list):
+    """The ``Rendered`` families one collection yields, added from their rows (a family without rows is left out, as
+    the writer leaves it out of the text)."""
+
+    def __init__(self, writer: FamilyWriter) -> None:
+        super().__init__()
+        self.writer = writer
+
+    def family(self, spec: MetricSpec, rows: Iterable[tuple[tuple[str, ...], float]]) -> None:
+        """A counter or gauge family (``FamilyWriter.family``)."""
+        rows = list(rows)
+        if rows:
+            self.append(Rendered(spec, partial(self.writer.family, spec, rows)))
+
+    def gauge_histogram(self, spec: MetricSpec, rows: Iterable[tuple[tuple[str, ...], Sequence[float], float]]) -> None:
+        """A gauge histogram (``FamilyWriter.gauge_histogram``)."""
+        rows = list(rows)
+        if rows:
+            self.append(Rendered(spec, partial(self.writer.gauge_histogram, spec, rows)))
+
+    def experts(self, spec: MetricSpec, per_layer: Mapping[int, Any]) -> None:
+        """A (layer, expert) counter of every expert (``FamilyWriter.experts``)."""
+        if per_layer:
+            self.append(Rendered(spec, partial(self.writer.experts, spec, per_layer)))
+
+    def rendered(self, spec: MetricSpec, render: Callable[[bool], str]) -> None:
+        """A family written by a function of its own (``render(openmetrics)``)."""
+        self.append(Rendered(spec, render))
+
+
+class _Batch:
+    """prometheus_client families handed to its own writer, as a collector."""
+
+    def __init__(self, metrics: list) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> list:
+        return self.metrics
+
+
+def exposition(registry, openmetrics: bool) -> bytes:
+    """Everything registered on ``registry`` (a prometheus_client ``CollectorRegistry``), in its order: a ``Rendered``
+    family's own text, and runs of other families written by prometheus_client; OpenMetrics' one ``# EOF`` at the
+    end."""
+    # optional: prometheus_client (the metrics extra)
+    from prometheus_client import exposition as text_format
+    from prometheus_client.openmetrics import exposition as om_format
+
+    generate_latest: Callable[[Any], bytes] = om_format.generate_latest if openmetrics else text_format.generate_latest
+    out: list[bytes] = []
+    batch: list = []
+
+    def flush() -> None:
+        if batch:
+            text = generate_latest(_Batch(list(batch)))
+            out.append(text[: -len(b"# EOF\n")] if openmetrics else text)
+            batch.clear()
+
+    for metric in registry.collect():
+        if isinstance(metric, Rendered):
+            flush()
+            out.append(metric.text(openmetrics).encode())
+        else:
+            batch.append(metric)
+    flush()
+    if openmetrics:
+        out.append(b"# EOF\n")
+    return b"".join(out)

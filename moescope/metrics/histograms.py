@@ -111,7 +111,7 @@ def families(data: dict[tuple[str, tuple[str, ...]], HistogramData], base: tuple
         les = [floatToGoString(b) for b in spec.buckets] + ["+Inf"]
         for labels, d in children:
             cum = np.cumsum(d.counts).tolist()
-            buckets = []
+            buckets: list[tuple[str, float] | tuple[str, float, Exemplar]] = []
             for le, n, ex in zip(les, cum, d.exemplars):
                 if ex is None:
                     buckets.append((le, float(n)))

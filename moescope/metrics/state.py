@@ -48,6 +48,7 @@ from moescope.parallel.step_balance import InUse, StepBalance  # [eplb] wiring
 if TYPE_CHECKING:  # typing only: the payloads the engine hands over
     from moescope.capture.decision import RoutingDecision
     from moescope.capture.records import RequestRecord, StepRecord
+    from moescope.metrics.evaluator import Evaluator
     from moescope.parallel.eplb import Rebalance
     from moescope.parallel.expert_parallel import AllToAllRecord
     from moescope.parallel.placement import Placement
@@ -104,7 +105,7 @@ class MetricsObserver(RuntimeObserver):
         self.probe.on_due = self.wake
         # per layer per forward: straight to the probe, one Python call less (FanOut binds the instance's attribute)
         self.on_routing = self.probe.on_routing  # type: ignore[method-assign]
-        self.on_layer_time = self.probe.on_layer_time  # type: ignore[method-assign]
+        self.on_layer_time = self.probe.on_layer_time  # type: ignore[method-assign]  # (as on_routing)
         self._inbox_lock = threading.Lock()
         self._inbox: list[tuple[str, Any]] = []
         self._inbox_dropped = 0
@@ -131,7 +132,7 @@ class MetricsObserver(RuntimeObserver):
         self._asked = 0  # the evaluation a read waits for (``wake``: one that begins after it)
         self._begun = 0  # evaluations begun
         self._published = threading.Condition()
-        self.evaluator = None  # metrics.evaluator.Evaluator, once started
+        self.evaluator: Evaluator | None = None  # once started
         self.snapshot = Snapshot(seq=0, at=clock(), gauges=self.counts.routing_window.gauges(None),
                                  window_layers=tuple(info.moe_layers))  # (an empty window's gauges)
 

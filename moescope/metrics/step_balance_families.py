@@ -1,5 +1,6 @@
 """The step-level prediction's families (``parallel.step_balance``; issue [eplb]), written from its ``Snapshot`` by
-the exporter's fast writer (``metrics.exposition.FamilyWriter``).
+the exporter's fast writer (``metrics.exposition.FamilyWriter``; the exporter's ``LayerFamilies`` collector yields
+them).
 
 Cardinality: per (EP size, placement, redundant) one histogram of 2 label sets (worst layer, mean over layers; a
 label set per layer only where ``per_layer`` was asked for) x (buckets + 3 samples) and three gauges: at DeepSeek-V3's
@@ -10,9 +11,10 @@ physical-slot counter of the placement in use is written only within the per-exp
 from __future__ import annotations
 
 import math
+from functools import partial
 
 from moescope.metrics import catalogue
-from moescope.metrics.exposition import FamilyWriter, fmt
+from moescope.metrics.exposition import Families, FamilyWriter, fmt
 
 
 def _labels(e) -> tuple[str, str, str]:
@@ -33,38 +35,43 @@ def histogram(spec, rows, w: FamilyWriter, openmetrics: bool) -> str:
     return w.header(spec, openmetrics) + "".join(lines) if lines else ""
 
 
-def text(snap, w: FamilyWriter, openmetrics: bool, full: bool) -> str:
-    """The families of ``snap`` (a ``parallel.step_balance.Snapshot``; None: none). ``full``: the per-expert tier
-    is on (the physical-slot counter fits the series budget)."""
+def families(snap, w: FamilyWriter, full: bool) -> Families:
+    """The families of ``snap`` (a ``parallel.step_balance.Snapshot``; None: none), each rendered when a scrape asks
+    (``exposition.Rendered``). ``full``: the per-expert tier is on (the physical-slot counter fits the series
+    budget)."""
+    out = Families(w)
     if snap is None or not snap.observed:
-        return ""
+        return out
     spec = catalogue.BY_NAME
-    out = []
     rows = [((*_labels(e), stat), e.hist[j], e.total[j]) for e in snap.entries for j, stat in enumerate(e.stats)
             if e.count[j] > 0]
-    out.append(histogram(spec["moescope_ep_step_max_over_mean_ratio"], rows, w, openmetrics))
+    if rows:
+        hist = spec["moescope_ep_step_max_over_mean_ratio"]
+        out.rendered(hist, partial(histogram, hist, rows, w))
     for name, attr in (("moescope_ep_straggler_ratio", "straggler"), ("moescope_ep_straggler_stderr_ratio", "stderr"),
                        ("moescope_ep_average_max_over_mean_ratio", "average")):
-        out.append(w.family(spec[name], [(_labels(e), getattr(e, attr)) for e in snap.entries
-                                         if math.isfinite(getattr(e, attr))], openmetrics))
-    out.append(w.family(spec["moescope_ep_sampled_steps_total"], [((), snap.sampled)], openmetrics))
-    out.append(w.family(spec["moescope_ep_steps_total"], [((), snap.steps)], openmetrics))
-    out.append(w.family(spec["moescope_ep_eplb_schedule_steps"], [(("window",), snap.schedule.window),
-                                                                  (("interval",), snap.schedule.every)], openmetrics))
+        out.family(spec[name], [(_labels(e), getattr(e, attr)) for e in snap.entries
+                                if math.isfinite(getattr(e, attr))])
+    out.family(spec["moescope_ep_sampled_steps_total"], [((), snap.sampled)])
+    out.family(spec["moescope_ep_steps_total"], [((), snap.steps)])
+    out.family(spec["moescope_ep_eplb_schedule_steps"], [(("window",), snap.schedule.window),
+                                                         (("interval",), snap.schedule.every)])
     if snap.in_use_rank_slots:
-        out.append(w.family(spec["moescope_ep_rearrangements_total"], [((), snap.rearranged)], openmetrics))
-        out.append(w.family(spec["moescope_ep_rank_slots_total"],
-                            [((str(r),), v) for r, v in enumerate(snap.in_use_rank_slots)], openmetrics))
+        out.family(spec["moescope_ep_rearrangements_total"], [((), snap.rearranged)])
+        out.family(spec["moescope_ep_rank_slots_total"], [((str(r),), v) for r, v in enumerate(snap.in_use_rank_slots)])
     if snap.rearrangements:
         last = snap.rearrangements[-1]
-        out.append(w.family(spec["moescope_ep_rearrangement_straggler_ratio"],
-                            [((when,), v) for when, v in (("before", last.before),
-                                                          ("predicted_old", last.predicted_old),
-                                                          ("predicted_new", last.predicted_new),
-                                                          ("after", last.after)) if math.isfinite(v)], openmetrics))
+        out.family(spec["moescope_ep_rearrangement_straggler_ratio"],
+                   [((when,), v) for when, v in (("before", last.before), ("predicted_old", last.predicted_old),
+                                                 ("predicted_new", last.predicted_new), ("after", last.after))
+                    if math.isfinite(v)])
     if full and snap.in_use_physical is not None:
-        big = spec["moescope_ep_physical_slots_total"]
-        out.append(w.family(big, [((str(layer), str(p)), float(v)) for layer, row in
-                                  zip(snap.layers, snap.in_use_physical) for p, v in enumerate(row.tolist())],
-                            openmetrics))
-    return "".join(out)
+        out.family(spec["moescope_ep_physical_slots_total"],
+                   [((str(layer), str(p)), float(v)) for layer, row in zip(snap.layers, snap.in_use_physical)
+                    for p, v in enumerate(row.tolist())])
+    return out
+
+
+def text(snap, w: FamilyWriter, openmetrics: bool, full: bool) -> str:
+    """The families of ``snap`` as exposition text (``families``, rendered now)."""
+    return "".join(f.text(openmetrics) for f in families(snap, w, full))

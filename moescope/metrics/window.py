@@ -192,13 +192,13 @@ class RoutingWindow:
             self.entropy[:] = 0.0
             self.margin[:] = 0.0
         while self._draw_bins and self._draw_bins[0].index * self.draw_bin_s <= now_second - self.window_s:
-            b = self._draw_bins.popleft()
-            self.draws.add(b.draws, -1.0)
-            self.n_draws -= b.n
-            if len(b.draws.draws) == len(self.layers):
+            db = self._draw_bins.popleft()
+            self.draws.add(db.draws, -1.0)
+            self.n_draws -= db.n
+            if len(db.draws.draws) == len(self.layers):
                 for name in ("draws", "slots", "slots_sq", "counts", "counts_sq", "cross"):
-                    getattr(b.draws, name)[...] = 0
-                self._spare_draws.append(b.draws)
+                    getattr(db.draws, name)[...] = 0
+                self._spare_draws.append(db.draws)
         if not self._draw_bins:
             self.draws = sampling.Draws.zeros(len(self.layers), self.n_experts)
 
@@ -312,7 +312,7 @@ class LearnedReference:
         read under its ``judge_lock``).
         ``g``: the gauges just judged against this reference (its experts over ``hot_factor`` keep theirs; a layer
         over its imbalance or collapse bar keeps its learned CV and top share)."""
-        if self.started is None:
+        if self.started is None or self.next_at is None:  # (both set together, at the first window with draws)
             if window.n_draws > 0:
                 self.started, self.next_at = now, now + self.window_s
             return

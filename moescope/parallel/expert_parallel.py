@@ -292,8 +292,9 @@ class ExpertParallel:
         event = Rebalance(self.steps, time.perf_counter() - start, moved, moved_bytes, before, predicted,
                           new_layers, before_rows, kept)
         self.events.append(event)
-        if self.observer is not None:
-            self.observer().on_rebalance(event)
+        on_rebalance = getattr(self.observer(), "on_rebalance", None) if self.observer is not None else None
+        if on_rebalance is not None:  # a RuntimeObserver's event (capture.observer)
+            on_rebalance(event)
 
     def _fleet_counts(self, layers: list[int], device) -> torch.Tensor:
         """[L, E] the fleet's slots per logical expert since the last rearrangement (one all-reduce: every rank
@@ -447,16 +448,16 @@ class ExpertParallel:
         out = combine(slot_out, weights)  # [T, H]
         combine_s = time.perf_counter() - start
 
-        if self.observer is not None:
+        on_all_to_all = getattr(self.observer(), "on_all_to_all", None) if self.observer is not None else None
+        if on_all_to_all is not None:  # a RuntimeObserver's event (capture.observer)
             row_bytes = hidden * x.element_size() + 8  # a row and its expert id
-            obs = self.observer()
-            obs.on_all_to_all(AllToAllRecord(layer, "dispatch", dispatch_s, tuple(n * row_bytes for n in sends),
-                                             tuple(n * row_bytes for n in recv_counts), wait, tuple(rows),
-                                             tuple(rank_rows), self.steps))
-            obs.on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
-                                             tuple(n * hidden * x.element_size() for n in recv_counts),
-                                             tuple(n * hidden * x.element_size() for n in sends),
-                                             (0.0,) * w, step=self.steps))
+            on_all_to_all(AllToAllRecord(layer, "dispatch", dispatch_s, tuple(n * row_bytes for n in sends),
+                                         tuple(n * row_bytes for n in recv_counts), wait, tuple(rows),
+                                         tuple(rank_rows), self.steps))
+            on_all_to_all(AllToAllRecord(layer, "combine", combine_s,
+                                         tuple(n * hidden * x.element_size() for n in recv_counts),
+                                         tuple(n * hidden * x.element_size() for n in sends),
+                                         (0.0,) * w, step=self.steps))
         self.combines += 1
         if failure is not None:
             raise failure

@@ -267,6 +267,14 @@ class Engine:
     def has_work(self) -> bool:
         return bool(self._waiting or self._running)
 
+    def _canary(self) -> None:
+        """Run the canary; its flip ratios go to the observer where it takes the runtime's events
+        (``capture.observer.RuntimeObserver``: an engine-neutral observer has no ``on_canary``)."""
+        flips = self.canary.run()
+        on_canary = getattr(self.observer, "on_canary", None)
+        if on_canary is not None:
+            on_canary(flips)
+
     # -- one step --------------------------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, only: set[str] | None = None) -> list[RequestRecord]:
@@ -276,7 +284,7 @@ class Engine:
         request by request. Raises ``StepFailed`` (state restored) when the forward or sampling raises."""
         self._told_idle = False
         if self.canary is not None and self.canary.due():
-            self.observer.on_canary(self.canary.run())
+            self._canary()
         now = self.clock()
         self._expire(now)
         new = []
@@ -564,7 +572,7 @@ class Engine:
             except StepFailed as exc:
                 failed = exc
         elif self.canary is not None and self.canary.due():  # (step() asks the canary itself)
-            self.observer.on_canary(self.canary.run())  # a collective: every rank runs it at the same step
+            self._canary()  # a collective: every rank runs it at the same step
         ranks.finish_step(self.model.moe_layers())  # the exchanges (and verdict) a failed or absent forward skipped
         if self._forward_mark is None:  # no forward of its own this step
             self.idle()

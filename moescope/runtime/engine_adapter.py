@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from moescope.capture.engine_contract import FEATURES, EngineContract, ModelInfo, Parts
 from moescope.capture.observer import Observer
+from moescope.capture.sources import Reading, Sources
 from moescope.runtime import faults
 from moescope.runtime.calibration import calibration_load
 from moescope.runtime.canary import Canary
@@ -83,6 +84,15 @@ class RuntimeEngine(EngineContract):
             parts.canary = Canary(model, interval_s=config.canary.interval_s, every_steps=config.canary.every_steps)
         return parts
 
+    def register_sources(self, sources: Sources) -> None:
+        sources.register(self)
+
+    def read(self) -> Reading:
+        """What the runtime reports of itself (a ``capture.sources.Source``, read once per evaluation): the placement
+        its MoE layers dispatch by and its expert cache's capacity, as they are now (a placement or cache set up
+        after ``instrument`` counts too)."""
+        return Reading(placement=self.placement(), cache_capacity=self.cache_capacity())
+
     def placement(self):
         """The expert-parallel placement the model's MoE layers dispatch by (``moescope.parallel``), or None."""
         for layer in self.model.moe_layers():
@@ -92,6 +102,7 @@ class RuntimeEngine(EngineContract):
         return None
 
     def cache_capacity(self) -> dict[int, float]:
+        """{MoE layer: experts its expert cache holds resident / experts} where a cache is attached."""
         out = {}
         for layer in self.model.moe_layers():
             lc = getattr(layer.experts, "weight_source", None)

@@ -276,7 +276,9 @@ class LayerCache:
                            missed=tuple(self._missed))
         self._missed.clear()
         self._mark = now
-        self.observer().on_cache(self.layer, delta)
+        on_cache = getattr(self.observer(), "on_cache", None)  # a RuntimeObserver's event (capture.observer)
+        if on_cache is not None:
+            on_cache(self.layer, delta)
 
     def get(self, expert: int) -> ExpertWeights:
         st = self.stats

@@ -14,14 +14,22 @@ capture -> bounded queue -> writer.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moescope.capture.observer import Observer
+from moescope.capture.observer import RuntimeObserver
 from moescope.capture.queued import QueuedObserver
+from moescope.capture.sources import Reading, Sources
 from moescope.capture.token_trace import TokenTraceCapture
 from moescope.traces.writer import TraceWriter
 
+if TYPE_CHECKING:  # typing only: the payloads the engine hands over
+    from moescope.capture.decision import RoutingDecision
+    from moescope.capture.records import RequestRecord, StepRecord
+    from moescope.parallel.expert_parallel import AllToAllRecord
+    from moescope.runtime.expert_cache import CacheDelta
 
-class TraceRecorder(Observer):
+
+class TraceRecorder(RuntimeObserver):
     """Attach with ``moescope.instrument(model, observers=[TraceRecorder(path)])``.
 
     Args:
@@ -34,11 +42,14 @@ class TraceRecorder(Observer):
         tracer: an OpenTelemetry tracer; when given, one span per request (phases as children) and the
             trace id stored with the request.
         model, rank: stored with each request.
+        sources: where it reports its queue's drops and the writer's errors (``capture.sources.Sources``: the
+            metrics' registry, which ``moescope.instrument`` passes), as ``traces``.
     """
 
     def __init__(self, path: str | Path, *, sample: float = 1.0, max_bytes: int = 256 * 2**20,
                  queue_size: int = 4096, flush_interval_s: float = 0.5, batch_s: float = 0.05, tracer=None,
-                 model: str | None = None, rank: int = 0, seed: int = 0, clock_offset: float | None = None) -> None:
+                 model: str | None = None, rank: int = 0, seed: int = 0, clock_offset: float | None = None,
+                 sources: Sources | None = None) -> None:
         self.name = "traces"
         self.writer = TraceWriter(path, sample=sample, max_bytes=max_bytes, tracer=tracer, model=model, rank=rank,
                                   seed=seed, clock_offset=clock_offset)
@@ -52,25 +63,33 @@ class TraceRecorder(Observer):
         self.on_all_to_all = self.capture.on_all_to_all
         self.on_step = self.capture.on_step
         self.on_request = self.queue.on_request
+        if sources is not None:
+            sources.register(self)
 
     # (class-level hooks, so FanOut sees them overridden; the instance attributes above are what runs)
-    def on_routing(self, layer, decision) -> None:  # noqa: F811
+    def on_routing(self, layer: int, decision: "RoutingDecision") -> None:  # noqa: F811
         self.capture.on_routing(layer, decision)
 
-    def on_layer_time(self, layer, router_s, experts_s) -> None:  # noqa: F811
+    def on_layer_time(self, layer: int, router_s: float, experts_s: float) -> None:  # noqa: F811
         self.capture.on_layer_time(layer, router_s, experts_s)
 
-    def on_cache(self, layer, delta) -> None:  # noqa: F811
+    def on_cache(self, layer: int, delta: "CacheDelta") -> None:  # noqa: F811
         self.capture.on_cache(layer, delta)
 
-    def on_all_to_all(self, record) -> None:  # noqa: F811
+    def on_all_to_all(self, record: "AllToAllRecord") -> None:  # noqa: F811
         self.capture.on_all_to_all(record)
 
-    def on_step(self, step) -> None:  # noqa: F811
+    def on_step(self, step: "StepRecord") -> None:  # noqa: F811
         self.capture.on_step(step)
 
-    def on_request(self, record) -> None:  # noqa: F811
-        self.queue.on_request(record)
+    def on_request(self, request: "RequestRecord") -> None:  # noqa: F811
+        self.queue.on_request(request)
+
+    def read(self) -> Reading:
+        """Steps and requests its queue dropped, and the writer's errors, as ``traces`` (a
+        ``capture.sources.Source``)."""
+        errors = self.errors
+        return Reading(dropped={self.name: self.dropped}, errors={self.name: errors} if errors else {})
 
     def resync(self) -> None:
         self.capture.resync()

@@ -111,7 +111,7 @@ class _Tree:
             self._parsed[name] = ast.parse(path.read_text(), str(path)) if path.is_file() else None
         return self._parsed[name]
 
-    def cls(self, module: str, name: str, depth: int = 0):
+    def cls(self, module: str, name: str, depth: int = 0) -> tuple[str, ast.ClassDef] | None:
         """(module, ClassDef) of ``name`` as ``module`` defines or imports it."""
         tree = self.module(module)
         if tree is None or depth > 8:
@@ -119,11 +119,11 @@ class _Tree:
         for node in tree.body:
             if isinstance(node, ast.ClassDef) and node.name == name:
                 return module, node
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
+        for imp in ast.walk(tree):
+            if isinstance(imp, ast.ImportFrom) and imp.module and imp.level == 0:
+                for alias in imp.names:
                     if (alias.asname or alias.name) == name:
-                        return self.cls(node.module, alias.name, depth + 1)
+                        return self.cls(imp.module, alias.name, depth + 1)
         return None
 
     def members(self, module: str, node: ast.ClassDef, depth: int = 0) -> tuple[set[str], dict[str, list[str]]]:
@@ -152,7 +152,7 @@ class _Tree:
                     else None
                 found = self.cls(module, name) if name else None
                 if found is not None:
-                    b_attrs, b_methods = self.members(*found, depth=depth + 1)
+                    b_attrs, b_methods = self.members(found[0], found[1], depth=depth + 1)
                     attrs |= b_attrs
                     methods = {**b_methods, **methods}
         return attrs, methods

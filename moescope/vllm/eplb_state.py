@@ -18,9 +18,9 @@ between the reset and the commit is corrected.
 
 What it gives: ``layout()`` (``parallel.step_balance.Layout``: the step-level prediction's placement in use, whose
 changes are the rearrangements with their balance before and after) and ``placement()`` (the runtime's
-``parallel.placement.Placement`` of the same map: the exporter's modelled per-rank load over the window). The
-plugin wires them (``moescope.vllm.plugin``): ``metrics.placement_source = reader.placement`` (the step-level
-prediction reads the same source through ``InUse``).
+``parallel.placement.Placement`` of the same map: the exporter's modelled per-rank load over the window). The reader
+is a source (``moescope.capture.sources``): registered on the metrics' sources (``sources.register(reader)``), its
+``read()`` gives the placement once per evaluation, which the step-level prediction reads too (through ``InUse``).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import logging
 
 import numpy as np
 
+from moescope.capture.sources import Reading
 from moescope.parallel.placement import Placement
 from moescope.parallel.step_balance import Layout
 
@@ -61,7 +62,7 @@ class VllmEplbReader:
 
     def __init__(self, source, moe_layers, n_experts: int) -> None:
         self.source, self.moe_layers, self.n_experts = source, tuple(moe_layers), n_experts
-        self._signature = None
+        self._signature: tuple | None = None  # vLLM's host signals of a rearrangement, as last read
         self._settle = 0
         self._layout: Layout | None = None
         self._placement: Placement | None = None
@@ -89,6 +90,11 @@ class VllmEplbReader:
         """The same placement as a ``parallel.placement.Placement`` (per MoE layer, each rank's logical experts)."""
         self.layout()
         return self._placement
+
+    def read(self) -> Reading:
+        """The placement in use and the failed reads (``vllm_eplb``), as a ``capture.sources.Source``."""
+        placement = self.placement()
+        return Reading(placement=placement, errors={"vllm_eplb": self.errors} if self.errors else {})
 
     def _refresh(self) -> None:
         runner = self.source()

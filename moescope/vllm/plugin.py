@@ -17,7 +17,9 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from moescope.capture.sources import Reading
 from moescope.config import Config, ConfigError, DEFAULT_WINDOW_S, Metrics, Traces
 
 log = logging.getLogger("vllm.moescope")  # under vLLM's logger: its handlers and format, in its log
@@ -143,7 +145,8 @@ RUNNERS = (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
            ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner"))
 
 
-def _runner_classes(names) -> list[type]:
+def _runner_classes(names) -> list[Any]:
+    """vLLM's model runner classes of this build, of ``names`` ((module, class)); vLLM's types, untyped here."""
     out = []
     for module, name in names:
         try:
@@ -170,9 +173,13 @@ def _wrap_execute_model(cls) -> None:
         finally:
             worker.after(self, scheduler_output, t0)
 
-    execute_model._moescope = True
-    execute_model.__wrapped__ = original
-    cls.execute_model = execute_model
+    cls.execute_model = _marked(execute_model, original)
+
+
+def _marked(wrapper, original):
+    """``wrapper`` marked as moescope's (so it is wrapped once) over ``original``."""
+    wrapper.__dict__.update(_moescope=True, __wrapped__=original)
+    return wrapper
 
 
 _OFF = object()
@@ -192,9 +199,7 @@ def _wrap_load_model() -> None:
             _worker(self)  # never raises: a failure is one log line and moescope stays off here
             return out
 
-        load_model._moescope = True
-        load_model.__wrapped__ = original
-        cls.load_model = load_model
+        cls.load_model = _marked(load_model, original)
 
 
 def _worker(runner):
@@ -208,7 +213,9 @@ def _worker(runner):
 class Worker:
     """One model runner's instrumentation: the adapter, the instrumentation it feeds, the error count, and what
     moescope cost the step path (``cost_s``: host time in ``before``/``after``; ``step_s``: the forward's own,
-    vLLM's ``execute_model``): exported as ``moescope_capture_seconds_total`` beside the step time."""
+    vLLM's ``execute_model``): exported as ``moescope_capture_seconds_total`` beside the step time. It reports its
+    cost and errors as a source on the instrumentation's metrics (``capture.sources``: read once per evaluation, off
+    vLLM's step thread)."""
 
     def __init__(self, adapter, inst) -> None:
         self.adapter = adapter
@@ -216,6 +223,11 @@ class Worker:
         self.errors = 0
         self.cost_s = 0.0
         self.step_s = 0.0
+        inst.metrics.sources.register(self)
+
+    def read(self) -> Reading:
+        """The step path's cost so far and the step hooks' errors (``vllm_step``)."""
+        return Reading(cost_s=self.cost_s, errors={"vllm_step": self.errors} if self.errors else {})
 
     def _failed(self, where: str) -> None:
         self.errors += 1
@@ -271,7 +283,7 @@ def output_tokens(runner):
             state = requests.get(engine_id)
             return list(getattr(state, "output_token_ids", ()) or ())[:n] if state is not None else ()
         return v1
-    states = getattr(runner, "req_states", None)
+    states: Any = getattr(runner, "req_states", None)  # vLLM's RequestState (set wherever ``table`` is)
     table = getattr(states, "all_token_ids", None)
     host = getattr(getattr(table, "_uva_buf", None), "np", None)
     if host is None and table is not None and getattr(table.gpu, "device", None) is not None \
@@ -349,23 +361,15 @@ def _start(runner):
     except Exception as e:  # noqa: BLE001 (whatever it is, vLLM serves on without moescope)
         log.warning("moescope: off in this worker: %s", _one_line(e))
         return None
-    worker = Worker(adapter, inst)
+    worker = Worker(adapter, inst)  # its cost and errors: a source on the metrics (the adapter registered its drops)
     on_exit(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
     # vLLM's step carries none of moescope's summarising: the instrumentation's evaluator summarises on its own
     # thread, once per interval (an idle server's last steps too: vLLM never reports going idle)
-    inst.metrics.cost_source = lambda: worker.cost_s
-    inst.metrics.errors_source = _with(inst.metrics.errors_source, lambda: {
-        **({"vllm_step": worker.errors} if worker.errors else {})})
-    inst.metrics.dropped_source = _with(inst.metrics.dropped_source, lambda: {"vllm_steps": adapter.dropped})
     log.info("moescope: watching %d MoE layers x %d experts (top-%d) of %s, rank %d%s%s", len(adapter.runners),
              adapter.n_experts, adapter.top_k, served, dp_rank,
              f"; metrics on {settings.addr}:{port}" if port is not None else "",
              f"; traces to {traces.path} (sample {traces.sample})" if traces is not None else "")
     return worker
-
-
-def _with(source, extra):
-    return lambda: {**(source() if source else {}), **extra()}
 
 
 def _one_line(e: BaseException) -> str:

@@ -24,12 +24,14 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from moescope.capture.decision import RoutingDecision
 from moescope.capture.engine_contract import EngineContract, ModelInfo
 from moescope.capture.records import RequestRecord, StepRecord
+from moescope.capture.sources import Reading, Sources
 from moescope.errors import BadInput
 from moescope.vllm import capture
 
@@ -150,7 +152,8 @@ class VLLMAdapter(EngineContract):
                  attention: tuple[int, int] = (0, 0)) -> None:
         self.model = model
         ours = {id(m) for m in model.modules()}
-        self.runners = [(layer, r) for layer, r in capture.runners() if id(r) in ours]
+        # (layer, vLLM's MoERunner): its attributes are vLLM's (moe_config, router), read untyped here
+        self.runners: list[tuple[int, Any]] = [(layer, r) for layer, r in capture.runners() if id(r) in ours]
         if not self.runners:
             raise BadInput(f"no MoE layers in {type(model).__name__}: moescope reads the routers of vLLM's MoE "
                            "layers (MoERunner with a BaseRouter), bound as the model is built; this model has none")
@@ -185,7 +188,7 @@ class VLLMAdapter(EngineContract):
         self._prompt_len: dict[str, int] = {}
         self._previous = None
         self.paused = False  # the capture switch: the plugin's step wrapper calls vLLM's own execute_model alone
-        self._buffer = None  # moescope.vllm.capture's step buffer, once attached
+        self._buffer: capture.StepBuffer | None = None  # moescope.vllm.capture's step buffer, once attached
         self._relay: _Relay | None = None  # the observer's hooks, on a thread of their own (attach)
         self._dropped_before = 0
         self._slots: list[tuple[int, int]] = []  # (buffer slot, layer) of this model's MoE layers
@@ -248,6 +251,14 @@ class VLLMAdapter(EngineContract):
     def dropped(self) -> int:
         """Steps and finished requests dropped because the relay's queue was full (counted, never waited on)."""
         return self._relay.dropped if self._relay is not None else self._dropped_before
+
+    def register_sources(self, sources: Sources) -> None:
+        sources.register(self)
+
+    def read(self) -> Reading:
+        """What the adapter counts of itself (a ``capture.sources.Source``): the relay's drops,
+        ``moescope_capture_dropped_total{queue="vllm_steps"}``."""
+        return Reading(dropped={"vllm_steps": self.dropped})
 
     def _deliver(self, kind: str, payload) -> None:
         """On the relay's thread: one queued event to the observer (the engine's thread only queued it)."""
