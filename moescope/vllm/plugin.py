@@ -361,6 +361,7 @@ def _start(runner):
     except Exception as e:  # noqa: BLE001 (whatever it is, vLLM serves on without moescope)
         log.warning("moescope: off in this worker: %s", _one_line(e))
         return None
+    _watch_eplb(runner, inst)
     worker = Worker(adapter, inst)  # its cost and errors: a source on the metrics (the adapter registered its drops)
     on_exit(inst.close)  # the worker's exit: the trace writer commits what it holds, the exporter stops
     # vLLM's step carries none of moescope's summarising: the instrumentation's evaluator summarises on its own
@@ -370,6 +371,21 @@ def _start(runner):
              f"; metrics on {settings.addr}:{port}" if port is not None else "",
              f"; traces to {traces.path} (sample {traces.sample})" if traces is not None else "")
     return worker
+
+
+def _watch_eplb(runner, inst) -> None:
+    """vLLM's own EPLB placement, where it runs EPLB: the per-rank load and the step-level prediction of the placement
+    in use read it (``vllm.eplb_state``: the maps copied only after vLLM's host state says they changed). Without
+    EPLB the reader finds no state and reports none. A failure here is one log line: the rest of moescope runs."""
+    try:
+        from moescope.vllm.eplb_state import VllmEplbReader  # start-up: numpy (only when the plugin starts)
+
+        info = inst.metrics.info
+        reader = VllmEplbReader(lambda: runner, info.moe_layers, info.n_experts)
+        inst.metrics.sources.register(reader)
+        inst.metrics.step_balance.in_use_source = reader.layout
+    except Exception as e:  # noqa: BLE001 (vLLM serves on; moescope without its EPLB view)
+        log.warning("moescope: vLLM's EPLB placement is not read: %s", _one_line(e))
 
 
 def _one_line(e: BaseException) -> str:
