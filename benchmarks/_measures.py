@@ -68,7 +68,7 @@ MEASURES: dict[str, tuple[str, ...]] = {
     "traces.json": ("benchmarks/traces.py", *TRACES, *VIEWS, "moescope/capture/token_trace.py"),
     "mitigate.json": ("benchmarks/mitigate.py", "moescope/runtime/faults.py", *RUNTIME, *CAPTURE),
     "overhead.json": ("benchmarks/overhead.py", *RUNTIME, *CAPTURE, *TRACES),
-    "cost-model*.json": ("benchmarks/cost_model.py", "benchmarks/_work.py", *RUNTIME, *CAPTURE, *TRACES,
+    "cost*model*.json": ("benchmarks/cost_model.py", "benchmarks/_work.py", *RUNTIME, *CAPTURE, *TRACES,
                         "moescope/hf/", "moescope/vllm/"),
     "runtime.json": ("benchmarks/runtime.py", *RUNTIME),
     "scale.json": ("benchmarks/scale.py", "benchmarks/_scrape.py", "benchmarks/overhead.py", *RUNTIME, *CAPTURE,
