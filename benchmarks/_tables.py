@@ -57,7 +57,8 @@ def overhead(d: dict, section: str | None) -> list[str]:
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for w in d["workloads"]:
         m, t = w["metrics"], w["metrics+traces"]
-        lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} x {w['output_tokens']} | "
+        per_side = f" (served {w['repeat']}x a side)" if w.get("repeat", 1) > 1 else ""
+        lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} x {w['output_tokens']}{per_side} | "
                      f"{m['off_s']:.3f} | {m['ratio']:.3f}x ({m['q1']:.3f}-{m['q3']:.3f}) | "
                      f"{t['ratio']:.3f}x ({t['q1']:.3f}-{t['q3']:.3f}) | {m['cpu_ratio']:.3f}x / {t['cpu_ratio']:.3f}x "
                      f"| {m['gc_share_on']:.2%} / {t['gc_share_on']:.2%} | {_overhead_verdict(w, 'metrics')} | "

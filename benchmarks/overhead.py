@@ -14,7 +14,9 @@ capture on, what moescope does runs on the engine's thread (the hooks: O(1) each
 evaluator's (once per interval), and on the trace writer's; the ratio is all of it, as users pay it.
 
 Workloads (issue [lean]): tiny-demo and deepseek-v3-shape (58 MoE layers x 256 experts), 16 requests x 96 output
-tokens each at 16 concurrent requests; tiny-demo also at 1 request at a time.
+tokens each at 16 concurrent requests; tiny-demo also at 1 request at a time. Each side of a round serves its workload
+a few times back to back at tiny-demo (a pass of under a second is at the mercy of a single scheduler hiccup), once at
+deepseek-v3-shape (seconds already).
 
     python benchmarks/overhead.py [--rounds 21] [--quick] [--device cuda] [--out benchmarks/results/overhead.json]
 """
@@ -74,15 +76,23 @@ def _quartiles(xs: list[float]) -> list[float]:
     return statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
 
 
-def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store: Path) -> dict:
-    """Rounds of (capture off, capture on) in alternating order on one instrumentation."""
+def _serve_n(model, reqs, max_batch: int, repeat: int) -> dict:
+    """The workload served ``repeat`` times back to back, its figures summed (a longer pass per side of a round: the
+    machine's noise averages over more of it)."""
+    runs = [_serve(model, reqs, max_batch) for _ in range(repeat)]
+    return {k: (sum(r[k] for r in runs) if k != "tokens" else runs[0][k]) for k in runs[0]}
+
+
+def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store: Path, repeat: int = 1) -> dict:
+    """Rounds of (capture off, capture on) in alternating order on one instrumentation; each side serves the
+    workload ``repeat`` times."""
     config = Config(metrics=Metrics(), traces=Traces(str(store)) if variant == "metrics+traces" else None)
     runs: dict[bool, list[dict]] = {False: [], True: []}
     with moescope.instrument(model, config) as inst:
         for r in range(rounds + 1):  # round 0 warms both sides up
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 inst.capture.set(on)
-                res = _serve(model, reqs, concurrency)
+                res = _serve_n(model, reqs, concurrency, repeat)
                 if r:
                     runs[on].append(res)
         inst.capture.set(True)
@@ -107,17 +117,17 @@ GOALS = {"metrics": 1.01, "metrics+traces": 1.03}  # issue [lean], at 16 concurr
 
 
 def run_workload(name: str, model, concurrency: int, n_requests: int, rounds: int, tmp: Path,
-                 tokens: int = 96) -> dict:
+                 tokens: int = 96, repeat: int = 1) -> dict:
     """One workload's row: ``n_requests`` requests of ``tokens`` output tokens at ``concurrency``, each variant's
     rounds of capture off and on (benchmarks/scale.py serves deepseek-v3-shape through it too)."""
     reqs = _requests(n_requests, tokens)
     row = {"model": name, "concurrency": concurrency, "requests": n_requests, "output_tokens": tokens,
-           "rounds": rounds}
+           "rounds": rounds, "repeat": repeat}
     for variant in VARIANTS:
         label = f"overhead: {name} at {concurrency}, {variant}, {rounds} rounds of off and on"
         with _results.progress(label, 1):
             row[variant] = run_variant(model, reqs, variant, concurrency, rounds,
-                                       tmp / f"{name}-{concurrency}-{variant}.sqlite")
+                                       tmp / f"{name}-{concurrency}-{variant}.sqlite", repeat)
     row["bare_s"] = row["metrics"]["off_s"]
     return row
 
@@ -127,10 +137,11 @@ def main(argv: list[str] | None = None) -> int:
                          rounds=21)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/device_checks.sh: cuda)")
     args = _results.parse(ap, argv, lambda a: "overhead" if a.device == "cpu" else f"overhead-{a.device}")
+    # (model, concurrent requests, requests, output tokens each, passes of the workload per side of a round)
     if args.quick:
-        workloads = [("tiny-demo", 4, 4, 16)]
+        workloads = [("tiny-demo", 4, 4, 16, 1)]
     else:
-        workloads = [("tiny-demo", 16, 16, 96), ("deepseek-v3-shape", 16, 16, 96), ("tiny-demo", 1, 8, 96)]
+        workloads = [("tiny-demo", 16, 16, 96, 4), ("deepseek-v3-shape", 16, 16, 96, 1), ("tiny-demo", 1, 8, 96, 2)]
     models = {name: loader.build_model(name, device=args.device) for name in {w[0] for w in workloads}}
     report = {"torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
               "rounds": args.rounds, "goals": GOALS, "workloads": []}
@@ -139,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':>18} {'conc':>4} {'reqs':>4} {'off s':>7} | {'variant':>15} {'median':>7} {'IQR':>13} "
           f"{'cpu':>6} {'gc on':>6} {'goal':>5}")
     with tempfile.TemporaryDirectory(prefix="moescope-overhead-") as tmp:
-        for name, conc, n_req, tokens in workloads:
-            row = run_workload(name, models[name], conc, n_req, args.rounds, Path(tmp), tokens)
+        for name, conc, n_req, tokens, repeat in workloads:
+            row = run_workload(name, models[name], conc, n_req, args.rounds, Path(tmp), tokens, repeat)
             for variant in VARIANTS:
                 v = row[variant]
                 met = judge(v["ratios"], GOALS[variant]) if conc == 16 else None
