@@ -218,50 +218,46 @@ def naive_goal_verdict(ratios, goal: float, instances: bool = False) -> str:
 
 
 def naive_vllm_overhead(per_round: dict, name: str, goal: float) -> dict:
-    """benchmarks/vllm.py's figures for config ``name`` recomputed from its results file's raw rounds
-    (``per_round``: config -> one row per round with tokens, wall_s, server_cpu_s): per round, throughput off /
-    config and server CPU per token config / off of the same round; their medians; each against ``goal`` by
-    ``naive_goal_verdict``."""
+    """benchmarks/vllm.py's figures for server ``name`` recomputed from its results file's raw rounds
+    (``per_round``: server -> one pair per round, capture ``off`` and ``on``, each with tokens, wall_s,
+    server_cpu_s): per round, throughput off / on and server CPU per token on / off of the same server; their
+    medians; each against ``goal`` by ``naive_goal_verdict``."""
     import statistics
 
-    off = {r["round"]: r for r in per_round["off"]}
-    on = {r["round"]: r for r in per_round[name]}
     thr, cpu = [], []
-    for rnd in sorted(set(off) & set(on)):
-        o, c = off[rnd], on[rnd]
+    for pair in sorted(per_round[name], key=lambda p: p["round"]):
+        o, c = pair["off"], pair["on"]
         thr.append((o["tokens"] / o["wall_s"]) / (c["tokens"] / c["wall_s"]))
         cpu.append((c["server_cpu_s"] / c["tokens"]) / (o["server_cpu_s"] / o["tokens"]))
-    return {"per_round_throughput_off_over_config": thr, "per_round_cpu_per_token_config_over_off": cpu,
-            "throughput_off_over_config": statistics.median(thr), "cpu_per_token_config_over_off":
-            statistics.median(cpu), "throughput": naive_goal_verdict(thr, goal),
-            "cpu_per_token": naive_goal_verdict(cpu, goal)}
+    return {"per_round_throughput_off_over_on": thr, "per_round_cpu_per_token_on_over_off": cpu,
+            "throughput_off_over_on": statistics.median(thr), "cpu_per_token_on_over_off": statistics.median(cpu),
+            "throughput": naive_goal_verdict(thr, goal), "cpu_per_token": naive_goal_verdict(cpu, goal)}
 
 
 def vllm_overhead_mismatches(report: dict, printed: str) -> list[str]:
     """Where a benchmarks/vllm.py report disagrees with its own rounds (``naive_vllm_overhead``): the per-round
     ratios and their medians (to the file's 4 decimals), the goal verdicts it records, and the verdict words its
-    table (``printed``, ``vllm.py --markdown``) shows on each config's row. Empty: none."""
+    table (``printed``, ``vllm.py --markdown``) shows on each server's row. Empty: none."""
     said = {None: "not resolved", True: "met", False: "missed"}
 
-    def off(a: float, b: float) -> bool:  # the file rounds ratios to 4 decimals and each round's wall to 0.1 ms
+    def off(a: float, b: float) -> bool:  # the file rounds ratios to 4 decimals and each pass's wall to 0.1 ms
         return abs(a - b) > 5e-5 + 5e-4 * abs(b)
 
     rows = [line for line in printed.splitlines() if line.startswith("| ") and "---" not in line][1:]
-    rows = [line for line in rows if not line.startswith("| off |")]  # then one row per config, in the file's order
-    out = [] if len(rows) == len(report["ratios"]) else [f"table rows {len(rows)}, configs {len(report['ratios'])}"]
+    out = [] if len(rows) == len(report["ratios"]) else [f"table rows {len(rows)}, servers {len(report['ratios'])}"]
     for (name, r), row in zip(report["ratios"].items(), rows):
         ref = naive_vllm_overhead(report["per_round"], name, r["goal"]["max_ratio"])
-        for key in ("per_round_throughput_off_over_config", "per_round_cpu_per_token_config_over_off"):
+        for key in ("per_round_throughput_off_over_on", "per_round_cpu_per_token_on_over_off"):
             if len(r[key]) != len(ref[key]) or any(off(a, b) for a, b in zip(r[key], ref[key])):
                 out.append(f"{name} {key}: file {r[key]}, rounds {[round(x, 4) for x in ref[key]]}")
-        for key in ("throughput_off_over_config", "cpu_per_token_config_over_off"):
+        for key in ("throughput_off_over_on", "cpu_per_token_on_over_off"):
             if off(r[key], ref[key]):
                 out.append(f"{name} {key}: file {r[key]}, rounds {ref[key]:.4f}")
         for key, field in (("throughput", "throughput_met"), ("cpu_per_token", "cpu_per_token_met")):
             if said[r["goal"][field]] != ref[key]:
                 out.append(f"{name} goal {field}: file {r['goal'][field]}, rule {ref[key]}")
         cells = [c.strip().split(" (")[0].replace("not met", "missed") for c in row.strip("|").split("|")]
-        # columns: plugin, tokens/s, CPU ms/token, the two ratios, goal, throughput and CPU/token verdicts, share
+        # columns: server, tokens/s, CPU ms/token, the two ratios, goal, throughput and CPU/token verdicts, share
         if cells[6:8] != [ref["throughput"], ref["cpu_per_token"]]:
             out.append(f"{name} table verdicts {cells[6:8]}, rule {[ref['throughput'], ref['cpu_per_token']]}")
     return out
