@@ -44,26 +44,56 @@ def _overhead_verdict(w: dict, name: str) -> str:
     return verdict(w[name].get("ratios"), OVERHEAD_GOALS[name], why="this file keeps no per-round ratios")
 
 
+def overhead_bound(v: dict) -> list[float] | None:
+    """Per interleaved round, an upper bound of capture's cost: the round's ratio of decode steps on / off (the
+    engine's thread's own work and about half of what the background threads cost it) plus the background threads'
+    whole CPU share (what they could cost it at most: they run on another core, and the engine waits on them only
+    for the interpreter's lock)."""
+    il = v.get("interleaved")
+    if not il:
+        return None
+    return [x + v["background_cpu_share"] for x in il["ratios"]]
+
+
+def _bound_verdict(w: dict, name: str) -> str:
+    if w["concurrency"] != OVERHEAD_GOAL_CONCURRENCY:
+        return "-"
+    return verdict(overhead_bound(w[name]), OVERHEAD_GOALS[name], why="this file has no interleaved rounds")
+
+
+def _q(x: dict, key: str = "ratios") -> str:
+    q = statistics.quantiles(x[key], n=4) if len(x[key]) >= 2 else [x[key][0]] * 3
+    return f"{statistics.median(x[key]):.3f}x ({q[0]:.3f}-{q[2]:.3f})"
+
+
 def overhead(d: dict, section: str | None) -> list[str]:
-    lines = [f"torch {d['torch']}, {d['threads']} intra-op thread(s); {d['rounds']} rounds, each capture off then on "
-             "(or on then off) in one process with the capture switch; the ratio of a round is on / off; medians and "
-             f"quartiles of the per-round ratios; goal (issue [lean], at {OVERHEAD_GOAL_CONCURRENCY} concurrent "
-             f"requests): metrics <= {OVERHEAD_GOALS['metrics']}x, metrics + traces <= "
-             f"{OVERHEAD_GOALS['metrics+traces']}x, judged by benchmarks/_verdict.py (met only where the upper "
-             "quartile of the per-round ratios is within the goal):", "",
-             "| workload | concurrent requests | requests x tokens | capture off s | metrics ratio (quartiles) | "
-             "metrics + traces ratio (quartiles) | CPU ratio (metrics / + traces) | GC share on (metrics / + traces) "
-             "| metrics goal | metrics + traces goal |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    lines = [f"torch {d['torch']}, {d['threads']} intra-op thread(s); {d['rounds']} rounds of each kind, in one "
+             "process with the capture switch; medians (quartiles) of the per-round ratios. Passes: the whole "
+             "workload with capture off, then on (or on, then off); A/A: two passes both off (the machine's own "
+             "noise between passes); interleaved: one run, capture flipped every "
+             f"{d['workloads'][0][VARIANTS_[0]].get('interleaved', {}).get('block_steps', '-')} steps, decode steps "
+             "on / off. Goal (issue [lean], at "
+             f"{OVERHEAD_GOAL_CONCURRENCY} concurrent requests): metrics <= {OVERHEAD_GOALS['metrics']}x, metrics + "
+             f"traces <= {OVERHEAD_GOALS['metrics+traces']}x, judged by benchmarks/_verdict.py (met only where the "
+             "upper quartile of the per-round figures is within the goal) on the passes, and on the interleaved "
+             "rounds plus the background threads' whole CPU share (an upper bound of the cost):", "",
+             "| workload | concurrent requests | requests x tokens | variant | capture off s | passes on / off | A/A "
+             "passes | interleaved steps on / off | background CPU share | GC share on | goal: passes | goal: "
+             "interleaved + background |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for w in d["workloads"]:
-        m, t = w["metrics"], w["metrics+traces"]
         per_side = f" (served {w['repeat']}x a side)" if w.get("repeat", 1) > 1 else ""
-        lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} x {w['output_tokens']}{per_side} | "
-                     f"{m['off_s']:.3f} | {m['ratio']:.3f}x ({m['q1']:.3f}-{m['q3']:.3f}) | "
-                     f"{t['ratio']:.3f}x ({t['q1']:.3f}-{t['q3']:.3f}) | {m['cpu_ratio']:.3f}x / {t['cpu_ratio']:.3f}x "
-                     f"| {m['gc_share_on']:.2%} / {t['gc_share_on']:.2%} | {_overhead_verdict(w, 'metrics')} | "
-                     f"{_overhead_verdict(w, 'metrics+traces')} |")
+        for name in VARIANTS_:
+            v = w[name]
+            il = v.get("interleaved")
+            lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} x {w['output_tokens']}{per_side} | "
+                         f"{name} | {v['off_s']:.3f} | {_q(v)} | {_q(v, 'a_a_ratios') if 'a_a_ratios' in v else '-'} "
+                         f"| {_q(il) if il else '-'} | {v.get('background_cpu_share', 0):.2%} | "
+                         f"{v['gc_share_on']:.2%} | {_overhead_verdict(w, name)} | {_bound_verdict(w, name)} |")
     return lines
+
+
+VARIANTS_ = ("metrics", "metrics+traces")
 
 
 def runtime(d: dict, section: str | None) -> list[str]:

@@ -8,6 +8,18 @@ greedy, the same tokens) each time. The ratio of a round is on / off; the figure
 of the per-round ratios (``benchmarks/_verdict.py`` judges a goal met only where the upper quartile is within it).
 One process, one model, one set of warm caches: nothing but capture differs between the two sides of a round.
 
+Two more measures, because this project's machines (shared VMs) change speed by tens of percent over seconds, which
+passes of a second or two see as noise of several percent either way:
+- A/A: the same passes, capture off on both sides: the machine's own noise between two passes, beside the ratios it
+  blurs;
+- interleaved: one serving run per round with capture flipped every ``BLOCK`` engine steps (between steps, on the
+  engine's thread: whole steps each side), pairs of blocks in random order; the round's ratio is the mean decode step
+  with capture on over the mean with it off. Blocks tens of milliseconds apart see the same machine. What capture
+  runs beside the engine (the evaluator once per interval, the trace writer's tick) lands in either kind of block,
+  so this ratio holds only part of it: the background threads' CPU over the serving time (``background_cpu_share``)
+  is measured apart, and the ratio plus that whole share is an upper bound of capture's cost (the threads run on
+  another core; the engine waits on them at most for the interpreter's lock).
+
 Also per variant: the CPU time ratio (every thread of the process: the evaluator and the trace writer included),
 the share of serving time Python's cyclic GC ran (``gc.callbacks``), and, for traces, what the store kept. With
 capture on, what moescope does runs on the engine's thread (the hooks: O(1) each, tests/test_step_work.py), on the
@@ -24,6 +36,8 @@ deepseek-v3-shape (seconds already).
 from __future__ import annotations
 
 import gc
+import os
+import random
 import statistics
 import sys
 import tempfile
@@ -41,6 +55,7 @@ from moescope.runtime import loader, traffic
 from moescope.runtime.engine import Engine
 
 VARIANTS = ("metrics", "metrics+traces")
+BLOCK = 8  # engine steps per block of the interleaved rounds
 
 
 def _requests(n: int, tokens: int):
@@ -88,13 +103,22 @@ def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store:
     workload ``repeat`` times."""
     config = Config(metrics=Metrics(), traces=Traces(str(store)) if variant == "metrics+traces" else None)
     runs: dict[bool, list[dict]] = {False: [], True: []}
+    a_a: list[float] = []  # capture off on both sides: the machine's own noise between two passes
     with moescope.instrument(model, config) as inst:
+        tids = _background(inst)
+        bg0 = _thread_cpu_s(tids)
         for r in range(rounds + 1):  # round 0 warms both sides up
             for on in ((False, True) if r % 2 == 0 else (True, False)):
                 inst.capture.set(on)
                 res = _serve_n(model, reqs, concurrency, repeat)
                 if r:
                     runs[on].append(res)
+        bg = _thread_cpu_s(tids) - bg0
+        inst.capture.set(False)
+        for _ in range(rounds):
+            a, b = (_serve_n(model, reqs, concurrency, repeat)["seconds"] for _ in range(2))
+            a_a.append(b / a)
+        interleaved = _interleaved(inst, model, reqs, concurrency, rounds)
         inst.capture.set(True)
         recorder = inst.recorder
     ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[True], runs[False])]
@@ -107,10 +131,72 @@ def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store:
            "gc_share_off": sum(x["gc_s"] for x in runs[False]) / sum(x["seconds"] for x in runs[False]),
            "gc_share_on": sum(x["gc_s"] for x in runs[True]) / sum(x["seconds"] for x in runs[True]),
            "gc_full_collections_on": sum(x["gc_full"] for x in runs[True]),
-           "tokens": runs[True][0]["tokens"]}
+           "tokens": runs[True][0]["tokens"],
+           # the same passes with capture off on both sides: how far two passes differ on this machine alone
+           "a_a_ratios": a_a, "a_a_quartiles": _quartiles(a_a),
+           "interleaved": interleaved,
+           # the evaluator's and the trace writer's CPU over the capture-on passes' serving time (they also ran,
+           # idle, during the off passes: an upper bound)
+           "background_cpu_share": bg / sum(x["seconds"] for x in runs[True])}
     if recorder is not None:
         out.update(stored=recorder.written, dropped=recorder.dropped, errors=recorder.errors)
     return out
+
+
+def _interleaved(inst, model, reqs, max_batch: int, rounds: int, block: int = BLOCK, seed: int = 0) -> dict:
+    """Rounds of one serving run each, capture flipped every ``block`` engine steps between steps (on the engine's
+    thread: whole steps on each side), each pair of blocks in a random order: per round, the mean decode step with
+    capture on over the mean with it off. The machine's speed drifts by tens of percent over seconds on a shared VM
+    (``a_a`` below); blocks a few tens of milliseconds apart see the same machine. What runs off the engine's thread
+    because of capture (the evaluator once per interval, the trace writer's tick) lands in either kind of block:
+    this ratio holds about half of it, and ``background_cpu_share`` says how much there is."""
+    rng = random.Random(seed)
+    ratios = []
+    for r in range(rounds + 1):  # round 0 warms up
+        engine = Engine(model, max_batch=max_batch)
+        for q in reqs:
+            engine.submit(q.prompt, max_new_tokens=q.max_new_tokens, domain=q.domain, tenant=q.tenant)
+        times: dict[bool, list[float]] = {True: [], False: []}
+        i, first = 0, True
+        while engine.has_work:
+            if i % (2 * block) == 0:
+                first = rng.random() < 0.5
+            on = first if i % (2 * block) < block else not first
+            inst.capture.set(on)
+            waiting = len(engine._waiting)
+            t = time.perf_counter()
+            engine.step()
+            dt = time.perf_counter() - t
+            if len(engine._waiting) == waiting:  # a decode step (a prefill admits waiting requests)
+                times[on].append(dt)
+            i += 1
+        engine.idle()
+        if r and times[True] and times[False]:
+            ratios.append(statistics.fmean(times[True]) / statistics.fmean(times[False]))
+    inst.capture.set(True)
+    q1, med, q3 = _quartiles(ratios)
+    return {"block_steps": block, "ratio": med, "ratios": ratios, "q1": q1, "q3": q3}
+
+
+def _thread_cpu_s(tids) -> float:
+    """CPU seconds (user + system) of this process's threads ``tids`` (native ids), from /proc/self/task."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    for tid in tids:
+        try:
+            fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        except OSError:
+            continue
+    return total
+
+
+def _background(inst) -> list[int]:
+    """The native ids of the threads capture runs beside the engine: the evaluator's and the trace writer's."""
+    threads = [inst.metrics.evaluator._thread]
+    if inst.recorder is not None:
+        threads.append(inst.recorder.queue._thread)
+    return [t.native_id for t in threads if t is not None]
 
 
 GOALS = {"metrics": 1.01, "metrics+traces": 1.03}  # issue [lean], at 16 concurrent requests

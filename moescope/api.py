@@ -159,7 +159,8 @@ class Instrumentation:
     def _switched(self, on: bool) -> None:
         self.metrics.capture_enabled = on
         self.metrics.capture_switches = self.capture.switches if self.capture is not None else 0
-        self.metrics.wake()  # the gauge moves at the next evaluation, now
+        # (the gauge moves at the next evaluation, within the interval: a flip asks for none, so that flipping often,
+        # as benchmarks/overhead.py's interleaved rounds do, adds no evaluations)
 
     def _recorder(self, name: str, t: Traces, rank: int, sources: Sources) -> TraceRecorder:
         tracer = None
