@@ -67,8 +67,9 @@ def _q(x: dict, key: str = "ratios") -> str:
 
 
 def overhead(d: dict, section: str | None) -> list[str]:
-    lines = [f"torch {d['torch']}, {d['threads']} intra-op thread(s); {d['rounds']} rounds of each kind, in one "
-             "process with the capture switch; medians (quartiles) of the per-round ratios. Passes: the whole "
+    lines = [f"torch {d['torch']}, {d['threads']} intra-op thread(s); rounds of each kind (each row's "
+             "count in its results file), in one process with the capture switch; medians (quartiles) of the "
+             "per-round ratios. Passes: the whole "
              "workload with capture off, then on (or on, then off); A/A: two passes both off (the machine's own "
              "noise between passes); interleaved: one run, capture flipped every "
              f"{d['workloads'][0][VARIANTS_[0]].get('interleaved', {}).get('block_steps', '-')} steps, decode steps "

@@ -26,9 +26,9 @@ capture on, what moescope does runs on the engine's thread (the hooks: O(1) each
 evaluator's (once per interval), and on the trace writer's; the ratio is all of it, as users pay it.
 
 Workloads (issue [lean]): tiny-demo and deepseek-v3-shape (58 MoE layers x 256 experts), 16 requests x 96 output
-tokens each at 16 concurrent requests; tiny-demo also at 1 request at a time. Each side of a round serves its workload
-a few times back to back at tiny-demo (a pass of under a second is at the mercy of a single scheduler hiccup), once at
-deepseek-v3-shape (seconds already).
+tokens each at 16 concurrent requests (deepseek-v3-shape: 16 x 32, half the rounds: a pass there takes seconds);
+tiny-demo also at 1 request at a time (half the rounds). Each side of a round serves its workload a few times back to
+back at tiny-demo (a pass of under a second is at the mercy of a single scheduler hiccup), once at deepseek-v3-shape.
 
     python benchmarks/overhead.py [--rounds 21] [--quick] [--device cuda] [--out benchmarks/results/overhead.json]
 """
@@ -223,11 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                          rounds=21)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (benchmarks/device_checks.sh: cuda)")
     args = _results.parse(ap, argv, lambda a: "overhead" if a.device == "cpu" else f"overhead-{a.device}")
-    # (model, concurrent requests, requests, output tokens each, passes of the workload per side of a round)
+    # (model, concurrent requests, requests, output tokens each, passes of the workload per side of a round, rounds):
+    # deepseek-v3-shape's pass takes seconds (58 MoE layers x 256 experts), so fewer tokens and rounds there
+    half = max(5, args.rounds // 2)
     if args.quick:
-        workloads = [("tiny-demo", 4, 4, 16, 1)]
+        workloads = [("tiny-demo", 4, 4, 16, 1, args.rounds)]
     else:
-        workloads = [("tiny-demo", 16, 16, 96, 4), ("deepseek-v3-shape", 16, 16, 96, 1), ("tiny-demo", 1, 8, 96, 2)]
+        workloads = [("tiny-demo", 16, 16, 96, 4, args.rounds), ("deepseek-v3-shape", 16, 16, 32, 1, half),
+                     ("tiny-demo", 1, 8, 96, 2, half)]
     models = {name: loader.build_model(name, device=args.device) for name in {w[0] for w in workloads}}
     report = {"torch": torch.__version__, "device": args.device, "threads": torch.get_num_threads(),
               "rounds": args.rounds, "goals": GOALS, "workloads": []}
@@ -236,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'model':>18} {'conc':>4} {'reqs':>4} {'off s':>7} | {'variant':>15} {'median':>7} {'IQR':>13} "
           f"{'cpu':>6} {'gc on':>6} {'goal':>5}")
     with tempfile.TemporaryDirectory(prefix="moescope-overhead-") as tmp:
-        for name, conc, n_req, tokens, repeat in workloads:
-            row = run_workload(name, models[name], conc, n_req, args.rounds, Path(tmp), tokens, repeat)
+        for name, conc, n_req, tokens, repeat, rounds in workloads:
+            row = run_workload(name, models[name], conc, n_req, rounds, Path(tmp), tokens, repeat)
             for variant in VARIANTS:
                 v = row[variant]
                 met = judge(v["ratios"], GOALS[variant]) if conc == 16 else None
