@@ -91,6 +91,34 @@ KNOWN_STALE: dict[str, str] = {
                              "benchmarks/device_checks.sh on a lent GPU machine)",
     "router_kernel.json": "needs a CUDA GPU, and none has been lent since (re-run: bash benchmarks/device_checks.sh "
                           "on a lent GPU machine)",
+    # Records of a run at their commit, superseded: the docs print each as that run's (its commit beside it), never
+    # as what the code does now; not re-run after the capture path's rewrite (issue [lean]).
+    "cost_model-before.json": "is the record of the capture path before issue [lean] (commit 6acf7a3), kept beside "
+                              "the cost model of the code since: by design never re-run",
+    "detection-shapes-hot-learned-first.json": "is the record of the first learned-reference sweep, superseded by "
+                                               "detection-shapes-hot-learned.json: not re-run",
+    "detection-shapes-hot-learned-second.json": "is the record of the second learned-reference sweep, superseded by "
+                                                "detection-shapes-hot-learned.json: not re-run",
+    "detection-shapes-hot-learned-third.json": "is the record of the third learned-reference sweep, superseded by "
+                                               "detection-shapes-hot-learned.json: not re-run",
+    "detection.json": "is the record of the first detection run (before the learned reference, issue [learned]), "
+                      "superseded by the learned sweeps; not re-run (about 30 minutes)",
+    "detection-shapes-hot.json": "is the record of the hot sweep against 1/E (before the learned reference), "
+                                 "superseded by detection-shapes-hot-learned.json; not re-run (about 25 minutes)",
+    "detection-shapes-healthy.json": "is the record of the healthy sweep against 1/E (before the learned reference), "
+                                     "superseded by detection-shapes-healthy-learned.json; not re-run (about 22 "
+                                     "minutes)",
+    # Soaks: minutes to half an hour of one machine each; not re-run after issue [lean]'s capture rewrite.
+    "serve-soak.json": "is a 5-minute soak not re-run after issue [lean]'s capture rewrite (re-run: python "
+                       "benchmarks/serve.py --soak 300)",
+    "serve-soak-30min.json": "is a 30-minute soak not re-run after issue [lean]'s capture rewrite (re-run: python "
+                             "benchmarks/serve.py --soak 1800 --soak-warmup 120 --soak-clients 8 --soak-variants "
+                             "capture_on --out benchmarks/results/serve-soak-30min.json)",
+    "serve-load64.json": "is a 5-minute soak at 64 clients not re-run after issue [lean]'s capture rewrite (re-run: "
+                         "python benchmarks/serve.py --soak 300 --soak-clients 64 --soak-variants capture_on --out "
+                         "benchmarks/results/serve-load64.json)",
+    "vllm-soak.json": "is a 30-minute soak of two vLLM servers not re-run after issue [lean]'s capture rewrite "
+                      "(re-run: .vllm/bin/python benchmarks/vllm_soak.py --keep-store /tmp/soak-on.sqlite)",
 }
 
 

@@ -213,8 +213,11 @@ def hf_row(rounds: int) -> dict:
                 (inst_t if on else bare).append(_median_us(forward, 20, 3))
     inst = _instrument(model, "metrics", Path("unused"))
     _hold_summary(inst)
-    work = _counted(forward)
+    on = _counted(forward)
+    inst.capture.set(False)
+    off = _counted(forward)  # the model's own work: what capture adds is the difference
     inst.close()
+    work = {k: on[k] - off[k] for k in on}
     ratios = [i / b for i, b in zip(inst_t, bare)]
     return {"engine": "hf", "model": "tiny mixtral (3 layers, 6 experts, 512 tokens)",
             "bare_us": statistics.median(bare), "metrics_us": statistics.median(inst_t),

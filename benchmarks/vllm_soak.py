@@ -249,15 +249,15 @@ def _diagnose_memory(store: Path) -> dict | None:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv: list[str] | None = None) -> int:
-    ap = _results.parser(__doc__, quick="1 minute, samples every 15 s, servers --enforce-eager (CI keeps the script "
-                         "working; no figure)")
-    ap.add_argument("--minutes", type=float, default=None, help="soak length [30; --quick: 1]")
+    ap = _results.parser(__doc__, quick="half a minute, samples every 6 s, servers --enforce-eager (CI keeps the "
+                         "script working; no figure)")
+    ap.add_argument("--minutes", type=float, default=None, help="soak length [30; --quick: 0.5]")
     ap.add_argument("--rate", type=float, default=2.0, help="requests per second, each server [2]")
     ap.add_argument("--max-tokens", type=int, default=24, help="output tokens per request [24]")
     ap.add_argument("--inflight", type=int, default=8, help="most requests in flight per server [8]")
-    ap.add_argument("--every", type=float, default=None, help="seconds between memory samples [60; --quick: 15]")
+    ap.add_argument("--every", type=float, default=None, help="seconds between memory samples [60; --quick: 6]")
     ap.add_argument("--settle", type=float, default=None, help="seconds of load before the summary's span "
-                    "starts [120; --quick: 15]")
+                    "starts [120; --quick: 6]")
     ap.add_argument("--keep-store", type=Path, default=None, help="copy the on server's trace store here")
     ap.add_argument("--markdown", metavar="RESULTS", type=Path, default=None,
                     help="print the docs' table from a results file and exit (no run)")
@@ -265,9 +265,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(json.loads(args.markdown.read_text())), end="")
         return 0
-    args.minutes = args.minutes or (1.0 if args.quick else 30.0)
-    args.every = args.every or (15.0 if args.quick else 60.0)
-    args.settle = args.settle if args.settle is not None else (15.0 if args.quick else 120.0)
+    args.minutes = args.minutes or (0.5 if args.quick else 30.0)
+    args.every = args.every or (6.0 if args.quick else 60.0)
+    args.settle = args.settle if args.settle is not None else (6.0 if args.quick else 120.0)
     args.out, sys.argv[0] = args.out.resolve(), os.path.abspath(sys.argv[0])
     os.chdir(ROOT)  # (benchmarks/vllm.py would shadow vLLM in the servers' working directory)
     import vllm_server

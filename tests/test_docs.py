@@ -258,7 +258,8 @@ def test_the_benchmarks_page_names_every_benchmark_and_results_file():
 def test_precise_prose_figures_come_from_a_results_file():
     """A figure written with three or more decimals in the docs' prose (outside the printed tables and code) is a
     value some benchmarks/results/*.json holds (or the demo model's asset), or a bar the generated alert rules'
-    promtool cases hold (their bar series): a measured figure with no file behind it (the EPLB prose's 1.289 and 1.176 were) fails here."""
+    promtool cases hold (their bar series): a measured figure with no file behind it (the EPLB prose's 1.289 and
+    1.176 were) fails here."""
     values: set[str] = set()
 
     def walk(x):
