@@ -342,8 +342,10 @@ def cost_model(d: dict, section: str | None) -> list[str]:
         return [f"{h['model']}: capture off {h['bare_us'] / 1e3:.2f} ms, on {h['metrics_us'] / 1e3:.2f} ms a forward; "
                 f"ratio {h['ratio']:.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(h['ratios'])} rounds of off and on "
                 f"with the capture switch); goal <= 1.05x (issue [lean]): {verdict(h['ratios'], 1.05)}. moescope's "
-                f"work inside one forward: {w['moescope_calls']} Python calls, {w['torch_ops']} torch operations "
-                "(the hooks keep references; every statistic is computed on the evaluator's thread)."]
+                f"work inside one forward: {w['moescope_calls']} Python calls, {w['torch_ops']} torch operations that "
+                f"compute, {w.get('metadata_reads', '?')} reads of a tensor's metadata (shape, dtype, dim: the "
+                "hooks find the router's outputs by them and keep references; every statistic is computed on the "
+                "evaluator's thread)."]
     lines = ["| model | concurrent requests | variant | per MoE layer: us (Python calls) | per step: us (calls) | "
              "per request: us (calls) | per output token: us | per interval: ms (steps) |",
              "|---|---:|---|---:|---:|---:|---:|---:|"]

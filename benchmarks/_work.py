@@ -19,6 +19,12 @@ from collections import Counter
 from torch.overrides import TorchFunctionMode
 
 
+# What a torch function mode sees of a read of a tensor's host-side header (a property's ``__get__``: shape, dtype,
+# device, is_cuda, ...; and the methods that only read it): no tensor is made, no kernel runs.
+METADATA = frozenset({"__get__", "dim", "ndimension", "is_floating_point", "is_complex", "size", "numel",
+                      "element_size", "stride", "storage_offset", "is_contiguous", "get_device", "__len__"})
+
+
 class _Ops(TorchFunctionMode):
     def __init__(self, counter: Counter) -> None:
         super().__init__()
@@ -50,7 +56,14 @@ class WorkCount:
 
     @property
     def torch_ops(self) -> int:
-        return sum(self.ops.values())
+        """Torch functions and tensor methods that compute (allocate or launch work): every counted op except the
+        reads of a tensor's metadata (``METADATA``: shape, dtype, dim, ..., answered from the host-side header)."""
+        return sum(n for name, n in self.ops.items() if name not in METADATA)
+
+    @property
+    def metadata_reads(self) -> int:
+        """Reads of a tensor's metadata (``METADATA``): no allocation, no device work."""
+        return sum(n for name, n in self.ops.items() if name in METADATA)
 
     def __enter__(self) -> "WorkCount":
         self._mode = _Ops(self.ops)

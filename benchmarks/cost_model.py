@@ -72,7 +72,8 @@ def _median_us(fn, n: int, repeats: int = 7) -> float:
 def _counted(fn) -> dict:
     with WorkCount() as w:
         fn()
-    return {"python_calls": w.python, "moescope_calls": w.of("moescope."), "c_calls": w.c, "torch_ops": w.torch_ops}
+    return {"python_calls": w.python, "moescope_calls": w.of("moescope."), "c_calls": w.c, "torch_ops": w.torch_ops,
+            "metadata_reads": w.metadata_reads}
 
 
 def _instrument(model, variant: str, store: Path):
@@ -246,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
               f"collection {g['full_collection_ms']:.1f} ms ({g['tracked_objects']} tracked)")
     h = report["hf"]
     print(f"hf: {h['ratio']:.3f}x ({h['bare_us']:.0f} -> {h['metrics_us']:.0f} us per forward), "
-          f"{h['work_per_forward']['moescope_calls']} moescope calls, {h['work_per_forward']['torch_ops']} torch ops")
+          f"{h['work_per_forward']['moescope_calls']} moescope calls, {h['work_per_forward']['torch_ops']} torch ops "
+          f"(+ {h['work_per_forward']['metadata_reads']} tensor metadata reads)")
     _results.save(report, args.out, packages=("torch", "transformers"))
     return 0
 
