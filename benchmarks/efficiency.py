@@ -167,9 +167,9 @@ def cost_round(model, batch: int, n_requests: int, tokens: int, repeats: int) ->
             calls.append(a)
             return host(*a)
 
-        def keep_fold(s):
-            folds.append(s)
-            return fold(s)
+        def keep_fold(*a):  # (the step statistics, their distinct experts per step)
+            folds.append(a)
+            return fold(*a)
 
         st.probe._host, st.counts._experts = keep_host, keep_fold  # instance attributes: what the probe and fold call
         _serve(model, batch, n_requests, tokens)
@@ -188,7 +188,7 @@ def cost_round(model, batch: int, n_requests: int, tokens: int, repeats: int) ->
             for out, a in (pair if i % 2 == 0 else pair[::-1]):
                 out.append(timed(host, *a))
         table += statistics.median(with_) - statistics.median(without)
-    folded = sum(statistics.median(timed(fold, s) for _ in range(repeats)) for s in folds)
+    folded = sum(statistics.median(timed(fold, *a) for _ in range(repeats)) for a in folds)
     return {"steps": int(n_steps), "step_s": step_s, "flushes": len(calls), "table_s": table, "fold_s": folded,
             "share": (table + folded) / step_s}
 
