@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
 import json
 import re
 import subprocess
@@ -83,8 +84,16 @@ def _strip_docstrings(tree: ast.AST) -> ast.AST:
 
 @functools.lru_cache(maxsize=None)
 def _meaning_at(root: Path, rev: str, path: str):
-    """``_meaning`` of ``path`` at ``rev``, computed once per (revision, path): many files judge the same ones."""
-    return _meaning(path, _show(root, rev, path))
+    """``_meaning`` of ``path`` at ``rev``, computed once per (revision, path), and once per content: many files
+    judge the same ones, and consecutive commits share most of their blobs (parsing is most of the check's time)."""
+    data = _show(root, rev, path)
+    return _meaning_of(path.rsplit(".", 1)[-1], hashlib.sha1(data).digest() if data is not None else None, data)
+
+
+@functools.lru_cache(maxsize=None)
+def _meaning_of(suffix: str, digest: bytes | None, data: bytes | None):
+    """``_meaning`` keyed by the file's kind and content digest (``data`` rides along, equal for equal digests)."""
+    return _meaning("x." + suffix, data)
 
 
 def _meaning(path: str, data: bytes | None):
