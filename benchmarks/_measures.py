@@ -84,8 +84,9 @@ MEASURES: dict[str, tuple[str, ...]] = {
 }
 
 # Results files known to be stale: those that cannot be re-run on the machines this project has (what each needs,
-# and why it is not there), and those not re-run yet for the time they take (each says which, and how to re-run it). The check lets each through only while it IS stale or lacks what it names, and the docs
-# print the notice beside its figures (benchmarks/_doc_tables.py ``provenance_line``): never silently.
+# and why it is not there), and those not re-run yet for the time they take (each says which, and how to re-run it).
+# The check lets each through only while it IS stale or lacks what it names, and the docs print the notice beside
+# its figures (benchmarks/_doc_tables.py ``provenance_line``): never silently.
 KNOWN_STALE: dict[str, str] = {
     "decode_step-cuda.json": "needs a CUDA GPU, and none has been lent since (re-run: bash "
                              "benchmarks/device_checks.sh on a lent GPU machine)",
