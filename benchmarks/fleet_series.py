@@ -68,7 +68,9 @@ def classify(rows: list[dict], n_layers: int, n_experts: int) -> dict:
     per_family_rank = Counter((s["__name__"], s["instance"]) for s in rows)
     ranks = sorted({s["instance"] for s in rows})
     out = {c: 0 for c in CLASSES}
-    families: dict[str, dict] = defaultdict(lambda: {"class": None, "series": 0})
+    # per family, its series by class: one family may hold series of two classes (moescope_judgement_bar: per layer
+    # for the routing judgements, per model for the model-wide ones)
+    families: dict[str, dict] = defaultdict(lambda: {"series": 0, "by_class": Counter()})
     for s in rows:
         name = s["__name__"]
         if name == "moescope_expert_physical_slots_total":
@@ -82,11 +84,12 @@ def classify(rows: list[dict], n_layers: int, n_experts: int) -> dict:
         else:
             c = "rank"
         out[c] += 1
-        families[name]["class"] = c
+        families[name]["by_class"][c] += 1
         families[name]["series"] += 1
     return {"by_class": out, "ranks": len(ranks), "total": len(rows),
             "per_rank": dict(sorted(Counter(s["instance"] for s in rows).items())),
-            "families": dict(sorted(families.items()))}
+            "families": {name: {"series": f["series"], "by_class": dict(sorted(f["by_class"].items()))}
+                         for name, f in sorted(families.items())}}
 
 
 def coefficients(measured: dict, world: int, n_layers: int, n_experts: int) -> dict:

@@ -222,8 +222,10 @@ def test_the_fleet_series_formula_recomputes_the_measured_count():
     assert sum(m["by_class"].values()) == m["total"] == sum(m["per_rank"].values()) == sum(
         f["series"] for f in m["families"].values())
     assert m["ranks"] == d["replicas"] * d["world_size"] == len(m["per_rank"])
-    for c in CLASSES:  # every family's series in its class
-        assert sum(f["series"] for f in m["families"].values() if f["class"] == c) == m["by_class"][c]
+    for f in m["families"].values():  # every family's series split by class, whole
+        assert sum(f["by_class"].values()) == f["series"] and set(f["by_class"]) <= set(CLASSES)
+    for c in CLASSES:  # and the classes' totals are the families' series of that class
+        assert sum(f["by_class"].get(c, 0) for f in m["families"].values()) == m["by_class"][c]
     L, E, W = d["moe_layers"], d["experts"], d["world_size"]
     coef = coefficients(m, W, L, E)
     assert coef == pytest.approx(d["coefficients"])
