@@ -22,10 +22,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import statistics
 from pathlib import Path
 
-from _verdict import verdict
+from _verdict import quartiles, verdict
 
 
 def _pct(x: float) -> str:
@@ -42,6 +41,9 @@ def _overhead_verdict(w: dict, name: str) -> str:
     if w["concurrency"] != OVERHEAD_GOAL_CONCURRENCY:
         return "-"
     return verdict(w[name].get("ratios"), OVERHEAD_GOALS[name], why="this file keeps no per-round ratios")
+
+
+OVERHEAD_VARIANTS = ("metrics", "metrics+traces")  # benchmarks/overhead.py's VARIANTS (this module imports no torch)
 
 
 def overhead_bound(v: dict) -> list[float] | None:
@@ -62,8 +64,8 @@ def _bound_verdict(w: dict, name: str) -> str:
 
 
 def _q(x: dict, key: str = "ratios") -> str:
-    q = statistics.quantiles(x[key], n=4) if len(x[key]) >= 2 else [x[key][0]] * 3
-    return f"{statistics.median(x[key]):.3f}x ({q[0]:.3f}-{q[2]:.3f})"
+    q = quartiles(x[key])
+    return f"{q[1]:.3f}x ({q[0]:.3f}-{q[2]:.3f})"
 
 
 def overhead(d: dict, section: str | None) -> list[str]:
@@ -72,7 +74,8 @@ def overhead(d: dict, section: str | None) -> list[str]:
              "per-round ratios. Passes: the whole "
              "workload with capture off, then on (or on, then off); A/A: two passes both off (the machine's own "
              "noise between passes); interleaved: one run, capture flipped every "
-             f"{d['workloads'][0][VARIANTS_[0]].get('interleaved', {}).get('block_steps', '-')} steps, decode steps "
+             f"{d['workloads'][0][OVERHEAD_VARIANTS[0]].get('interleaved', {}).get('block_steps', '-')} steps, "
+             "decode steps "
              "on / off. Goal (issue [lean], at "
              f"{OVERHEAD_GOAL_CONCURRENCY} concurrent requests): metrics <= {OVERHEAD_GOALS['metrics']}x, metrics + "
              f"traces <= {OVERHEAD_GOALS['metrics+traces']}x, judged by benchmarks/_verdict.py (met only where the "
@@ -84,7 +87,7 @@ def overhead(d: dict, section: str | None) -> list[str]:
              "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for w in d["workloads"]:
         per_side = f" (served {w['repeat']}x a side)" if w.get("repeat", 1) > 1 else ""
-        for name in VARIANTS_:
+        for name in OVERHEAD_VARIANTS:
             v = w[name]
             il = v.get("interleaved")
             lines.append(f"| {w['model']} | {w['concurrency']} | {w['requests']} x {w['output_tokens']}{per_side} | "
@@ -93,8 +96,6 @@ def overhead(d: dict, section: str | None) -> list[str]:
                          f"{v['gc_share_on']:.2%} | {_overhead_verdict(w, name)} | {_bound_verdict(w, name)} |")
     return lines
 
-
-VARIANTS_ = ("metrics", "metrics+traces")
 
 
 def runtime(d: dict, section: str | None) -> list[str]:
@@ -338,7 +339,7 @@ def cost_model(d: dict, section: str | None) -> list[str]:
     if section == "hf":
         h = d["hf"]
         w = h["work_per_forward"]
-        q = statistics.quantiles(h["ratios"], n=4) if len(h["ratios"]) >= 2 else [h["ratio"]] * 3
+        q = quartiles(h["ratios"])
         return [f"{h['model']}: capture off {h['bare_us'] / 1e3:.2f} ms, on {h['metrics_us'] / 1e3:.2f} ms a forward; "
                 f"ratio {h['ratio']:.3f}x (quartiles {q[0]:.3f}-{q[2]:.3f}, {len(h['ratios'])} rounds of off and on "
                 f"with the capture switch); goal <= 1.05x (issue [lean]): {verdict(h['ratios'], 1.05)}. moescope's "

@@ -25,12 +25,17 @@ import statistics
 from collections.abc import Sequence
 
 
+def quartiles(xs: Sequence[float]) -> list[float]:
+    """[q1, median, q3] of ``xs`` (``statistics.quantiles(xs, n=4)``; one value: itself three times)."""
+    return statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
+
+
 def judge(ratios: Sequence[float], goal: float) -> bool | None:
     """True (met: upper quartile <= ``goal``), False (missed: lower quartile > ``goal``) or None (not resolved:
     the quartiles straddle the goal, or fewer than 2 rounds)."""
     if len(ratios) < 2:
         return None
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    q1, _, q3 = quartiles(ratios)
     return True if q3 <= goal else (False if q1 > goal else None)
 
 
@@ -41,7 +46,7 @@ def verdict(ratios: Sequence[float] | None, goal: float, *, why: str | None = No
     docstring): rounds under 1 by more than the goal's margin are "not resolved (the instances differ ...)"."""
     if ratios is None:
         return f"not resolved ({why or 'no per-round ratios in the results file'})"
-    if instances and len(ratios) >= 2 and statistics.quantiles(ratios, n=4)[2] < 2 - goal:
+    if instances and len(ratios) >= 2 and quartiles(ratios)[2] < 2 - goal:
         return (f"not resolved (rounds {min(ratios):.2f}-{max(ratios):.2f}: the instances differ by more than the "
                 "goal)")
     met = judge(ratios, goal)

@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import _results
-from _verdict import judge
+from _verdict import judge, quartiles
 
 import torch
 
@@ -87,9 +87,6 @@ def _serve(model, reqs, max_batch: int) -> dict:
             "gc_full": collected["full"]}
 
 
-def _quartiles(xs: list[float]) -> list[float]:
-    return statistics.quantiles(xs, n=4) if len(xs) >= 2 else [xs[0]] * 3
-
 
 def _serve_n(model, reqs, max_batch: int, repeat: int) -> dict:
     """The workload served ``repeat`` times back to back, its figures summed (a longer pass per side of a round: the
@@ -123,7 +120,7 @@ def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store:
         recorder = inst.recorder
     ratios = [a["seconds"] / b["seconds"] for a, b in zip(runs[True], runs[False])]
     cpu = [a["cpu_s"] / b["cpu_s"] for a, b in zip(runs[True], runs[False])]
-    q1, med, q3 = _quartiles(ratios)
+    q1, med, q3 = quartiles(ratios)
     out = {"ratio": med, "ratios": ratios, "q1": q1, "q3": q3, "cpu_ratio": statistics.median(cpu),
            "off_s": statistics.median(x["seconds"] for x in runs[False]),
            "on_s": statistics.median(x["seconds"] for x in runs[True]),
@@ -133,7 +130,7 @@ def run_variant(model, reqs, variant: str, concurrency: int, rounds: int, store:
            "gc_full_collections_on": sum(x["gc_full"] for x in runs[True]),
            "tokens": runs[True][0]["tokens"],
            # the same passes with capture off on both sides: how far two passes differ on this machine alone
-           "a_a_ratios": a_a, "a_a_quartiles": _quartiles(a_a),
+           "a_a_ratios": a_a, "a_a_quartiles": quartiles(a_a),
            "interleaved": interleaved,
            # the evaluator's and the trace writer's CPU over the capture-on passes' serving time (they also ran,
            # idle, during the off passes: an upper bound)
@@ -174,7 +171,7 @@ def _interleaved(inst, model, reqs, max_batch: int, rounds: int, block: int = BL
         if r and times[True] and times[False]:
             ratios.append(statistics.fmean(times[True]) / statistics.fmean(times[False]))
     inst.capture.set(True)
-    q1, med, q3 = _quartiles(ratios)
+    q1, med, q3 = quartiles(ratios)
     return {"block_steps": block, "ratio": med, "ratios": ratios, "q1": q1, "q3": q3}
 
 
