@@ -30,26 +30,29 @@ demo: install
 system-deps:
 	bash .ci/system-deps
 
-# Lint and the docs site first (seconds; a failure stops here), then the suite (its parallel phase, every
-# benchmark's --quick included: tests/test_benchmarks.py, then its serial phase), the HF adapter tests again on
-# transformers 4.57 (module names and router outputs differ between 4.x and 5.x), then the vLLM pass. The vLLM
-# environment (~2 minutes, mostly downloads) is built in the background from the moment the main venv is installed,
-# beside lint, the docs and the suite (build/vllm-env.log); the system packages (apt: downloads) are installed
-# beside the main venv (build/system-deps.log). A failure of either fails the run, after the suite at the latest.
+# The suite (its parallel phase, every benchmark's --quick included: tests/test_benchmarks.py, then its serial
+# phase), the HF adapter tests again on transformers 4.57 (module names and router outputs differ between 4.x and
+# 5.x), then the vLLM pass. Beside the suite's first minutes, in the background from the moment the main venv is
+# installed: lint and the docs site (build/lint.log: mypy's ~35 s of one core, which ran before the suite and held it
+# up; a lint failure fails the run once the suite's phases end), and the vLLM environment (~2 minutes, mostly
+# downloads; build/vllm-env.log); the system packages (apt: downloads) are installed beside the main venv
+# (build/system-deps.log). A failure of any fails the run, after the suite at the latest.
 # Tried and undone: the vLLM pass beside the parallel phase (load average 10 on two cores: the servers' OpenMP
 # threads and the suite's workers slowed each other: the vLLM tests 11 -> 17 minutes, the phase 12 -> 23).
 test:
-	@mkdir -p build; rm -f build/vllm-env.rc build/system-deps.rc
+	@mkdir -p build; rm -f build/vllm-env.rc build/system-deps.rc build/lint.rc
 	@(bash .ci/system-deps > build/system-deps.log 2>&1; echo $$? > build/system-deps.rc) & deps=$$!; \
 	$(MAKE) --no-print-directory install; setup=$$?; \
 	if [ $$setup -eq 0 ]; then \
 		($(MAKE) --no-print-directory vllm-env > build/vllm-env.log 2>&1; echo $$? > build/vllm-env.rc) & \
-		$(MAKE) --no-print-directory lint docs; setup=$$?; \
+		($(MAKE) --no-print-directory lint docs > build/lint.log 2>&1; echo $$? > build/lint.rc) & \
 	fi; \
 	wait $$deps; \
 	if [ "$$(cat build/system-deps.rc)" != 0 ]; then cat build/system-deps.log; echo "make system-deps failed"; setup=1; fi; \
 	if [ $$setup -ne 0 ]; then wait; exit 1; fi; \
 	bash .ci/pytest; main=$$?; wait; \
+	cat build/lint.log; \
+	if [ "$$(cat build/lint.rc)" != 0 ]; then echo "make lint docs failed"; exit 1; fi; \
 	if [ "$$(cat build/vllm-env.rc)" != 0 ]; then tail -n 40 build/vllm-env.log; echo "make vllm-env failed"; exit 1; fi; \
 	[ $$main -eq 0 ] && $(MAKE) --no-print-directory test-hf457 && $(MAKE) --no-print-directory test-vllm
 
@@ -120,16 +123,16 @@ $(VLLM_SRC)/.done: | $(BIN)/python
 
 vllm-src: $(VLLM_SRC)/.done
 
-# The vLLM tests (a real vLLM OpenAI server with the plugin, checkpoints built at test time): pytest runs in the
-# main venv and starts servers from .vllm/ (tests/vllm_server.py), two at a time (a server's start-up is mostly
-# single-threaded imports in three processes: two starting together take little longer than one). --dist
+# The vLLM tests (a real vLLM OpenAI server with the plugin, checkpoints built at test time, once per pass): pytest
+# runs in the main venv and starts servers from .vllm/ (tests/vllm_server.py), two at a time (a server's start-up is
+# mostly single-threaded imports in three processes: two starting together take little longer than one). --dist
 # loadgroup: the tests that read one served watch (tests/vllm_watch.py, an `xdist_group`) run on one worker, so the
-# watch is served once per pass.
+# watch is served once per pass. The count test also runs on the older release (.vllm031/,
+# `test_counts_and_traces_match_vllm_and_hf[qwen3_moe-previous]`), in the same pass.
 test-vllm: vllm-env system-deps
-	MOESCOPE_PHASE=vllm MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python bash .ci/pytest -m vllm -n 2 \
+	MOESCOPE_PHASE=vllm MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV))/bin/python \
+		MOESCOPE_VLLM_PYTHON_PREVIOUS=$(abspath $(VLLM_ENV_OLD))/bin/python bash .ci/pytest -m vllm -n 2 \
 		--dist loadgroup
-	MOESCOPE_PHASE=vllm-0.31 MOESCOPE_VLLM_PYTHON=$(abspath $(VLLM_ENV_OLD))/bin/python bash .ci/pytest -m vllm \
-		"tests/test_vllm.py::test_counts_and_traces_match_vllm_and_hf[qwen3_moe]"
 
 bench: install
 	$(BIN)/python benchmarks/runtime.py

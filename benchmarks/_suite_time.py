@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import _results  # noqa: E402
 
-PHASE = re.compile(r"^suite phase: (?P<name>\S+) (?P<s>\d+) s \(exit (?P<rc>\d+)\)$", re.M)
+# A phase's time line; a lane's (tests run beside a phase, inside its time: .ci/pytest's lane beside the serial
+# phase) is read the same way and kept apart, never added to the total's parts.
+PHASE = re.compile(r"^suite (?P<kind>phase|lane): (?P<name>\S+) (?P<s>\d+) s \(exit (?P<rc>\d+)\)$", re.M)
 SUMMARY = re.compile(r"^=+ (?P<body>(?:\d+ (?:passed|failed|skipped|deselected|error|errors|xfailed|xpassed)"
                      r"(?:, )?)+)(?: in [\d.]+s.*)? =+$", re.M)
 TOTAL = re.compile(r"fresh-clone CI: exit (?P<rc>\d+) in (?P<s>\d+) s \(log: (?P<log>\S+)\)")
@@ -46,14 +48,16 @@ def parse(log: str, total_s: int, rc: int) -> dict:
         for part in (summaries[-1].split(", ") if summaries else []):
             n, what = part.split(" ", 1)
             counts[what] = int(n)
-        passes.append({"pass": m["name"], "seconds": int(m["s"]), "exit": int(m["rc"]), **counts})
+        passes.append({"pass": m["name"], "seconds": int(m["s"]), "exit": int(m["rc"]), **counts,
+                       **({"beside": True} if m["kind"] == "lane" else {})})
         last = m.end()
-    return {"total_s": total_s, "exit": rc, "setup_and_rest_s": total_s - sum(p["seconds"] for p in passes),
-            "passes": passes}
+    return {"total_s": total_s, "exit": rc,
+            "setup_and_rest_s": total_s - sum(p["seconds"] for p in passes if not p.get("beside")), "passes": passes}
 
 
 def markdown(report: dict) -> str:
-    rows = [f"| {p['pass']} | {p['seconds']} s | {p.get('passed', 0)} passed"
+    rows = [f"| {p['pass']}{' (beside the phase above, inside its time)' if p.get('beside') else ''} | "
+            f"{p['seconds']} s | {p.get('passed', 0)} passed"
             + "".join(f", {p[k]} {k}" for k in ("skipped", "failed", "errors") if p.get(k)) + f" | {p['exit']} |"
             for p in report["passes"]]
     return "\n".join(["| pass | time | tests | exit |", "|---|---|---|---|", *rows,

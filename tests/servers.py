@@ -38,9 +38,11 @@ def require(binary: str, package: str) -> str:
 # server then fails with "Address already in use" (seen in CI, 4 scenarios at a time). Never the same port twice
 # in one test run.
 # Under pytest-xdist each worker draws from its own block of the range, so two workers never hand out the same port.
+# MOESCOPE_TEST_PORTS=LOW:HIGH: the range of a pytest run beside another (.ci/pytest's lane beside the serial phase).
+_LOW, _HIGH = (int(x) for x in os.environ.get("MOESCOPE_TEST_PORTS", "20000:32000").split(":"))
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-_SPAN = 12000 // _WORKERS
-_BLOCK = 20000 + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) * _SPAN
+_SPAN = (_HIGH - _LOW) // _WORKERS
+_BLOCK = _LOW + int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0) * _SPAN
 _PORTS = itertools.count(_BLOCK + (os.getpid() * 97) % (_SPAN // 2))
 _PORTS_LOCK = threading.Lock()
 

